@@ -1,0 +1,115 @@
+"""A Hugging Face checkpoint directory (config.json + sharded safetensors) as a weight source.
+
+HF tensor names are mapped once, by the table below, to llama.cpp's names; per-expert
+tensors are stacked into `[E, out, in]`. Architectures extend the table with
+`HF_TENSOR_NAMES` and fix layouts with `sanitize_hf`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from strata.errors import BadModelFile
+from strata.models.weights import QTensor
+
+L = r"model\.layers\.(?P<i>\d+)"
+E = r"\.(?P<e>\d+)\."
+# (HF regex, GGUF name template); `e` groups are stacked along a new first axis.
+COMMON_TENSOR_NAMES: list[tuple[str, str]] = [
+    (r"model\.embed_tokens\.weight", "token_embd.weight"),
+    (r"model\.norm\.weight", "output_norm.weight"),
+    (r"lm_head\.weight", "output.weight"),
+    (rf"{L}\.input_layernorm\.weight", "blk.{i}.attn_norm.weight"),
+    (rf"{L}\.post_attention_layernorm\.weight", "blk.{i}.ffn_norm.weight"),
+    (rf"{L}\.self_attn\.q_proj\.(?P<kind>weight|bias)", "blk.{i}.attn_q.{kind}"),
+    (rf"{L}\.self_attn\.k_proj\.(?P<kind>weight|bias)", "blk.{i}.attn_k.{kind}"),
+    (rf"{L}\.self_attn\.v_proj\.(?P<kind>weight|bias)", "blk.{i}.attn_v.{kind}"),
+    (rf"{L}\.self_attn\.o_proj\.weight", "blk.{i}.attn_output.weight"),
+    (rf"{L}\.self_attn\.q_norm\.weight", "blk.{i}.attn_q_norm.weight"),
+    (rf"{L}\.self_attn\.k_norm\.weight", "blk.{i}.attn_k_norm.weight"),
+    (rf"{L}\.mlp\.gate_proj\.weight", "blk.{i}.ffn_gate.weight"),
+    (rf"{L}\.mlp\.up_proj\.weight", "blk.{i}.ffn_up.weight"),
+    (rf"{L}\.mlp\.down_proj\.weight", "blk.{i}.ffn_down.weight"),
+    (rf"{L}\.mlp\.gate\.weight", "blk.{i}.ffn_gate_inp.weight"),
+    (rf"{L}\.mlp\.experts{E}gate_proj\.weight", "blk.{i}.ffn_gate_exps.weight"),
+    (rf"{L}\.mlp\.experts{E}up_proj\.weight", "blk.{i}.ffn_up_exps.weight"),
+    (rf"{L}\.mlp\.experts{E}down_proj\.weight", "blk.{i}.ffn_down_exps.weight"),
+    (rf"{L}\.block_sparse_moe\.gate\.weight", "blk.{i}.ffn_gate_inp.weight"),
+    (rf"{L}\.block_sparse_moe\.experts{E}w1\.weight", "blk.{i}.ffn_gate_exps.weight"),
+    (rf"{L}\.block_sparse_moe\.experts{E}w3\.weight", "blk.{i}.ffn_up_exps.weight"),
+    (rf"{L}\.block_sparse_moe\.experts{E}w2\.weight", "blk.{i}.ffn_down_exps.weight"),
+]
+
+
+def read_config(path: Path) -> dict:
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise BadModelFile(f"{path}: no config.json", "pass a .gguf file or a Hugging Face model directory")
+    cfg = json.loads(cfg_path.read_text())
+    # multimodal / nested configs keep the language model under text_config
+    return {**cfg, **cfg["text_config"]} if "text_config" in cfg else cfg
+
+
+class HFSource:
+    """Safetensors tensors under GGUF names; files are memory-mapped by safetensors."""
+
+    def __init__(self, path: Path, extra_names: list[tuple[str, str]] = (), sanitize=None, config=None):
+        self.path = Path(path)
+        self.description = str(path)
+        self._files = _shard_files(self.path)
+        self._where: dict[str, str] = {}  # HF name -> file
+        for file in self._files:
+            with safe_open(file, "pt") as f:
+                for key in f.keys():
+                    self._where[key] = file
+        table = [(re.compile(p), t) for p, t in list(extra_names) + COMMON_TENSOR_NAMES]
+        self._parts: dict[str, list[tuple[int, str]]] = {}  # GGUF name -> [(expert, HF name)]
+        self.unmapped: list[str] = []
+        for key in self._where:
+            for pattern, template in table:
+                m = pattern.fullmatch(key)
+                if m:
+                    groups = m.groupdict()
+                    name = template.format(**groups)
+                    self._parts.setdefault(name, []).append((int(groups.get("e") or -1), key))
+                    break
+            else:
+                self.unmapped.append(key)
+        self._sanitize = sanitize
+        self._config = config
+
+    def names(self) -> list[str]:
+        return list(self._parts) + [f"hf:{k}" for k in self.unmapped]
+
+    def get(self, name: str) -> QTensor:
+        parts = sorted(self._parts[name])
+        tensors = [self._read(key) for _, key in parts]
+        t = torch.stack(tensors) if parts[0][0] >= 0 else tensors[0]
+        if self._sanitize is not None:
+            t = self._sanitize(name, t, self._config)
+        return QTensor.from_float(t)
+
+    def _read(self, key: str) -> torch.Tensor:
+        with safe_open(self._where[key], "pt") as f:
+            return f.get_tensor(key)
+
+
+def _shard_files(path: Path) -> list[str]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [f for f in files if not (path / f).exists()]
+        if missing:
+            raise BadModelFile(f"{path}: safetensors shard {missing[0]} is missing "
+                               f"({len(missing)} of {len(files)} shards absent)",
+                               "download every shard listed in model.safetensors.index.json")
+        return [str(path / f) for f in files]
+    files = sorted(str(p) for p in path.glob("*.safetensors"))
+    if not files:
+        raise BadModelFile(f"{path}: no *.safetensors files", "download the model's weights")
+    return files

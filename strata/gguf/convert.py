@@ -1,0 +1,35 @@
+"""Convert a Hugging Face checkpoint to GGUF in llama.cpp's layout, through the same name
+table and layout fixes the HF loader uses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+
+from strata.gguf.writer import write_gguf
+from strata.loader import open_config
+
+F32 = gguf.GGMLQuantizationType.F32
+
+
+def convert_hf_to_gguf(hf_dir: str | Path, out: str | Path,
+                       dense_type: gguf.GGMLQuantizationType = F32,
+                       expert_type: gguf.GGMLQuantizationType = F32) -> Path:
+    """Norms, routers and 1-D tensors stay F32 as llama.cpp keeps them."""
+    arch, config, source, _ = open_config(hf_dir)
+    meta = arch.gguf_metadata(config)
+
+    def tensors():
+        for name in source.names():
+            t = source.get(name).dequantize()
+            if t.ndim == 1 or "ffn_gate_inp" in name or "norm" in name:
+                qtype = F32
+            else:
+                qtype = expert_type if "_exps" in name else dense_type
+            yield name, t, qtype
+
+    rope_factors = arch.rope_factors(config) if hasattr(arch, "rope_factors") else None
+    extra = [("rope_freqs.weight", rope_factors, F32)] if rope_factors is not None else []
+    return write_gguf(out, arch.ARCH, meta, list(tensors()) + extra)

@@ -1,0 +1,30 @@
+"""GGUF tensors as a weight source: zero-copy views of the file's mapping."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from strata import quant
+from strata.gguf.reader import GGUFFile
+from strata.models.weights import QTensor
+
+
+class GGUFSource:
+    def __init__(self, file: GGUFFile):
+        self.file = file
+        self.description = str(file.path)
+
+    def names(self) -> list[str]:
+        return list(self.file.tensors)
+
+    def get(self, name: str) -> QTensor:
+        info = self.file.tensors[name]
+        quant.get(info.qtype)  # an unsupported type fails here, naming the type
+        raw = self.file.raw(name)
+        row_bytes = quant.row_bytes(info.qtype, info.shape[-1])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            data = torch.from_numpy(raw)
+        return QTensor(data.reshape(*info.shape[:-1], row_bytes), info.qtype, info.shape)

@@ -1,0 +1,73 @@
+"""Open a model file or directory: pick the architecture, build it, attach the tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from strata.errors import BadModelFile, StrataError
+from strata.formats import hf
+from strata.gguf.reader import GGUFFile
+from strata.gguf.source import GGUFSource
+from strata.models import registry
+from strata.models.weights import WeightLoader
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: torch.nn.Module
+    config: object
+    arch: ModuleType
+    tokenizer: object | None
+    source: object  # GGUFSource or HFSource, for inspection and the tiers
+    metadata: dict
+
+
+def open_config(path: str | Path):
+    """The architecture module, its hyper-parameters, and a weight source; nothing is loaded."""
+    path = Path(path)
+    if path.is_dir() and (path / "config.json").exists():
+        cfg = hf.read_config(path)
+        arch = registry.by_hf_model_type(cfg.get("model_type", "?"))
+        config = _build_config(arch.Config.from_hf, cfg, str(path / "config.json"))
+        source = hf.HFSource(path, getattr(arch, "HF_TENSOR_NAMES", ()),
+                             getattr(arch, "sanitize_hf", None), config)
+        return arch, config, source, cfg
+    file = GGUFFile(path)
+    arch = registry.by_arch(file.arch)
+    config = _build_config(arch.Config.from_gguf, file.metadata, str(path))
+    return arch, config, GGUFSource(file), file.metadata
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    arch, config, source, meta = open_config(path)
+    model = arch.Model(config, WeightLoader(source, dtype)).eval()
+    return LoadedModel(model, model.config, arch, _tokenizer(Path(path), meta), source, meta)
+
+
+def _build_config(factory, meta: dict, where: str):
+    try:
+        return factory(meta)
+    except KeyError as e:
+        raise BadModelFile(f"{where}: required metadata key {e.args[0]!r} is missing",
+                           "re-convert the model with a current converter") from None
+
+
+def _tokenizer(path: Path, meta: dict):
+    if path.is_dir() and not (path / "tokenizer.json").exists():
+        return None
+    if not path.is_dir() and "tokenizer.ggml.tokens" not in meta:
+        return None
+    from strata.formats.tokenizer import Tokenizer
+
+    if path.is_dir():
+        return Tokenizer.from_dir(path)
+    try:
+        return Tokenizer.from_gguf_metadata(meta)
+    except StrataError:
+        raise
+    except Exception as e:  # a tokenizer the converter wrote in a shape we do not know
+        raise BadModelFile(f"cannot build the tokenizer from GGUF metadata ({e})") from None

@@ -1,0 +1,98 @@
+"""Per-layer cache objects and the batch bookkeeping shared by every layer of a forward.
+
+Rows of a batch are independent sequences with their own lengths, so prompts of
+different lengths prefill together (right-padded) and decode steps of unrelated
+requests run as one batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class StepInfo:
+    """What one forward adds: `n_new[b]` real tokens per row, written after `start[b]`."""
+
+    start: torch.Tensor  # (B,) cache length before this step
+    n_new: torch.Tensor  # (B,) valid new tokens in each row
+    width: int  # T, the padded number of new tokens
+
+    @property
+    def positions(self) -> torch.Tensor:  # (B, T)
+        return self.start[:, None] + torch.arange(self.width)
+
+    @property
+    def token_mask(self) -> torch.Tensor:  # (B, T) True where the token is real
+        return torch.arange(self.width)[None, :] < self.n_new[:, None]
+
+    def attention_mask(self, n_keys: int) -> torch.Tensor:  # (B, 1, T, S) True = may attend
+        keys = torch.arange(n_keys)[None, None, :]
+        return (keys <= self.positions[:, :, None])[:, None]
+
+
+class KVCache:
+    """Keys and values of one attention layer, `(B, H_kv, capacity, D)`, grown by doubling."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor, step: StepInfo):
+        """Write this step's `(B, H, T, D)` keys/values at each row's offset; return all keys."""
+        b, h, t, _ = k.shape
+        end = int((step.start + t).max())
+        self._reserve(b, h, end, k, v)
+        idx = step.positions[:, None, :, None].expand(b, h, t, k.shape[-1])
+        self.k.scatter_(2, idx, k)
+        self.v.scatter_(2, idx.expand(b, h, t, v.shape[-1]), v)
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def _reserve(self, b, h, end, k, v):
+        cap = 0 if self.k is None else self.k.shape[2]
+        if end <= cap:
+            return
+        new_cap = max(end, 2 * cap, 16)
+        nk = k.new_zeros(b, h, new_cap, k.shape[-1])
+        nv = v.new_zeros(b, h, new_cap, v.shape[-1])
+        if self.k is not None:
+            nk[:, :, :cap] = self.k
+            nv[:, :, :cap] = self.v
+        self.k, self.v = nk, nv
+
+    def select(self, rows: torch.Tensor) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[rows], self.v[rows]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+
+class ModelCache:
+    """All layers' caches plus each row's length; the model advances it after a forward."""
+
+    def __init__(self, layers: list, batch: int):
+        self.layers = layers
+        self.lengths = torch.zeros(batch, dtype=torch.long)
+
+    def step(self, width: int, n_new: torch.Tensor | None = None) -> StepInfo:
+        if n_new is None:
+            n_new = torch.full_like(self.lengths, width)
+        return StepInfo(self.lengths.clone(), n_new, width)
+
+    def advance(self, step: StepInfo) -> None:
+        self.lengths = self.lengths + step.n_new
+
+    def select(self, rows) -> None:
+        """Keep only `rows` (a finished request leaves the batch)."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        self.lengths = self.lengths[rows]
+        for c in self.layers:
+            c.select(rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.layers)

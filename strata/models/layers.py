@@ -1,0 +1,153 @@
+"""Layers shared by the architectures: norms, attention, dense and mixture-of-experts FFNs.
+
+Named taps (`self.tap(name, tensor)`) carry llama.cpp's tensor names so a parity failure
+can be located layer by layer against a reference dump.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.models.cache import KVCache, StepInfo
+from strata.models.rope import Rope
+from strata.models.weights import QTensor, WeightLoader
+
+Tap = Callable[[str, torch.Tensor], None]
+
+
+def no_tap(name: str, t: torch.Tensor) -> None:
+    pass
+
+
+class RMSNorm(nn.Module):
+    """RMS norm in fp32; `offset=1` for the zero-centred norms some models use (weight+1)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(weight + offset, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over a `KVCache`, with optional per-head q/k RMS norms."""
+
+    def __init__(self, w: WeightLoader, prefix: str, hidden: int, n_heads: int, n_kv: int,
+                 head_dim: int, rope: Rope, eps: float, qk_norm: bool = False, bias: bool = False):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
+        self.wq = w.dense(f"{prefix}.attn_q.weight", (n_heads * head_dim, hidden))
+        self.wk = w.dense(f"{prefix}.attn_k.weight", (n_kv * head_dim, hidden))
+        self.wv = w.dense(f"{prefix}.attn_v.weight", (n_kv * head_dim, hidden))
+        self.wo = w.dense(f"{prefix}.attn_output.weight", (hidden, n_heads * head_dim))
+        self.bq = w.optional(f"{prefix}.attn_q.bias", (n_heads * head_dim,)) if bias else None
+        self.bk = w.optional(f"{prefix}.attn_k.bias", (n_kv * head_dim,)) if bias else None
+        self.bv = w.optional(f"{prefix}.attn_v.bias", (n_kv * head_dim,)) if bias else None
+        self.q_norm = RMSNorm(w.dense(f"{prefix}.attn_q_norm.weight", (head_dim,)), eps) if qk_norm else None
+        self.k_norm = RMSNorm(w.dense(f"{prefix}.attn_k_norm.weight", (head_dim,)), eps) if qk_norm else None
+        self.rope = rope
+
+    def forward(self, x, cache: KVCache, step: StepInfo, rope_cs, tap: Tap = no_tap):
+        b, t, _ = x.shape
+        q = F.linear(x, self.wq, self.bq).view(b, t, self.n_heads, self.head_dim)  # (B, T, H, D)
+        k = F.linear(x, self.wk, self.bk).view(b, t, self.n_kv, self.head_dim)
+        v = F.linear(x, self.wv, self.bv).view(b, t, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope.apply(q, *rope_cs), self.rope.apply(k, *rope_cs)
+        tap("Qcur", q)
+        tap("Kcur", k)
+        keys, values = cache.update_and_fetch(k.transpose(1, 2), v.transpose(1, 2), step)
+        mask = step.attention_mask(keys.shape[2])  # (B, 1, T, S)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                             enable_gqa=self.n_kv != self.n_heads)
+        out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H*D)
+        tap("kqv_out", out)
+        return F.linear(out, self.wo)
+
+
+class DenseFFN(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate x) * up x)."""
+
+    def __init__(self, w: WeightLoader, prefix: str, hidden: int, ffn: int, suffix: str = ""):
+        super().__init__()
+        self.gate = w.dense(f"{prefix}.ffn_gate{suffix}.weight", (ffn, hidden))
+        self.up = w.dense(f"{prefix}.ffn_up{suffix}.weight", (ffn, hidden))
+        self.down = w.dense(f"{prefix}.ffn_down{suffix}.weight", (hidden, ffn))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+
+
+class ResidentExperts:
+    """The plain backend: every expert in memory in its stored type, dequantized per use.
+
+    The tiered runtime swaps this object for one that knows about caches and homes;
+    model code only ever calls `Experts.forward`.
+    """
+
+    def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
+        self.gate, self.up, self.down = gate, up, down
+
+    def expert_weights(self, e: int, dtype: torch.dtype):
+        return (self.gate[e].dequantize(dtype), self.up[e].dequantize(dtype),
+                self.down[e].dequantize(dtype))
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return run_experts(x, ids, weights, lambda e: self.expert_weights(e, x.dtype))
+
+
+def run_experts(x, ids, weights, fetch, experts=None) -> torch.Tensor:
+    """Reference grouped expert product: for each used expert, its tokens in one matmul."""
+    out = torch.zeros_like(x)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    used, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    token_of = order // ids.shape[1]
+    start = 0
+    for e, n in zip(used.tolist(), counts.tolist()):
+        if experts is not None and e not in experts:
+            start += n
+            continue
+        sel = order[start:start + n]
+        tok = token_of[start:start + n]
+        start += n
+        gate, up, down = fetch(e)
+        xs = x[tok]
+        y = F.linear(F.silu(F.linear(xs, gate)) * F.linear(xs, up), down)
+        out.index_add_(0, tok, y * weights.reshape(-1)[sel, None])
+    return out
+
+
+class Experts(nn.Module):
+    """Stacked experts `[E, out, in]` behind one call: experts(x, ids, weights)."""
+
+    def __init__(self, w: WeightLoader, prefix: str, n_experts: int, hidden: int, ffn: int,
+                 layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_experts = n_experts
+        self.backend = ResidentExperts(
+            w.quantized(f"{prefix}.ffn_gate_exps.weight", (n_experts, ffn, hidden)),
+            w.quantized(f"{prefix}.ffn_up_exps.weight", (n_experts, ffn, hidden)),
+            w.quantized(f"{prefix}.ffn_down_exps.weight", (n_experts, hidden, ffn)))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.backend(x, ids, weights)
+
+
+def softmax_topk(logits: torch.Tensor, k: int, normalize: bool):
+    """The router: softmax over all experts, keep the top k, optionally renormalise them."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(logits.dtype)

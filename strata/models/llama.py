@@ -1,0 +1,119 @@
+"""llama: dense Llama/Mistral and Mixtral-style MoE (`ffn_*_exps`), as llama.cpp writes them.
+
+llama.cpp's converter permutes q/k rows so rotary pairs are adjacent (NORM rope mode);
+the engine keeps that layout, so HF checkpoints get the same permutation at load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from strata.gguf.writer import decoder_metadata
+from strata.models.layers import Attention, DenseFFN, Experts, RMSNorm, softmax_topk
+from strata.models.rope import Rope, RopeConfig
+from strata.models.transformer import Block, DecoderLM, MoE
+from strata.models.weights import WeightLoader
+
+ARCH = "llama"
+HF_MODEL_TYPES = ("llama", "mistral", "mixtral")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_size: int
+    rms_eps: float
+    rope: RopeConfig
+    context_length: int
+    n_experts: int = 0
+    n_experts_used: int = 0
+
+    @classmethod
+    def from_gguf(cls, meta: dict) -> "Config":
+        a = ARCH
+        hidden = meta[f"{a}.embedding_length"]
+        n_heads = meta[f"{a}.attention.head_count"]
+        head_dim = meta.get(f"{a}.attention.key_length", hidden // n_heads)
+        return cls(vocab_size=meta.get(f"{a}.vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+                   hidden_size=hidden, n_layers=meta[f"{a}.block_count"], n_heads=n_heads,
+                   n_kv_heads=meta.get(f"{a}.attention.head_count_kv", n_heads), head_dim=head_dim,
+                   ffn_size=meta[f"{a}.feed_forward_length"],
+                   rms_eps=meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+                   rope=RopeConfig.from_gguf(meta, a, meta.get(f"{a}.rope.dimension_count", head_dim),
+                                             interleaved=True),
+                   context_length=meta.get(f"{a}.context_length", 4096),
+                   n_experts=meta.get(f"{a}.expert_count", 0),
+                   n_experts_used=meta.get(f"{a}.expert_used_count", 0))
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "Config":
+        hidden, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or hidden // n_heads
+        return cls(vocab_size=cfg["vocab_size"], hidden_size=hidden, n_layers=cfg["num_hidden_layers"],
+                   n_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+                   head_dim=head_dim, ffn_size=cfg["intermediate_size"], rms_eps=cfg.get("rms_norm_eps", 1e-5),
+                   rope=RopeConfig.from_hf(cfg, head_dim, interleaved=True),
+                   context_length=cfg.get("max_position_embeddings", 4096),
+                   n_experts=cfg.get("num_local_experts", 0), n_experts_used=cfg.get("num_experts_per_tok", 0))
+
+
+def gguf_metadata(c: Config) -> dict:
+    extra = {"feed_forward_length": c.ffn_size}
+    if c.n_experts:
+        extra.update(expert_count=c.n_experts, expert_used_count=c.n_experts_used)
+    return decoder_metadata(ARCH, c, **extra)
+
+
+def rope_factors(c: Config) -> torch.Tensor | None:
+    """llama.cpp stores llama3 rope scaling as per-frequency divisors in `rope_freqs.weight`."""
+    if c.rope.scaling != "llama3":
+        return None
+    base = Rope(replace(c.rope, scaling="default")).inv_freq
+    return base / Rope(c.rope).inv_freq
+
+
+def sanitize_hf(name: str, t: torch.Tensor, c: Config) -> torch.Tensor:
+    """Permute HF q/k rows into llama.cpp's adjacent-pair rotary layout."""
+    if name.endswith("attn_q.weight"):
+        return _permute(t, c.n_heads)
+    if name.endswith("attn_k.weight"):
+        return _permute(t, c.n_kv_heads)
+    return t
+
+
+def _permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class Model(DecoderLM):
+    def __init__(self, c: Config, w: WeightLoader):
+        factors = w.optional("rope_freqs.weight", (c.rope.dim // 2,))  # llama3 scaling, precomputed
+        if factors is not None:
+            c = replace(c, rope=replace(c.rope, scaling="factors", freq_factors=tuple(factors.tolist())))
+        rope = Rope(c.rope)
+        blocks = [self._block(c, w, i, rope) for i in range(c.n_layers)]
+        super().__init__(c, w, blocks, rope, c.rms_eps)
+        w.finish()
+
+    @staticmethod
+    def _block(c: Config, w: WeightLoader, i: int, rope: Rope) -> Block:
+        p = f"blk.{i}"
+        attn = Attention(w, p, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, rope, c.rms_eps,
+                         bias=True)
+        if c.n_experts:
+            k = c.n_experts_used
+            ffn = MoE(w.dense(f"{p}.ffn_gate_inp.weight", (c.n_experts, c.hidden_size)),
+                      Experts(w, p, c.n_experts, c.hidden_size, c.ffn_size, layer=i),
+                      route=lambda logits: softmax_topk(logits, k, normalize=True))
+        else:
+            ffn = DenseFFN(w, p, c.hidden_size, c.ffn_size)
+        return Block(RMSNorm(w.dense(f"{p}.attn_norm.weight", (c.hidden_size,)), c.rms_eps), attn,
+                     RMSNorm(w.dense(f"{p}.ffn_norm.weight", (c.hidden_size,)), c.rms_eps), ffn)

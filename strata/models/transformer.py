@@ -1,0 +1,98 @@
+"""The decoder-only skeleton most architectures share: embed, blocks, norm, output.
+
+Architecture files build their blocks and hand them to `DecoderLM`; the forward loop,
+cache bookkeeping and padding rules live here once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.models.cache import KVCache, ModelCache, StepInfo
+from strata.models.layers import Attention, RMSNorm, Tap, no_tap
+from strata.models.rope import Rope
+from strata.models.weights import WeightLoader
+
+
+class MoE(nn.Module):
+    """Route each real token to its experts; padded positions are never routed."""
+
+    def __init__(self, router: torch.Tensor, experts: nn.Module, route):
+        super().__init__()
+        self.router = router  # (E, hidden)
+        self.experts = experts
+        self.route = route  # logits -> (ids, weights), the architecture's rule
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor, tap: Tap = no_tap) -> torch.Tensor:
+        flat = x[token_mask]  # (N, hidden): real tokens only
+        logits = F.linear(flat, self.router)
+        ids, weights = self.route(logits)
+        tap("ffn_moe_topk", ids)
+        out = torch.zeros_like(x)
+        out[token_mask] = self.experts(flat, ids, weights)
+        return out
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, attn_norm: RMSNorm, attn: Attention, ffn_norm: RMSNorm, ffn: nn.Module):
+        super().__init__()
+        self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
+
+    def forward(self, x, cache: KVCache, step: StepInfo, rope_cs, tap: Tap) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), cache, step, rope_cs, tap)
+        tap("ffn_inp", h)
+        normed = self.ffn_norm(h)
+        if isinstance(self.ffn, MoE):
+            out = self.ffn(normed, step.token_mask, tap)
+            tap("ffn_moe_out", out)
+        else:
+            out = self.ffn(normed)
+        return h + out
+
+    def new_cache(self):
+        return KVCache()
+
+
+class DecoderLM(nn.Module):
+    """Token embedding, a stack of blocks, final norm and output projection."""
+
+    def __init__(self, config, w: WeightLoader, blocks: list[nn.Module], rope: Rope, eps: float):
+        super().__init__()
+        c = config
+        self.config = c
+        self.tok_embd = w.dense("token_embd.weight", (c.vocab_size, c.hidden_size))
+        self.blocks = nn.ModuleList(blocks)
+        self.output_norm = RMSNorm(w.dense("output_norm.weight", (c.hidden_size,)), eps)
+        if w.has("output.weight"):
+            self.output = w.dense("output.weight", (c.vocab_size, c.hidden_size))
+        else:  # tied embeddings
+            self.output = self.tok_embd
+        self.rope = rope
+
+    def new_cache(self, batch: int = 1) -> ModelCache:
+        return ModelCache([b.new_cache() for b in self.blocks], batch)
+
+    def forward(self, tokens: torch.Tensor, cache: ModelCache, n_new: torch.Tensor | None = None,
+                tap: Tap = no_tap, last_only: bool = False) -> torch.Tensor:
+        """tokens (B, T), right-padded when rows differ (`n_new` real tokens each)."""
+        step = cache.step(tokens.shape[1], n_new)
+        x = F.embedding(tokens, self.tok_embd)  # (B, T, hidden)
+        rope_cs = self.rope.cos_sin(step.positions)
+        for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
+            x = block(x, layer_cache, step, rope_cs, _prefixed(tap, i))
+            tap(f"l_out-{i}", x)
+        cache.advance(step)
+        if last_only:  # decode and sampling need only each row's last real position
+            x = x[torch.arange(x.shape[0]), (step.n_new - 1).clamp(min=0)][:, None]
+        x = self.output_norm(x)
+        return F.linear(x, self.output)
+
+
+def _prefixed(tap: Tap, layer: int) -> Tap:
+    if tap is no_tap:
+        return tap
+    return lambda name, t: tap(f"{name}-{layer}", t)

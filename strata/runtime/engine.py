@@ -1,0 +1,143 @@
+"""The engine: a loaded model plus the generation API the CLI and the server consume."""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, fields
+from typing import Iterator
+
+import torch
+
+from strata.errors import BadOption, StrataError
+from strata.loader import load_model
+from strata.runtime.generate import Response, generate_step, prefill, stream_generate
+from strata.runtime.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class EngineOptions:
+    dtype: str = "float32"
+    ctx_size: int = 0  # 0 = the model's trained context
+    prefill_chunk: int = 8192
+    cpu_threads: int = 0  # 0 = torch's default
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineOptions":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise BadOption(f"unknown option {unknown[0]!r}", f"known options: {', '.join(sorted(known))}")
+        opts = cls(**kwargs)
+        if opts.dtype not in ("float32", "bfloat16", "float16"):
+            raise BadOption(f"dtype {opts.dtype!r} is not supported", "use float32, bfloat16 or float16")
+        if opts.prefill_chunk <= 0:
+            raise BadOption("--prefill-chunk must be positive")
+        return opts
+
+
+class Engine:
+    """Load once, then `logits`, `generate` or `stream`; `stats` describes the last call."""
+
+    def __init__(self, path, **options):
+        self.options = EngineOptions.from_kwargs(**options)
+        if self.options.cpu_threads > 0:
+            torch.set_num_threads(self.options.cpu_threads)
+        t0 = time.perf_counter()
+        loaded = load_model(path, getattr(torch, self.options.dtype))
+        self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.loaded = loaded
+        self.ctx_size = self.options.ctx_size or self.config.context_length
+        self.stats: dict = {"load_s": time.perf_counter() - t0}
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return set(self.tokenizer.eos_ids) if self.tokenizer is not None else set()
+
+    def _check_prompt(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise StrataError("the prompt is empty", "pass at least one token")
+        if len(ids) > self.ctx_size:
+            raise StrataError(f"the prompt has {len(ids)} tokens but the context holds {self.ctx_size}",
+                              "shorten the prompt or raise --ctx-size")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise StrataError(f"token id {bad[0]} is outside the vocabulary (size {self.config.vocab_size})")
+        return list(ids)
+
+    def logits(self, token_ids) -> torch.Tensor | list[torch.Tensor]:
+        """Logits (T, vocab) of one prompt, or a list of them for a list of prompts."""
+        batch = bool(token_ids) and isinstance(token_ids[0], (list, tuple))
+        prompts = [self._check_prompt(p) for p in (token_ids if batch else [token_ids])]
+        lengths = torch.tensor([len(p) for p in prompts])
+        tokens = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            tokens[row, : len(p)] = torch.tensor(p)
+        with torch.inference_mode():
+            out = self.model(tokens, self.model.new_cache(len(prompts)), n_new=lengths).float()
+        rows = [out[i, : len(p)] for i, p in enumerate(prompts)]
+        return rows if batch else rows[0]
+
+    def generate(self, token_ids, max_new_tokens: int = 128, temperature: float = 0.0,
+                 stop_at_eos: bool = True, **sampling) -> list[int] | list[list[int]]:
+        """Greedy by default; a list of prompts decodes as one batch."""
+        batch = bool(token_ids) and isinstance(token_ids[0], (list, tuple))
+        prompts = [self._check_prompt(p) for p in (token_ids if batch else [token_ids])]
+        params = SamplingParams(temperature=temperature, **sampling)
+        outs = self._generate_batch(prompts, max_new_tokens, params, stop_at_eos)
+        return outs if batch else outs[0]
+
+    def _generate_batch(self, prompts, max_new_tokens, params, stop_at_eos) -> list[list[int]]:
+        limit = min(max_new_tokens, self.ctx_size - max(len(p) for p in prompts))
+        outs: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        eos = self.eos_ids if stop_at_eos else set()
+        cache = self.model.new_cache(len(prompts))
+        t0 = time.perf_counter()
+        t_first = None
+        steps = generate_step(self.model, prompts, params, cache, self.options.prefill_chunk)
+        for _ in range(max(limit, 0)):
+            tokens = next(steps).tolist()
+            t_first = t_first or time.perf_counter()
+            for row, t in enumerate(tokens):
+                if not done[row]:
+                    if t in eos:
+                        done[row] = True
+                    else:
+                        outs[row].append(t)
+            if all(done):
+                break
+        steps.close()
+        self._record(sum(len(p) for p in prompts), sum(len(o) for o in outs), t0, t_first)
+        return outs
+
+    def stream(self, token_ids: list[int], max_new_tokens: int = 128, temperature: float = 0.0,
+               stop: list[str] = (), **sampling) -> Iterator[Response]:
+        """Yield `Response`s (token, text delta, finish_reason) as tokens are made."""
+        prompt = self._check_prompt(token_ids)
+        params = SamplingParams(temperature=temperature, **sampling)
+        t0, t_first, n = time.perf_counter(), None, 0
+        for r in stream_generate(self.model, self.tokenizer, prompt, max_new_tokens, params, stop,
+                                 self.eos_ids, self.ctx_size, self.options.prefill_chunk):
+            t_first = t_first or time.perf_counter()
+            n += r.token is not None
+            yield r
+        self._record(len(prompt), n, t0, t_first)
+
+    def _record(self, n_prompt: int, n_out: int, t0: float, t_first: float | None) -> None:
+        end = time.perf_counter()
+        t_first = t_first or end
+        decode_s = end - t_first
+        self.stats.update({
+            "prompt_tokens": n_prompt, "completion_tokens": n_out,
+            "prefill_s": t_first - t0, "decode_s": decode_s,
+            "prefill_tokens_per_s": n_prompt / max(t_first - t0, 1e-9),
+            "decode_tokens_per_s": (n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else 0.0,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        })
+        self.stats["tokens_per_s"] = self.stats["decode_tokens_per_s"]
+
+
+def load(path, **options) -> Engine:
+    """Open a GGUF file or a Hugging Face directory; see `EngineOptions` for options."""
+    return Engine(path, **options)

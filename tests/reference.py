@@ -1,0 +1,50 @@
+"""Shared runner: build tiny random transformers models, save them, compare Strata against them.
+
+Norm weights are randomised (transformers initialises them to ones, which hides bugs in
+norm handling), and every comparison is against transformers' own class.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+PROMPT_LEN = 64
+
+
+def randomise(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Give every parameter (norms included) random values so no branch is an identity."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=g))
+            elif p.ndim == 1:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return model
+
+
+def save_hf(model, path: Path) -> Path:
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def prompt(vocab: int, n: int = PROMPT_LEN, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+@torch.inference_mode()
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+@torch.inference_mode()
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                         min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+    return out[0, len(ids):].tolist()
