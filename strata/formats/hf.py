@@ -94,6 +94,20 @@ class HFSource:
             t = self._sanitize(name, t, self._config)
         return QTensor.from_float(t)
 
+    def info(self, name: str) -> tuple[str, tuple[int, ...], int]:
+        """Stored dtype, logical shape and bytes, from the safetensors headers only."""
+        parts = self._parts[name]
+        with safe_open(self._where[parts[0][1]], "pt") as f:
+            sl = f.get_slice(parts[0][1])
+            shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+        size = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1}.get(dtype, 4)
+        n = len(parts) if parts[0][0] >= 0 else 1
+        full = (n, *shape) if parts[0][0] >= 0 else shape
+        count = 1
+        for d in full:
+            count *= d
+        return dtype, full, count * size
+
     def _read(self, key: str) -> torch.Tensor:
         with safe_open(self._where[key], "pt") as f:
             return f.get_tensor(key)

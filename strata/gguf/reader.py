@@ -37,7 +37,7 @@ class GGUFFile:
         try:
             reader = gguf.GGUFReader(self.path, "r")
         except (ValueError, IndexError, OSError, KeyError) as e:
-            raise BadModelFile(f"{self.path}: not a readable GGUF file ({e})",
+            raise BadModelFile(f"{self.path}: truncated or corrupt GGUF header ({type(e).__name__})",
                                "re-download or re-convert the file") from None
         self.metadata = _fields_to_dict(reader)
         self.tensors: dict[str, TensorInfo] = {}

@@ -28,3 +28,7 @@ class GGUFSource:
             warnings.simplefilter("ignore")
             data = torch.from_numpy(raw)
         return QTensor(data.reshape(*info.shape[:-1], row_bytes), info.qtype, info.shape)
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...], int]:
+        t = self.file.tensors[name]
+        return t.qtype.name, t.shape, t.n_bytes

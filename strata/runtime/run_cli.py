@@ -1,0 +1,94 @@
+"""`strata run`: one prompt, or an interactive chat when no prompt is given."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from strata.errors import StrataError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags every command that loads a model shares (run, serve, bench)."""
+    p.add_argument("--model", "-m", required=True, help="a .gguf file or a Hugging Face directory")
+    p.add_argument("--ctx-size", type=int, default=0, help="context length (default: the model's)")
+    p.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill step")
+    p.add_argument("--cpu-threads", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def engine_options(args) -> dict:
+    return dict(ctx_size=args.ctx_size, prefill_chunk=args.prefill_chunk,
+                cpu_threads=args.cpu_threads, dtype=args.dtype)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="strata run", description="Generate text with a model.")
+    add_engine_args(p)
+    p.add_argument("--prompt", "-p", help="text to complete; without it, an interactive chat")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template")
+    p.add_argument("--max-tokens", "-n", type=int, default=128)
+    p.add_argument("--temperature", "-t", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    if args.max_tokens < 0:
+        raise StrataError("--max-tokens must be >= 0")
+    import strata
+
+    engine = strata.load(args.model, **engine_options(args))
+    if engine.tokenizer is None:
+        raise StrataError(f"{args.model} has no tokenizer", "use a GGUF with tokenizer metadata")
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    repetition_penalty=args.repeat_penalty, seed=args.seed)
+    if args.prompt is None:
+        return chat(engine, args, sampling)
+    text = args.prompt
+    if args.chat:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    ids = engine.tokenizer.encode(text)
+    out_ids, pieces = [], []
+    for r in engine.stream(ids, args.max_tokens, stop=args.stop, **sampling):
+        if r.token is not None:
+            out_ids.append(r.token)
+        pieces.append(r.text)
+        if not args.json:
+            print(r.text, end="", flush=True)
+    stats = dict(engine.stats)
+    if args.json:
+        print(json.dumps({"text": "".join(pieces), "token_ids": out_ids, "stats": stats}))
+    else:
+        print(f"\n\n[{stats['completion_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tok/s decode, "
+              f"{stats['prefill_tokens_per_s']:.1f} tok/s prefill, peak RSS {stats['peak_rss_mb']:.0f} MB]",
+              file=sys.stderr)
+    return 0
+
+
+def chat(engine, args, sampling) -> int:
+    messages = []
+    print("strata chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        if not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line})
+        ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
+        reply = []
+        for r in engine.stream(ids, args.max_tokens, stop=args.stop, **sampling):
+            print(r.text, end="", flush=True)
+            reply.append(r.text)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
