@@ -47,11 +47,11 @@ def write_gguf(path: str | Path, arch: str, metadata: dict,
             writer.add_tensor(name, array.astype(_NP_FLOAT[qtype]))
         elif qtype == gguf.GGMLQuantizationType.BF16:
             bits = torch.from_numpy(array).to(torch.bfloat16).view(torch.int16).numpy()
-            writer.add_tensor(name, bits.view(np.uint8).reshape(*array.shape[:-1], -1),
-                              raw_shape=array.shape, raw_dtype=qtype)
+            # uint8 data: gguf derives the logical shape from the byte shape
+            writer.add_tensor(name, bits.view(np.uint8).reshape(*array.shape[:-1], -1), raw_dtype=qtype)
         else:
             data = quant.quantize_reference(array, qtype)
-            writer.add_tensor(name, data, raw_shape=array.shape, raw_dtype=qtype)
+            writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -13,10 +13,11 @@ from strata.errors import BadOption, StrataError
 from strata.loader import load_model
 from strata.runtime.generate import Response, generate_step, prefill, stream_generate
 from strata.runtime.sampling import SamplingParams
+from strata.tiers.options import TierOptions, tiers_requested
 
 
 @dataclass(slots=True)
-class EngineOptions:
+class EngineOptions(TierOptions):  # tier options (placement, expert cache, trace) come first
     dtype: str = "float32"
     ctx_size: int = 0  # 0 = the model's trained context
     prefill_chunk: int = 8192
@@ -48,7 +49,16 @@ class Engine:
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.loaded = loaded
         self.ctx_size = self.options.ctx_size or self.config.context_length
+        self.tiers = None
+        if tiers_requested(self.options):
+            from strata.tiers.runtime import install
+
+            self.tiers = install(loaded, self.options)
         self.stats: dict = {"load_s": time.perf_counter() - t0}
+
+    def close(self) -> str | None:
+        """Stop the tiers' threads and write the expert trace, if asked; returns its path."""
+        return self.tiers.close() if self.tiers is not None else None
 
     @property
     def eos_ids(self) -> set[int]:
@@ -136,6 +146,8 @@ class Engine:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         })
         self.stats["tokens_per_s"] = self.stats["decode_tokens_per_s"]
+        if self.tiers is not None:
+            self.stats["tiers"] = self.tiers.stats()
 
 
 def load(path, **options) -> Engine:

@@ -68,9 +68,11 @@ def stream_generate(model, tokenizer, prompt: list[int], max_new_tokens: int, pa
     for n, tokens in enumerate(steps, start=1):
         token = int(tokens[0])
         if token in eos_ids:
-            yield Response(None, "", "stop")
+            yield Response(None, decoder.flush() if decoder else "", "stop")
             return
-        delta = decoder.push(token) if decoder else ""
+        delta = decoder.feed(token) if decoder else ""
+        if decoder and n >= limit:
+            delta += decoder.flush()
         text += delta
         hit = _find_stop(text, stop, emitted)
         if hit is not None:

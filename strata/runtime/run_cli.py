@@ -7,6 +7,7 @@ import json
 import sys
 
 from strata.errors import StrataError
+from strata.tiers.options import add_tier_args, tier_options
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -16,11 +17,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill step")
     p.add_argument("--cpu-threads", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_tier_args(p)
 
 
 def engine_options(args) -> dict:
     return dict(ctx_size=args.ctx_size, prefill_chunk=args.prefill_chunk,
-                cpu_threads=args.cpu_threads, dtype=args.dtype)
+                cpu_threads=args.cpu_threads, dtype=args.dtype, **tier_options(args))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,11 +54,14 @@ def main(argv: list[str]) -> int:
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                     repetition_penalty=args.repeat_penalty, seed=args.seed)
     if args.prompt is None:
-        return chat(engine, args, sampling)
+        try:
+            return chat(engine, args, sampling)
+        finally:
+            _close(engine)
     text = args.prompt
     if args.chat:
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    ids = engine.tokenizer.encode(text)
+    ids = engine.tokenizer.encode(text, add_special_tokens=not args.chat)
     out_ids, pieces = [], []
     for r in engine.stream(ids, args.max_tokens, stop=args.stop, **sampling):
         if r.token is not None:
@@ -64,6 +69,7 @@ def main(argv: list[str]) -> int:
         pieces.append(r.text)
         if not args.json:
             print(r.text, end="", flush=True)
+    _close(engine)
     stats = dict(engine.stats)
     if args.json:
         print(json.dumps({"text": "".join(pieces), "token_ids": out_ids, "stats": stats}))
@@ -71,7 +77,18 @@ def main(argv: list[str]) -> int:
         print(f"\n\n[{stats['completion_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tok/s decode, "
               f"{stats['prefill_tokens_per_s']:.1f} tok/s prefill, peak RSS {stats['peak_rss_mb']:.0f} MB]",
               file=sys.stderr)
+        if "tiers" in stats:
+            from strata.tiers.stats import describe
+
+            print(describe(stats["tiers"]), file=sys.stderr)
     return 0
+
+
+def _close(engine) -> None:
+    """Stop the tiers and write the expert trace (--trace-experts), saying where."""
+    path = engine.close() if hasattr(engine, "close") else None
+    if path:
+        print(f"[expert trace written to {path}]", file=sys.stderr)
 
 
 def chat(engine, args, sampling) -> int:
@@ -85,7 +102,7 @@ def chat(engine, args, sampling) -> int:
         if not line.strip():
             return 0
         messages.append({"role": "user", "content": line})
-        ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
+        ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages), add_special_tokens=False)
         reply = []
         for r in engine.stream(ids, args.max_tokens, stop=args.stop, **sampling):
             print(r.text, end="", flush=True)
