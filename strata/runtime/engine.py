@@ -122,13 +122,14 @@ class Engine:
         return outs
 
     def stream(self, token_ids: list[int], max_new_tokens: int = 128, temperature: float = 0.0,
-               stop: list[str] = (), **sampling) -> Iterator[Response]:
+               stop: list[str] = (), stop_at_eos: bool = True, **sampling) -> Iterator[Response]:
         """Yield `Response`s (token, text delta, finish_reason) as tokens are made."""
         prompt = self._check_prompt(token_ids)
         params = SamplingParams(temperature=temperature, **sampling)
         t0, t_first, n = time.perf_counter(), None, 0
+        eos = self.eos_ids if stop_at_eos else set()
         for r in stream_generate(self.model, self.tokenizer, prompt, max_new_tokens, params, stop,
-                                 self.eos_ids, self.ctx_size, self.options.prefill_chunk):
+                                 eos, self.ctx_size, self.options.prefill_chunk):
             t_first = t_first or time.perf_counter()
             n += r.token is not None
             yield r
