@@ -66,9 +66,34 @@ class KVCache:
         if self.k is not None:
             self.k, self.v = self.k[rows], self.v[rows]
 
+    def extend(self, other: "KVCache") -> None:
+        """Append `other`'s rows after these (a prefilled request joins a running batch).
+
+        Capacities may differ: the smaller is zero-padded, and the padding is never attended
+        because each row's keys past its own length are masked. A cache that has run no
+        forward yet holds no tensors and is taken to hold no rows.
+        """
+        if other.k is None:
+            return
+        if self.k is None:
+            self.k, self.v = other.k, other.v
+            return
+        cap = max(self.k.shape[2], other.k.shape[2])
+        self.k = torch.cat([_pad_seq(self.k, cap), _pad_seq(other.k, cap)])
+        self.v = torch.cat([_pad_seq(self.v, cap), _pad_seq(other.v, cap)])
+
     @property
     def nbytes(self) -> int:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+
+def _pad_seq(t: torch.Tensor, cap: int) -> torch.Tensor:
+    """Zero-pad `(B, H, S, D)` along S to `cap`."""
+    if t.shape[2] == cap:
+        return t
+    out = t.new_zeros(t.shape[0], t.shape[1], cap, t.shape[3])
+    out[:, :, : t.shape[2]] = t
+    return out
 
 
 class ModelCache:
@@ -92,6 +117,22 @@ class ModelCache:
         self.lengths = self.lengths[rows]
         for c in self.layers:
             c.select(rows)
+
+    def extend(self, other: "ModelCache") -> None:
+        """Append `other`'s rows after these, layer by layer (each layer cache's `extend`).
+
+        Continuous batching prefills a new request alone, then merges it into the running
+        batch with this; `other` is consumed (its tensors may be shared, not copied).
+        """
+        if len(other.layers) != len(self.layers):
+            raise ValueError(f"cannot merge a cache of {len(other.layers)} layers into one of {len(self.layers)}")
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.extend(theirs)
+        self.lengths = torch.cat([self.lengths, other.lengths])
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
 
     @property
     def nbytes(self) -> int:

@@ -181,8 +181,7 @@ class StopText:
             from strata.formats.tokenizer import IncrementalDecoder
 
             decoder = IncrementalDecoder(tokenizer)
-            self._feed = getattr(decoder, "push", None) or decoder.feed
-            self._flush = getattr(decoder, "flush", None)
+            self._feed, self._flush = decoder.feed, decoder.flush
 
     def push(self, token: int) -> Response:
         self.n += 1
@@ -235,15 +234,17 @@ class Scheduler:
         self._n_active = 0  # taken from the queue and not finished (prefilling or decoding)
         self._closing = False
         self._drain = False
-        self._started = time.time()
         # counters; written by the engine thread (and submit, under the lock), read by anyone
         self.counters = {
             "requests_submitted": 0, "prompt_tokens": 0, "generated_tokens": 0, "decode_steps": 0,
             "prefill_seconds": 0.0, "decode_seconds": 0.0,
+            # submit -> first token (queue wait and prefill included), over requests that got one
+            "ttft_seconds_sum": 0.0, "ttft_count": 0,
+            "request_seconds_sum": 0.0, "request_count": 0,  # submit -> end, every ended request
         }
         self.finished = {"stop": 0, "length": 0, CANCELLED: 0, "error": 0}
         self.rejected = {"queue_full": 0, "closed": 0, "invalid": 0}
-        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s
+        self._recent: deque[float] = deque()  # when each of the last window's tokens was sampled
 
         # engine thread only
         self._rows: list[_Row] = []
@@ -308,11 +309,8 @@ class Scheduler:
         cache = self._cache
         with self._cond:
             self._trim(now)
-            if self._recent:
-                span = max(now - self._recent[0][0], 1.0)
-                tokens_per_s = sum(n for _, n in self._recent) / span
-            else:
-                tokens_per_s = 0.0
+            span = max(now - self._recent[0], 1.0) if self._recent else 1.0
+            tokens_per_s = len(self._recent) / span
             return {
                 **self.counters,
                 "finished": dict(self.finished),
@@ -322,7 +320,6 @@ class Scheduler:
                 "max_concurrent": self.max_concurrent,
                 "max_waiting": self.max_waiting,
                 "tokens_per_s": tokens_per_s,
-                "batch_rows": len(self._rows),
                 "kv_cache_bytes": cache.nbytes if cache is not None else 0,
                 "closing": self.closing,
             }
@@ -460,7 +457,7 @@ class Scheduler:
         now = time.perf_counter()
         with self._cond:
             self.counters["generated_tokens"] += 1
-            self._recent.append((now, 1))
+            self._recent.append(now)
             self._trim(now)
         resp = row.text.push(token)
         req = row.req
@@ -502,6 +499,11 @@ class Scheduler:
         with self._cond:
             self._n_active -= 1
             self.finished[reason] = self.finished.get(reason, 0) + 1
+            if req.first_token_at is not None:
+                self.counters["ttft_seconds_sum"] += req.first_token_at - req.submitted_at
+                self.counters["ttft_count"] += 1
+            self.counters["request_seconds_sum"] += now - req.submitted_at
+            self.counters["request_count"] += 1
             self._cond.notify_all()
         req.done.set()
         req._deliver(last)
@@ -516,5 +518,5 @@ class Scheduler:
             self._finish(req, error)
 
     def _trim(self, now: float) -> None:
-        while self._recent and now - self._recent[0][0] > THROUGHPUT_WINDOW_S:
+        while self._recent and now - self._recent[0] > THROUGHPUT_WINDOW_S:
             self._recent.popleft()
