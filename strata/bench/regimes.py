@@ -75,7 +75,8 @@ def concurrency(engine, prompts: list[list[int]], levels=(1, 2, 4, 8), tokens: i
     for n in levels:
         with Scheduler(engine, max_concurrent=n) as sched:
             t0 = time.perf_counter()
-            reqs = [sched.submit(prompts[i % len(prompts)], tokens, SamplingParams()) for i in range(n)]
+            reqs = [sched.submit(prompts[i % len(prompts)], tokens, SamplingParams(), ignore_eos=True)
+                    for i in range(n)]
             for r in reqs:
                 for _ in r:
                     pass

@@ -79,6 +79,7 @@ class Request:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
+        self.ignore_eos = False  # fixed-length runs (benchmarks) generate past EOS
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
@@ -256,7 +257,7 @@ class Scheduler:
     # -- public API (any thread) -----------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], max_tokens: int = 128, params: SamplingParams | None = None,
-               stop: Sequence[str] = ()) -> Request:
+               stop: Sequence[str] = (), ignore_eos: bool = False) -> Request:
         """Queue one request; raises `InvalidRequest`, `PromptTooLong`, `QueueFull` or `SchedulerClosed`."""
         try:
             prompt = self._check(prompt, max_tokens, stop)
@@ -267,6 +268,7 @@ class Scheduler:
         if isinstance(stop, str):
             stop = [stop]
         req = Request(prompt, int(max_tokens), params or SamplingParams(), list(stop), self)
+        req.ignore_eos = ignore_eos
         with self._cond:
             if self._closing or not self._thread.is_alive():
                 self.rejected["closed"] += 1
@@ -402,7 +404,7 @@ class Scheduler:
             self._finish(req, Response(None, "", "length"))
             return
         p = req.params
-        row = _Row(req, StopText(self.tokenizer, req.stop, self.eos_ids, limit),
+        row = _Row(req, StopText(self.tokenizer, req.stop, set() if req.ignore_eos else self.eos_ids, limit),
                    torch.Generator().manual_seed(p.seed) if p.seed is not None else None,
                    list(req.prompt) if p.repetition_penalty != 1.0 else [])
         t0 = time.perf_counter()
