@@ -24,8 +24,9 @@ def convert_hf_to_gguf(hf_dir: str | Path, out: str | Path,
     def tensors():
         for name in source.names():
             t = source.get(name).dequantize()
-            if t.ndim == 1 or "ffn_gate_inp" in name or "norm" in name:
-                qtype = F32
+            block = gguf.GGML_QUANT_SIZES[dense_type][0]
+            if t.ndim == 1 or "ffn_gate_inp" in name or "norm" in name or t.shape[-1] % block:
+                qtype = F32  # llama.cpp keeps these in F32 too (e.g. ssm_conv1d rows of 4)
             else:
                 qtype = expert_type if "_exps" in name else dense_type
             yield name, t, qtype

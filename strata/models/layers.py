@@ -38,17 +38,24 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention over a `KVCache`, with optional per-head q/k RMS norms."""
+    """Grouped-query attention over a `KVCache`, with optional per-head q/k RMS norms.
+
+    `gated=True` (Qwen3-Next): `attn_q` holds, per head, the query followed by an output gate
+    of the same width, and the attention output is scaled by sigmoid(gate) before `attn_output`.
+    """
 
     def __init__(self, w: WeightLoader, prefix: str, hidden: int, n_heads: int, n_kv: int,
-                 head_dim: int, rope: Rope, eps: float, qk_norm: bool = False, bias: bool = False):
+                 head_dim: int, rope: Rope, eps: float, qk_norm: bool = False, bias: bool = False,
+                 gated: bool = False):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
-        self.wq = w.dense(f"{prefix}.attn_q.weight", (n_heads * head_dim, hidden))
+        self.gated = gated
+        q_rows = n_heads * head_dim * (2 if gated else 1)
+        self.wq = w.dense(f"{prefix}.attn_q.weight", (q_rows, hidden))
         self.wk = w.dense(f"{prefix}.attn_k.weight", (n_kv * head_dim, hidden))
         self.wv = w.dense(f"{prefix}.attn_v.weight", (n_kv * head_dim, hidden))
         self.wo = w.dense(f"{prefix}.attn_output.weight", (hidden, n_heads * head_dim))
-        self.bq = w.optional(f"{prefix}.attn_q.bias", (n_heads * head_dim,)) if bias else None
+        self.bq = w.optional(f"{prefix}.attn_q.bias", (q_rows,)) if bias else None
         self.bk = w.optional(f"{prefix}.attn_k.bias", (n_kv * head_dim,)) if bias else None
         self.bv = w.optional(f"{prefix}.attn_v.bias", (n_kv * head_dim,)) if bias else None
         self.q_norm = RMSNorm(w.dense(f"{prefix}.attn_q_norm.weight", (head_dim,)), eps) if qk_norm else None
@@ -57,7 +64,12 @@ class Attention(nn.Module):
 
     def forward(self, x, cache: KVCache, step: StepInfo, rope_cs, tap: Tap = no_tap):
         b, t, _ = x.shape
-        q = F.linear(x, self.wq, self.bq).view(b, t, self.n_heads, self.head_dim)  # (B, T, H, D)
+        q = F.linear(x, self.wq, self.bq)
+        gate = None
+        if self.gated:  # per head: [query | gate]
+            q, gate = q.view(b, t, self.n_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+            gate = gate.reshape(b, t, self.n_heads * self.head_dim)
+        q = q.reshape(b, t, self.n_heads, self.head_dim)  # (B, T, H, D)
         k = F.linear(x, self.wk, self.bk).view(b, t, self.n_kv, self.head_dim)
         v = F.linear(x, self.wv, self.bv).view(b, t, self.n_kv, self.head_dim)
         if self.q_norm is not None:
@@ -70,6 +82,8 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                              enable_gqa=self.n_kv != self.n_heads)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H*D)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         tap("kqv_out", out)
         return F.linear(out, self.wo)
 
@@ -87,6 +101,22 @@ class DenseFFN(nn.Module):
         return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
 
 
+class SharedExpert(nn.Module):
+    """An always-on SwiGLU expert beside the routed ones (`ffn_*_shexp`), scaled per token by
+    sigmoid(`ffn_gate_inp_shexp` . x) when the file has that gate (Qwen2-MoE, Qwen3-Next)."""
+
+    def __init__(self, w: WeightLoader, prefix: str, hidden: int, ffn: int):
+        super().__init__()
+        self.ffn = DenseFFN(w, prefix, hidden, ffn, suffix="_shexp")
+        self.gate = w.optional(f"{prefix}.ffn_gate_inp_shexp.weight", (1, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.ffn(x)
+        if self.gate is not None:
+            out = torch.sigmoid(F.linear(x, self.gate)) * out
+        return out
+
+
 class ResidentExperts:
     """The plain backend: every expert in memory in its stored type, dequantized per use.
 
@@ -102,6 +132,10 @@ class ResidentExperts:
                 self.down[e].dequantize(dtype))
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from strata import kernels  # fast path: multiply by the quantized blocks directly
+
+        if kernels.experts_fast_ok(x, self.gate, self.up, self.down):
+            return kernels.run_experts_fast(x, ids, weights, lambda e: (self.gate[e], self.up[e], self.down[e]))
         return run_experts(x, ids, weights, lambda e: self.expert_weights(e, x.dtype))
 
 

@@ -19,19 +19,23 @@ from strata.models.weights import WeightLoader
 class MoE(nn.Module):
     """Route each real token to its experts; padded positions are never routed."""
 
-    def __init__(self, router: torch.Tensor, experts: nn.Module, route):
+    def __init__(self, router: torch.Tensor, experts: nn.Module, route, shared: nn.Module | None = None):
         super().__init__()
         self.router = router  # (E, hidden)
         self.experts = experts
         self.route = route  # logits -> (ids, weights), the architecture's rule
+        self.shared = shared  # an always-on expert added to the routed sum (e.g. `SharedExpert`)
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor, tap: Tap = no_tap) -> torch.Tensor:
         flat = x[token_mask]  # (N, hidden): real tokens only
         logits = F.linear(flat, self.router)
         ids, weights = self.route(logits)
         tap("ffn_moe_topk", ids)
+        routed = self.experts(flat, ids, weights)
+        if self.shared is not None:
+            routed = routed + self.shared(flat)
         out = torch.zeros_like(x)
-        out[token_mask] = self.experts(flat, ids, weights)
+        out[token_mask] = routed
         return out
 
 
@@ -54,11 +58,16 @@ class Block(nn.Module):
         return h + out
 
     def new_cache(self):
-        return KVCache()
+        """A `KVCache`, or the mixer's own cache when it keeps one (a recurrent layer's state)."""
+        make = getattr(self.attn, "new_cache", None)
+        return make() if make is not None else KVCache()
 
 
 class DecoderLM(nn.Module):
     """Token embedding, a stack of blocks, final norm and output projection."""
+
+    # before_block(i, x, step): set by the tiers to prefetch block i+1's experts while block i runs
+    before_block = None
 
     def __init__(self, config, w: WeightLoader, blocks: list[nn.Module], rope: Rope, eps: float):
         super().__init__()
@@ -83,6 +92,8 @@ class DecoderLM(nn.Module):
         x = F.embedding(tokens, self.tok_embd)  # (B, T, hidden)
         rope_cs = self.rope.cos_sin(step.positions)
         for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
+            if self.before_block is not None:
+                self.before_block(i, x, step)
             x = block(x, layer_cache, step, rope_cs, _prefixed(tap, i))
             tap(f"l_out-{i}", x)
         cache.advance(step)

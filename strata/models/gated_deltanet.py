@@ -1,0 +1,230 @@
+"""Gated DeltaNet: the linear-attention mixer of Qwen3-Next's hybrid layers, and its recurrent cache.
+
+Per token t and value head h, with a state S of shape (d_k, d_v):
+
+    S <- exp(g_t) S                                   (g_t = ssm_a * softplus(alpha_t + ssm_dt) <= 0)
+    S <- S + k_t (beta_t (v_t - k_t^T S))^T           (the delta rule, beta_t = sigmoid(b_t))
+    o_t = q_t^T S
+
+q, k and v come from a causal depthwise conv (kernel K, then SiLU) over the `attn_qkv`
+projection; q and k are L2-normalised and q is scaled by d_k^-1/2. The output is RMS-normed per
+head, multiplied by silu(z) (`attn_gate`), and projected by `ssm_out`.
+
+Prefill runs the chunked form (`chunk_gated_delta_rule`: within a chunk, the delta rule as one
+triangular solve; across chunks, the state); decode runs the one-step recurrence. The conv keeps
+a rolling state of each row's last K-1 inputs, so decode needs no convolution call.
+
+Right padding: rows of a batch may carry fewer real tokens than the step's width. Padded
+positions get beta = 0 and g = 0 (the state passes through unchanged), and each row's conv state
+is taken from its own last real inputs, so padding never reaches a row's cache.
+
+Weights (llama.cpp's names, `blk.N.` prefix): `attn_qkv` (conv channels: all q heads, all k heads,
+all v heads), `attn_gate` (z), or the legacy fused `ssm_in` (HF's `in_proj_qkvz`, grouped per key
+head) split here at load; `ssm_ba` (HF's `in_proj_ba`, per key head [beta x r, alpha x r]);
+`ssm_conv1d` (conv_dim, K); `ssm_dt.bias`; `ssm_a` (= -exp(A_log)); `ssm_norm`; `ssm_out`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.models.cache import StepInfo
+from strata.models.weights import WeightLoader
+
+
+class GDNCache:
+    """One Gated DeltaNet layer's per-row state: the conv window and the delta-rule state.
+
+    `conv` is (B, K-1, conv_dim): each row's last K-1 conv inputs, oldest first (zeros before
+    the first token). `state` is (B, H_v, d_k, d_v), fp32. Both are created by the first forward.
+    """
+
+    def __init__(self):
+        self.conv: torch.Tensor | None = None
+        self.state: torch.Tensor | None = None
+
+    def ensure(self, batch: int, kernel: int, channels: int, heads: int, dk: int, dv: int,
+               dtype: torch.dtype, device=None) -> None:
+        if self.conv is None:
+            self.conv = torch.zeros(batch, kernel - 1, channels, dtype=dtype, device=device)
+            self.state = torch.zeros(batch, heads, dk, dv, dtype=torch.float32, device=device)
+
+    def select(self, rows: torch.Tensor) -> None:
+        if self.conv is not None:
+            self.conv, self.state = self.conv[rows], self.state[rows]
+
+    def extend(self, other: "GDNCache") -> None:
+        """Append `other`'s rows after these (see `KVCache.extend`); states are fixed-size."""
+        if other.conv is None:
+            return
+        if self.conv is None:
+            self.conv, self.state = other.conv, other.state
+            return
+        self.conv = torch.cat([self.conv, other.conv])
+        self.state = torch.cat([self.state, other.state])
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.conv is None else self.conv.nbytes + self.state.nbytes
+
+
+def split_ssm_in(qkvz: torch.Tensor, n_k_heads: int, n_v_heads: int, dk: int, dv: int):
+    """HF's `in_proj_qkvz` (llama.cpp's legacy `ssm_in`), rows grouped per key head as
+    [q (dk), k (dk), v (r*dv), z (r*dv)], into (`attn_qkv`, `attn_gate`) rows: all q heads,
+    all k heads, all v heads; and z. The same split llama.cpp's converter does."""
+    r = n_v_heads // n_k_heads
+    grouped = qkvz.reshape(n_k_heads, 2 * dk + 2 * r * dv, *qkvz.shape[1:])
+    q, k, v, z = grouped.split([dk, dk, r * dv, r * dv], dim=1)
+    flat = [t.reshape(-1, *qkvz.shape[1:]) for t in (q, k, v, z)]
+    return torch.cat(flat[:3]), flat[3]
+
+
+class GatedDeltaNet(nn.Module):
+    """The linear-attention mixer; called like `Attention` (x, cache, step, rope_cs, tap)."""
+
+    def __init__(self, w: WeightLoader, prefix: str, hidden: int, n_k_heads: int, n_v_heads: int,
+                 dk: int, dv: int, kernel: int, eps: float, chunk: int = 64):
+        super().__init__()
+        if n_v_heads % n_k_heads:
+            raise ValueError(f"{n_v_heads} value heads are not a multiple of {n_k_heads} key heads")
+        self.nk, self.nv, self.dk, self.dv = n_k_heads, n_v_heads, dk, dv
+        self.kernel, self.eps, self.chunk = kernel, eps, chunk
+        self.key_dim, self.value_dim = n_k_heads * dk, n_v_heads * dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        p = prefix
+        if w.has(f"{p}.attn_qkv.weight"):
+            self.wqkv = w.dense(f"{p}.attn_qkv.weight", (self.conv_dim, hidden))
+            self.wz = w.dense(f"{p}.attn_gate.weight", (self.value_dim, hidden))
+        else:  # legacy GGUF / HF checkpoints: one fused projection, grouped per key head
+            fused = w.dense(f"{p}.ssm_in.weight", (self.conv_dim + self.value_dim, hidden))
+            self.wqkv, self.wz = split_ssm_in(fused, n_k_heads, n_v_heads, dk, dv)
+        r = n_v_heads // n_k_heads
+        ba = w.dense(f"{p}.ssm_ba.weight", (2 * n_v_heads, hidden)).reshape(n_k_heads, 2, r, hidden)
+        self.wb = ba[:, 0].reshape(n_v_heads, hidden).contiguous()  # beta logits, value-head order
+        self.wa = ba[:, 1].reshape(n_v_heads, hidden).contiguous()  # alpha (decay) logits
+        self.conv_w = w.dense(f"{p}.ssm_conv1d.weight", (self.conv_dim, kernel))
+        self.dt_bias = w.dense(f"{p}.ssm_dt.bias", (n_v_heads,)).float()
+        self.a = w.dense(f"{p}.ssm_a", (n_v_heads,)).float()  # -exp(A_log)
+        self.norm = w.dense(f"{p}.ssm_norm.weight", (dv,))
+        self.wo = w.dense(f"{p}.ssm_out.weight", (hidden, self.value_dim))
+
+    def new_cache(self) -> GDNCache:
+        return GDNCache()
+
+    def forward(self, x: torch.Tensor, cache: GDNCache, step: StepInfo, rope_cs=None, tap=None):
+        b, t, _ = x.shape
+        cache.ensure(b, self.kernel, self.conv_dim, self.nv, self.dk, self.dv, x.dtype, x.device)
+        real = step.token_mask.to(x.device)  # (B, T)
+        qkv = F.silu(self._conv(F.linear(x, self.wqkv), cache, step.n_new.to(x.device)))
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(b, t, self.nk, self.dk)
+        k = k.reshape(b, t, self.nk, self.dk)
+        v = v.reshape(b, t, self.nv, self.dv)
+        beta = torch.sigmoid(F.linear(x, self.wb).float())  # (B, T, H_v)
+        g = self.a * F.softplus(F.linear(x, self.wa).float() + self.dt_bias)
+        keep = real[..., None]
+        beta, g = beta * keep, g * keep  # padding: no write, no decay
+        out, cache.state = gated_delta_rule(q, k, v, g, beta, cache.state, self.chunk)
+        z = F.linear(x, self.wz).reshape(b, t, self.nv, self.dv)
+        out = gated_rms_norm(out.to(x.dtype), z, self.norm, self.eps)
+        if tap is not None:
+            tap("final_output", out)  # llama.cpp's name: gated-normed, before ssm_out
+        return F.linear(out.reshape(b, t, self.value_dim), self.wo)
+
+    def _conv(self, x: torch.Tensor, cache: GDNCache, n_new: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise conv of (B, T, C) over [conv state, x]; keeps each row's last K-1
+        real inputs as its new state. One multiply-add per tap; decode (T=1) is one window."""
+        t = x.shape[1]
+        full = torch.cat([cache.conv.to(x.dtype), x], dim=1)  # (B, K-1+T, C)
+        out = full[:, 0:t] * self.conv_w[:, 0]
+        for j in range(1, self.kernel):
+            out = out + full[:, j:j + t] * self.conv_w[:, j]
+        # row b's last K-1 real inputs sit at full[b, n_b : n_b + K-1]
+        idx = n_new[:, None] + torch.arange(self.kernel - 1, device=x.device)
+        cache.conv = full.gather(1, idx[..., None].expand(-1, -1, full.shape[2]))
+        return out
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm over each head's d_v (fp32), times weight, times silu(z)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = (weight * xf.to(x.dtype)) * F.silu(z.float())
+    return out.to(x.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
+    """q, k (B, T, H_k, d_k); v (B, T, H_v, d_v); g, beta (B, T, H_v); state (B, H_v, d_k, d_v).
+
+    Returns the output (B, T, H_v, d_v) fp32 and the new state. Key heads are shared by
+    H_v / H_k consecutive value heads. One token runs the recurrence, more run in chunks.
+    """
+    r = v.shape[2] // q.shape[2]
+    if r > 1:
+        q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
+    q, k, v, g, beta = (u.transpose(1, 2).float() for u in (q, k, v, g, beta))  # heads first
+    q, k = l2norm(q), l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    if q.shape[2] == 1:
+        out, state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    else:
+        out, state = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk)
+    return out.transpose(1, 2), state
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """Token by token; q, k (B, H, T, d_k), v (B, H, T, d_v), g, beta (B, H, T)."""
+    out = torch.empty_like(v)
+    for i in range(q.shape[2]):
+        state = state * g[:, :, i, None, None].exp()
+        k_i = k[:, :, i]
+        predicted = (k_i[..., None] * state).sum(-2)  # k^T S, (B, H, d_v)
+        delta = (v[:, :, i] - predicted) * beta[:, :, i, None]
+        state = state + k_i[..., None] * delta[..., None, :]
+        out[:, :, i] = (q[:, :, i, :, None] * state).sum(-2)
+    return out, state
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
+    """The same recurrence, `chunk` tokens at a time (inputs as `recurrent_gated_delta_rule`).
+
+    Within a chunk, with cumulative log-decay G_i, the delta rule's writes solve the unit lower
+    triangular system (I + tril(diag(beta) K K^T * exp(G_i - G_j), -1)) U = [beta V | beta K exp(G)];
+    the state then carries one chunk to the next.
+    """
+    b, h, t, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    if pad:  # padded steps have g = beta = 0: no write, no decay
+        q, k, v = (F.pad(u, (0, 0, 0, pad)) for u in (q, k, v))
+        g, beta = (F.pad(u, (0, pad)) for u in (g, beta))
+    n = (t + pad) // chunk
+    q, k, v = (u.reshape(b, h, n, chunk, u.shape[-1]) for u in (q, k, v))
+    g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
+
+    cum = g.cumsum(-1)  # (B, H, N, C)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    # only the strict lower triangle is read: the solver takes the diagonal as ones
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    scores = (q @ k.transpose(-1, -2)) * decay  # causal within the chunk, diagonal included
+    q_decayed = q * cum.exp()[..., None]
+    k_decayed = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
+
+    state = state.float()
+    out = torch.empty(b, h, n, chunk, dv, dtype=q.dtype, device=q.device)
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        out[:, :, i] = q_decayed[:, :, i] @ state + scores[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + k_decayed[:, :, i].transpose(-1, -2) @ v_new
+    return out.reshape(b, h, n * chunk, dv)[:, :, :t], state

@@ -1,0 +1,212 @@
+"""qwen3next: Qwen3-Next (HF `Qwen3NextForCausalLM`), a hybrid of Gated DeltaNet and gated attention.
+
+Layers alternate between linear attention (`GatedDeltaNet`, with a recurrent state) and full
+attention every `full_attention_interval`-th layer. Full attention is gated (`attn_q` holds, per
+head, the query then an output gate: out *= sigmoid(gate)), has q/k RMS norms and NEOX rope on the
+first `partial_rotary_factor` of each head. Every FFN is a softmax top-k MoE with renormalised
+weights plus a shared expert scaled by sigmoid(`ffn_gate_inp_shexp` . x). All RMSNorms but the
+DeltaNet's gated one are zero-centred in HF (x * (1 + w)).
+
+GGUF layout, as llama.cpp's converter writes arch `qwen3next` (names `blk.N.` + ...):
+
+    attn_norm, post_attention_norm, output_norm, attn_q_norm, attn_k_norm   stored as 1 + w
+    attn_q (2 * n_head * head_dim rows, per head [q | gate]), attn_k, attn_v, attn_output
+    attn_qkv, attn_gate   DeltaNet input projection: conv channels [q heads, k heads, v heads], z
+    ssm_in                legacy: HF's in_proj_qkvz unchanged (grouped per key head); also loaded
+    ssm_ba                HF's in_proj_ba unchanged (per key head [beta x r, alpha x r])
+    ssm_conv1d            (conv_dim, K): HF's conv1d weight squeezed
+    ssm_dt.bias           dt_bias
+    ssm_a                 -exp(A_log) (no `.weight` suffix)
+    ssm_norm              the gated norm's weight, stored as is (it is not zero-centred)
+    ssm_out               out_proj
+    ffn_gate_inp, ffn_{gate,up,down}_exps, ffn_{gate,up,down}_shexp
+    ffn_gate_inp_shexp    (1, hidden), as HF's shared_expert_gate
+
+Metadata: the shared decoder keys, `rope.dimension_count` = rotated dims per head,
+`expert_feed_forward_length`, `expert_shared_feed_forward_length`, `full_attention_interval`,
+`ssm.conv_kernel` (K), `ssm.state_size` (key head dim), `ssm.group_count` (key heads),
+`ssm.time_step_rank` (value heads), `ssm.inner_size` (value heads x value head dim).
+
+The Hugging Face loader maps `in_proj_qkvz` to the legacy `ssm_in` name (one HF tensor maps to
+one GGUF name), so `convert_hf_to_gguf` writes that legacy form; llama.cpp reads both, and so
+does this file. MTP weights (`mtp.*`) are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from strata.errors import StrataError
+from strata.formats.hf import L
+from strata.gguf.writer import decoder_metadata
+from strata.models.gated_deltanet import GatedDeltaNet
+from strata.models.layers import Attention, DenseFFN, Experts, RMSNorm, SharedExpert, softmax_topk
+from strata.models.rope import Rope, RopeConfig
+from strata.models.transformer import Block, DecoderLM, MoE
+from strata.models.weights import WeightLoader
+
+ARCH = "qwen3next"
+HF_MODEL_TYPES = ("qwen3_next",)
+
+HF_TENSOR_NAMES = [
+    (rf"{L}\.post_attention_layernorm\.weight", "blk.{i}.post_attention_norm.weight"),
+    (rf"{L}\.linear_attn\.in_proj_qkvz\.weight", "blk.{i}.ssm_in.weight"),
+    (rf"{L}\.linear_attn\.in_proj_ba\.weight", "blk.{i}.ssm_ba.weight"),
+    (rf"{L}\.linear_attn\.conv1d\.weight", "blk.{i}.ssm_conv1d.weight"),
+    (rf"{L}\.linear_attn\.dt_bias", "blk.{i}.ssm_dt.bias"),
+    (rf"{L}\.linear_attn\.A_log", "blk.{i}.ssm_a"),
+    (rf"{L}\.linear_attn\.norm\.weight", "blk.{i}.ssm_norm.weight"),
+    (rf"{L}\.linear_attn\.out_proj\.weight", "blk.{i}.ssm_out.weight"),
+    (rf"{L}\.mlp\.shared_expert\.gate_proj\.weight", "blk.{i}.ffn_gate_shexp.weight"),
+    (rf"{L}\.mlp\.shared_expert\.up_proj\.weight", "blk.{i}.ffn_up_shexp.weight"),
+    (rf"{L}\.mlp\.shared_expert\.down_proj\.weight", "blk.{i}.ffn_down_shexp.weight"),
+    (rf"{L}\.mlp\.shared_expert_gate\.weight", "blk.{i}.ffn_gate_inp_shexp.weight"),
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_size: int  # dense layers (mlp_only_layers), if any
+    expert_ffn_size: int
+    shared_ffn_size: int
+    n_experts: int
+    n_experts_used: int
+    norm_topk_prob: bool
+    rms_eps: float
+    rope: RopeConfig  # dim = rotated dims per head (partial rotary)
+    context_length: int
+    recurrent: tuple[bool, ...]  # per layer: Gated DeltaNet (True) or full attention
+    conv_kernel: int
+    linear_k_heads: int
+    linear_v_heads: int
+    linear_k_dim: int
+    linear_v_dim: int
+    dense_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def from_gguf(cls, meta: dict) -> "Config":
+        a = ARCH
+        hidden = meta[f"{a}.embedding_length"]
+        n_heads = meta[f"{a}.attention.head_count"]
+        head_dim = meta.get(f"{a}.attention.key_length", hidden // n_heads)
+        n_layers = meta[f"{a}.block_count"]
+        interval = meta.get(f"{a}.full_attention_interval", 4)
+        v_heads = meta[f"{a}.ssm.time_step_rank"]
+        return cls(vocab_size=meta.get(f"{a}.vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+                   hidden_size=hidden, n_layers=n_layers, n_heads=n_heads,
+                   n_kv_heads=meta.get(f"{a}.attention.head_count_kv", n_heads), head_dim=head_dim,
+                   ffn_size=meta.get(f"{a}.feed_forward_length", 0),
+                   expert_ffn_size=meta[f"{a}.expert_feed_forward_length"],
+                   shared_ffn_size=meta.get(f"{a}.expert_shared_feed_forward_length", 0),
+                   n_experts=meta[f"{a}.expert_count"], n_experts_used=meta[f"{a}.expert_used_count"],
+                   # llama.cpp always renormalises qwen3next's top-k weights
+                   norm_topk_prob=bool(meta.get(f"{a}.expert_weights_norm", True)),
+                   rms_eps=meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+                   rope=RopeConfig.from_gguf(meta, a, meta.get(f"{a}.rope.dimension_count", head_dim // 4),
+                                             interleaved=False),
+                   context_length=meta.get(f"{a}.context_length", 262144),
+                   recurrent=tuple((i + 1) % interval != 0 for i in range(n_layers)),
+                   conv_kernel=meta[f"{a}.ssm.conv_kernel"],
+                   linear_k_heads=meta[f"{a}.ssm.group_count"], linear_v_heads=v_heads,
+                   linear_k_dim=meta[f"{a}.ssm.state_size"],
+                   linear_v_dim=meta[f"{a}.ssm.inner_size"] // v_heads)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "Config":
+        hidden, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or hidden // n_heads
+        n_layers = cfg["num_hidden_layers"]
+        types = cfg.get("layer_types")
+        if types is None:
+            interval = cfg.get("full_attention_interval", 4)
+            types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
+        rope_params = cfg.get("rope_parameters") or {}
+        # transformers' default for qwen3_next is 0.25
+        partial = cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 0.25
+        n_experts = cfg.get("num_experts", 0)
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        dense = tuple(i for i in range(n_layers)
+                      if i in (cfg.get("mlp_only_layers") or []) or not (n_experts > 0 and (i + 1) % step == 0))
+        return cls(vocab_size=cfg["vocab_size"], hidden_size=hidden, n_layers=n_layers, n_heads=n_heads,
+                   n_kv_heads=cfg.get("num_key_value_heads") or n_heads, head_dim=head_dim,
+                   ffn_size=cfg.get("intermediate_size", 0), expert_ffn_size=cfg["moe_intermediate_size"],
+                   shared_ffn_size=cfg.get("shared_expert_intermediate_size", 0),
+                   n_experts=n_experts, n_experts_used=cfg["num_experts_per_tok"],
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                   rms_eps=cfg.get("rms_norm_eps", 1e-6),
+                   rope=RopeConfig.from_hf(cfg, int(head_dim * partial)),
+                   context_length=cfg.get("max_position_embeddings", 262144),
+                   recurrent=tuple(t == "linear_attention" for t in types),
+                   conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
+                   linear_k_heads=cfg["linear_num_key_heads"], linear_v_heads=cfg["linear_num_value_heads"],
+                   linear_k_dim=cfg["linear_key_head_dim"], linear_v_dim=cfg["linear_value_head_dim"],
+                   dense_layers=dense)
+
+
+def full_attention_interval(c: Config) -> int:
+    """The n with layer i full attention exactly when (i + 1) % n == 0, as GGUF records it."""
+    for n in range(1, c.n_layers + 2):
+        if all(rec == ((i + 1) % n != 0) for i, rec in enumerate(c.recurrent)):
+            return n
+    raise StrataError("this qwen3next layer pattern has no full_attention_interval",
+                      "GGUF (like llama.cpp) records the layer kinds only as an interval")
+
+
+def gguf_metadata(c: Config) -> dict:
+    return decoder_metadata(
+        ARCH, c, feed_forward_length=c.ffn_size, expert_feed_forward_length=c.expert_ffn_size,
+        expert_shared_feed_forward_length=c.shared_ffn_size, expert_count=c.n_experts,
+        expert_used_count=c.n_experts_used, expert_weights_norm=c.norm_topk_prob,
+        full_attention_interval=full_attention_interval(c),
+        **{"ssm.conv_kernel": c.conv_kernel, "ssm.state_size": c.linear_k_dim,
+           "ssm.group_count": c.linear_k_heads, "ssm.time_step_rank": c.linear_v_heads,
+           "ssm.inner_size": c.linear_v_heads * c.linear_v_dim})
+
+
+def sanitize_hf(name: str, t: torch.Tensor, c: Config) -> torch.Tensor:
+    """HF layouts into llama.cpp's: zero-centred norms as 1 + w, A_log as -exp(A_log), conv squeezed."""
+    if name.endswith("norm.weight") and not name.endswith("ssm_norm.weight"):
+        return t.float() + 1
+    if name.endswith(".ssm_a"):
+        return -torch.exp(t.float())
+    if name.endswith("ssm_conv1d.weight"):
+        return t.reshape(t.shape[0], t.shape[-1])
+    return t
+
+
+class Model(DecoderLM):
+    def __init__(self, c: Config, w: WeightLoader):
+        rope = Rope(c.rope)
+        blocks = [self._block(c, w, i, rope) for i in range(c.n_layers)]
+        super().__init__(c, w, blocks, rope, c.rms_eps)
+        w.finish(ignore=("hf:mtp.",))
+
+    @staticmethod
+    def _block(c: Config, w: WeightLoader, i: int, rope: Rope) -> Block:
+        p = f"blk.{i}"
+        if c.recurrent[i]:
+            mixer = GatedDeltaNet(w, p, c.hidden_size, c.linear_k_heads, c.linear_v_heads, c.linear_k_dim,
+                                  c.linear_v_dim, c.conv_kernel, c.rms_eps)
+        else:
+            mixer = Attention(w, p, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, rope, c.rms_eps,
+                              qk_norm=True, gated=True)
+        if i in c.dense_layers or not w.has(f"{p}.ffn_gate_inp.weight"):
+            ffn = DenseFFN(w, p, c.hidden_size, c.ffn_size)
+        else:
+            k, norm = c.n_experts_used, c.norm_topk_prob
+            shared = None
+            if w.has(f"{p}.ffn_up_shexp.weight"):
+                shared = SharedExpert(w, p, c.hidden_size, c.shared_ffn_size)
+            ffn = MoE(w.dense(f"{p}.ffn_gate_inp.weight", (c.n_experts, c.hidden_size)),
+                      Experts(w, p, c.n_experts, c.hidden_size, c.expert_ffn_size, layer=i),
+                      route=lambda logits: softmax_topk(logits, k, normalize=norm), shared=shared)
+        return Block(RMSNorm(w.dense(f"{p}.attn_norm.weight", (c.hidden_size,)), c.rms_eps), mixer,
+                     RMSNorm(w.dense(f"{p}.post_attention_norm.weight", (c.hidden_size,)), c.rms_eps), ffn)
