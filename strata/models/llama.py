@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from strata.gguf.writer import decoder_metadata
+from strata.models.hparams import decoder_from_gguf, decoder_from_hf
 from strata.models.layers import Attention, DenseFFN, Experts, RMSNorm, softmax_topk
 from strata.models.rope import Rope, RopeConfig
 from strata.models.transformer import Block, DecoderLM, MoE
@@ -38,29 +39,18 @@ class Config:
     @classmethod
     def from_gguf(cls, meta: dict) -> "Config":
         a = ARCH
-        hidden = meta[f"{a}.embedding_length"]
-        n_heads = meta[f"{a}.attention.head_count"]
-        head_dim = meta.get(f"{a}.attention.key_length", hidden // n_heads)
-        return cls(vocab_size=meta.get(f"{a}.vocab_size") or len(meta["tokenizer.ggml.tokens"]),
-                   hidden_size=hidden, n_layers=meta[f"{a}.block_count"], n_heads=n_heads,
-                   n_kv_heads=meta.get(f"{a}.attention.head_count_kv", n_heads), head_dim=head_dim,
-                   ffn_size=meta[f"{a}.feed_forward_length"],
-                   rms_eps=meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
-                   rope=RopeConfig.from_gguf(meta, a, meta.get(f"{a}.rope.dimension_count", head_dim),
+        base = decoder_from_gguf(meta, a)
+        return cls(**base, ffn_size=meta[f"{a}.feed_forward_length"],
+                   rope=RopeConfig.from_gguf(meta, a, meta.get(f"{a}.rope.dimension_count", base["head_dim"]),
                                              interleaved=True),
-                   context_length=meta.get(f"{a}.context_length", 4096),
                    n_experts=meta.get(f"{a}.expert_count", 0),
                    n_experts_used=meta.get(f"{a}.expert_used_count", 0))
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Config":
-        hidden, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or hidden // n_heads
-        return cls(vocab_size=cfg["vocab_size"], hidden_size=hidden, n_layers=cfg["num_hidden_layers"],
-                   n_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-                   head_dim=head_dim, ffn_size=cfg["intermediate_size"], rms_eps=cfg.get("rms_norm_eps", 1e-5),
-                   rope=RopeConfig.from_hf(cfg, head_dim, interleaved=True),
-                   context_length=cfg.get("max_position_embeddings", 4096),
+        base = decoder_from_hf(cfg)
+        return cls(**base, ffn_size=cfg["intermediate_size"],
+                   rope=RopeConfig.from_hf(cfg, base["head_dim"], interleaved=True),
                    n_experts=cfg.get("num_local_experts", 0), n_experts_used=cfg.get("num_experts_per_tok", 0))
 
 

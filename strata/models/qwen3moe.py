@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from strata.gguf.writer import decoder_metadata
+from strata.models.hparams import decoder_from_gguf, decoder_from_hf
 from strata.models.layers import Attention, DenseFFN, Experts, RMSNorm, softmax_topk
 from strata.models.rope import Rope, RopeConfig
 from strata.models.transformer import Block, DecoderLM, MoE
@@ -35,38 +36,27 @@ class Config:
     @classmethod
     def from_gguf(cls, meta: dict) -> "Config":
         a = ARCH
-        hidden = meta[f"{a}.embedding_length"]
-        n_heads = meta[f"{a}.attention.head_count"]
-        head_dim = meta.get(f"{a}.attention.key_length", hidden // n_heads)
-        return cls(vocab_size=meta.get(f"{a}.vocab_size") or len(meta["tokenizer.ggml.tokens"]),
-                   hidden_size=hidden, n_layers=meta[f"{a}.block_count"], n_heads=n_heads,
-                   n_kv_heads=meta.get(f"{a}.attention.head_count_kv", n_heads), head_dim=head_dim,
-                   ffn_size=meta.get(f"{a}.feed_forward_length", 0),
+        base = decoder_from_gguf(meta, a, default_eps=1e-6, default_ctx=32768)
+        return cls(**base, ffn_size=meta.get(f"{a}.feed_forward_length", 0),
                    expert_ffn_size=meta[f"{a}.expert_feed_forward_length"],
                    n_experts=meta[f"{a}.expert_count"], n_experts_used=meta[f"{a}.expert_used_count"],
                    # llama.cpp always renormalises qwen3moe's top-k weights
                    norm_topk_prob=bool(meta.get(f"{a}.expert_weights_norm", True)),
-                   rms_eps=meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
-                   rope=RopeConfig.from_gguf(meta, a, meta.get(f"{a}.rope.dimension_count", head_dim),
-                                             interleaved=False),
-                   context_length=meta.get(f"{a}.context_length", 32768))
+                   rope=RopeConfig.from_gguf(meta, a, meta.get(f"{a}.rope.dimension_count", base["head_dim"]),
+                                             interleaved=False))
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Config":
-        hidden, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or hidden // n_heads
-        n_layers = cfg["num_hidden_layers"]
+        base = decoder_from_hf(cfg, default_eps=1e-6, default_ctx=32768)
+        n_layers = base["n_layers"]
         step = cfg.get("decoder_sparse_step", 1) or 1
         dense = tuple(i for i in range(n_layers)
                       if i in (cfg.get("mlp_only_layers") or []) or (i + 1) % step != 0)
-        return cls(vocab_size=cfg["vocab_size"], hidden_size=hidden, n_layers=n_layers, n_heads=n_heads,
-                   n_kv_heads=cfg.get("num_key_value_heads") or n_heads, head_dim=head_dim,
-                   ffn_size=cfg.get("intermediate_size", 0), expert_ffn_size=cfg["moe_intermediate_size"],
+        return cls(**base, ffn_size=cfg.get("intermediate_size", 0), expert_ffn_size=cfg["moe_intermediate_size"],
                    n_experts=cfg.get("num_experts") or cfg["num_local_experts"],
                    n_experts_used=cfg["num_experts_per_tok"],
                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                   rms_eps=cfg.get("rms_norm_eps", 1e-6), rope=RopeConfig.from_hf(cfg, head_dim),
-                   context_length=cfg.get("max_position_embeddings", 32768), dense_layers=dense)
+                   rope=RopeConfig.from_hf(cfg, base["head_dim"]), dense_layers=dense)
 
 
 def gguf_metadata(c: Config) -> dict:
