@@ -3,6 +3,13 @@
 HF tensor names are mapped once, by the table below, to llama.cpp's names; per-expert
 tensors are stacked into `[E, out, in]`. Architectures extend the table with
 `HF_TENSOR_NAMES` and fix layouts with `sanitize_hf`.
+
+A template is a format string, or:
+  None                  the tensor is known and deliberately unused (e.g. a buffer recomputed from config);
+  a tuple of strings    one HF tensor feeds several GGUF names (`sanitize_hf` cuts each one out);
+  a callable            (groups, config) -> one of the above, for names that need arithmetic.
+A `cat` group joins every HF tensor that maps to one name along axis 0, in order of `cat`
+(numerically when it is a number), as for checkpoints that shard one table into parts.
 """
 
 from __future__ import annotations
@@ -69,14 +76,21 @@ class HFSource:
                     self._where[key] = file
         table = [(re.compile(p), t) for p, t in list(extra_names) + COMMON_TENSOR_NAMES]
         self._parts: dict[str, list[tuple[int, str]]] = {}  # GGUF name -> [(expert, HF name)]
+        self._cat: dict[str, list[tuple[tuple, str]]] = {}  # GGUF name -> [(order, HF name)], joined on axis 0
         self.unmapped: list[str] = []
+        self.dropped: list[str] = []  # mapped to None: known, deliberately unused
         for key in self._where:
             for pattern, template in table:
                 m = pattern.fullmatch(key)
                 if m:
                     groups = m.groupdict()
-                    name = template.format(**groups)
-                    self._parts.setdefault(name, []).append((int(groups.get("e") or -1), key))
+                    names = _resolve(template, groups, config)
+                    if not names:
+                        self.dropped.append(key)
+                    for name in names:
+                        self._parts.setdefault(name, []).append((int(groups.get("e") or -1), key))
+                        if groups.get("cat") is not None:
+                            self._cat.setdefault(name, []).append((_cat_order(groups["cat"]), key))
                     break
             else:
                 self.unmapped.append(key)
@@ -87,9 +101,12 @@ class HFSource:
         return list(self._parts) + [f"hf:{k}" for k in self.unmapped]
 
     def get(self, name: str) -> QTensor:
-        parts = sorted(self._parts[name])
-        tensors = [self._read(key) for _, key in parts]
-        t = torch.stack(tensors) if parts[0][0] >= 0 else tensors[0]
+        if name in self._cat:
+            t = torch.cat([self._read(key) for _, key in self.locate(name)])
+        else:
+            parts = sorted(self._parts[name])
+            tensors = [self._read(key) for _, key in parts]
+            t = torch.stack(tensors) if parts[0][0] >= 0 else tensors[0]
         if self._sanitize is not None:
             t = self._sanitize(name, t, self._config)
         return QTensor.from_float(t)
@@ -103,6 +120,12 @@ class HFSource:
         size = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1}.get(dtype, 4)
         n = len(parts) if parts[0][0] >= 0 else 1
         full = (n, *shape) if parts[0][0] >= 0 else shape
+        if name in self._cat:
+            rows = 0
+            for file, key in self.locate(name):
+                with safe_open(file, "pt") as f:
+                    rows += f.get_slice(key).get_shape()[0]
+            full = (rows, *shape[1:])
         count = 1
         for d in full:
             count *= d
@@ -111,6 +134,33 @@ class HFSource:
     def _read(self, key: str) -> torch.Tensor:
         with safe_open(self._where[key], "pt") as f:
             return f.get_tensor(key)
+
+    def locate(self, name: str) -> list[tuple[str, str]]:
+        """(file, HF name) of each part of a GGUF name, in join order; nothing is read."""
+        keys = [key for _, key in sorted(self._cat[name])] if name in self._cat else \
+            [key for _, key in sorted(self._parts[name])]
+        return [(self._where[key], key) for key in keys]
+
+    def hf_tensor(self, key: str) -> torch.Tensor | None:
+        """One HF tensor by its own name, exactly as stored (int64 buffers stay int64); None if absent."""
+        return self._read(key) if key in self._where else None
+
+
+def _resolve(template, groups: dict, config) -> tuple[str, ...]:
+    if callable(template):
+        template = template(groups, config)
+        if isinstance(template, str):
+            return (template,)
+        return tuple(template or ())
+    if template is None:
+        return ()
+    if isinstance(template, str):
+        return (template.format(**groups),)
+    return tuple(t.format(**groups) for t in template)
+
+
+def _cat_order(value: str) -> tuple:
+    return (0, int(value), "") if value.isdigit() else (1, 0, value)
 
 
 def _shard_files(path: Path) -> list[str]:

@@ -12,6 +12,9 @@ import torch
 from strata import quant
 
 _NP_FLOAT = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}
+_NP_VALUE_TYPE = {np.dtype(np.uint64): gguf.GGUFValueType.UINT64, np.dtype(np.int64): gguf.GGUFValueType.INT64,
+                  np.dtype(np.uint32): gguf.GGUFValueType.UINT32, np.dtype(np.int32): gguf.GGUFValueType.INT32,
+                  np.dtype(np.float32): gguf.GGUFValueType.FLOAT32}
 
 
 def _value_type(value) -> gguf.GGUFValueType:
@@ -34,7 +37,10 @@ def write_gguf(path: str | Path, arch: str, metadata: dict,
     for key, value in metadata.items():
         if key == "general.architecture":
             continue
-        if isinstance(value, (list, tuple)):
+        if isinstance(value, np.ndarray):  # an explicit element type, e.g. uint64 hash constants
+            writer.add_key_value(key, value.tolist(), gguf.GGUFValueType.ARRAY,
+                                 sub_type=_NP_VALUE_TYPE[value.dtype])
+        elif isinstance(value, (list, tuple)):
             sub = _value_type(value[0]) if value else gguf.GGUFValueType.INT32
             if sub == gguf.GGUFValueType.UINT32:
                 sub = gguf.GGUFValueType.INT32

@@ -22,9 +22,13 @@ Weights (llama.cpp's names, `blk.N.` prefix): `attn_qkv` (conv channels: all q h
 all v heads), `attn_gate` (z), or the legacy fused `ssm_in` (HF's `in_proj_qkvz`, grouped per key
 head) split here at load; `ssm_ba` (HF's `in_proj_ba`, per key head [beta x r, alpha x r]);
 `ssm_conv1d` (conv_dim, K); `ssm_dt.bias`; `ssm_a` (= -exp(A_log)); `ssm_norm`; `ssm_out`.
+Qwen3.5-style files carry `ssm_beta` and `ssm_alpha` (value-head order) in place of `ssm_ba`;
+`gate_act` picks the output gate's activation (silu for Qwen3-Next, sigmoid for qwen4exp).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +48,9 @@ class GDNCache:
     def __init__(self):
         self.conv: torch.Tensor | None = None
         self.state: torch.Tensor | None = None
+        self.tracking = False  # speculative decoding: keep what `rollback` needs
+        self.pending: _Undo | None = None  # the last tracked forward's inputs
+        self.window: torch.Tensor | None = None  # its conv inputs, while tracking
 
     def ensure(self, batch: int, kernel: int, channels: int, heads: int, dk: int, dv: int,
                dtype: torch.dtype, device=None) -> None:
@@ -69,6 +76,44 @@ class GDNCache:
     def nbytes(self) -> int:
         return 0 if self.conv is None else self.conv.nbytes + self.state.nbytes
 
+    def track(self, on: bool = True) -> None:
+        """Speculative decoding: each forward from now on runs the token-by-token recurrence
+        (a decode step's arithmetic, so a verify pass matches plain decoding) and keeps its
+        starting state, its delta-rule inputs and its conv window, so `rollback` can restore
+        the state after any prefix of it."""
+        self.tracking = on
+        self.pending = None
+
+    def rollback(self, n_drop: int) -> None:
+        """Undo the last `n_drop` real tokens of the last (tracked) forward: the state is
+        recomputed from that forward's start over the kept tokens only (dropped steps get
+        g = beta = 0, which leaves the state exactly as it was), and the conv window is
+        re-read at the kept end."""
+        p = self.pending
+        if p is None:
+            raise ValueError("GDNCache.rollback needs track() on before the forward it undoes")
+        keep = p.n_new - n_drop  # (B,)
+        if bool((keep < 0).any()):
+            raise ValueError(f"cannot drop {n_drop} tokens from a forward of {p.n_new.tolist()}")
+        kept = (torch.arange(p.g.shape[1], device=keep.device)[None, :] < keep[:, None])[..., None]
+        _, self.state = gated_delta_rule(p.q, p.k, p.v, p.g * kept, p.beta * kept, p.state, recurrent=True)
+        idx = keep[:, None] + torch.arange(self.conv.shape[1], device=keep.device)
+        self.conv = p.window.gather(1, idx[..., None].expand(-1, -1, p.window.shape[2]))
+        self.pending = p._replace(n_new=keep)
+
+
+class _Undo(NamedTuple):
+    """A tracked forward, as `GDNCache.rollback` replays it."""
+
+    state: torch.Tensor  # the state before the forward
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor  # padding already zeroed
+    beta: torch.Tensor
+    window: torch.Tensor  # (B, K-1+T, C): the conv state, then this forward's conv inputs
+    n_new: torch.Tensor  # (B,) real tokens per row
+
 
 def split_ssm_in(qkvz: torch.Tensor, n_k_heads: int, n_v_heads: int, dk: int, dv: int):
     """HF's `in_proj_qkvz` (llama.cpp's legacy `ssm_in`), rows grouped per key head as
@@ -85,8 +130,9 @@ class GatedDeltaNet(nn.Module):
     """The linear-attention mixer; called like `Attention` (x, cache, step, rope_cs, tap)."""
 
     def __init__(self, w: WeightLoader, prefix: str, hidden: int, n_k_heads: int, n_v_heads: int,
-                 dk: int, dv: int, kernel: int, eps: float, chunk: int = 64):
+                 dk: int, dv: int, kernel: int, eps: float, chunk: int = 64, gate_act: str = "silu"):
         super().__init__()
+        self.gate_act = gate_act
         if n_v_heads % n_k_heads:
             raise ValueError(f"{n_v_heads} value heads are not a multiple of {n_k_heads} key heads")
         self.nk, self.nv, self.dk, self.dv = n_k_heads, n_v_heads, dk, dv
@@ -101,9 +147,13 @@ class GatedDeltaNet(nn.Module):
             fused = w.dense(f"{p}.ssm_in.weight", (self.conv_dim + self.value_dim, hidden))
             self.wqkv, self.wz = split_ssm_in(fused, n_k_heads, n_v_heads, dk, dv)
         r = n_v_heads // n_k_heads
-        ba = w.dense(f"{p}.ssm_ba.weight", (2 * n_v_heads, hidden)).reshape(n_k_heads, 2, r, hidden)
-        self.wb = ba[:, 0].reshape(n_v_heads, hidden).contiguous()  # beta logits, value-head order
-        self.wa = ba[:, 1].reshape(n_v_heads, hidden).contiguous()  # alpha (decay) logits
+        if w.has(f"{p}.ssm_beta.weight"):  # Qwen3.5 layout: two tensors, value-head order
+            self.wb = w.dense(f"{p}.ssm_beta.weight", (n_v_heads, hidden))
+            self.wa = w.dense(f"{p}.ssm_alpha.weight", (n_v_heads, hidden))
+        else:
+            ba = w.dense(f"{p}.ssm_ba.weight", (2 * n_v_heads, hidden)).reshape(n_k_heads, 2, r, hidden)
+            self.wb = ba[:, 0].reshape(n_v_heads, hidden).contiguous()  # beta logits, value-head order
+            self.wa = ba[:, 1].reshape(n_v_heads, hidden).contiguous()  # alpha (decay) logits
         self.conv_w = w.dense(f"{p}.ssm_conv1d.weight", (self.conv_dim, kernel))
         self.dt_bias = w.dense(f"{p}.ssm_dt.bias", (n_v_heads,)).float()
         self.a = w.dense(f"{p}.ssm_a", (n_v_heads,)).float()  # -exp(A_log)
@@ -126,9 +176,12 @@ class GatedDeltaNet(nn.Module):
         g = self.a * F.softplus(F.linear(x, self.wa).float() + self.dt_bias)
         keep = real[..., None]
         beta, g = beta * keep, g * keep  # padding: no write, no decay
-        out, cache.state = gated_delta_rule(q, k, v, g, beta, cache.state, self.chunk)
+        start = cache.state
+        out, cache.state = gated_delta_rule(q, k, v, g, beta, start, self.chunk, recurrent=cache.tracking)
+        if cache.tracking:
+            cache.pending = _Undo(start, q, k, v, g, beta, cache.window, step.n_new.to(x.device))
         z = F.linear(x, self.wz).reshape(b, t, self.nv, self.dv)
-        out = gated_rms_norm(out.to(x.dtype), z, self.norm, self.eps)
+        out = gated_rms_norm(out.to(x.dtype), z, self.norm, self.eps, self.gate_act)
         if tap is not None:
             tap("final_output", out)  # llama.cpp's name: gated-normed, before ssm_out
         return F.linear(out.reshape(b, t, self.value_dim), self.wo)
@@ -144,14 +197,17 @@ class GatedDeltaNet(nn.Module):
         # row b's last K-1 real inputs sit at full[b, n_b : n_b + K-1]
         idx = n_new[:, None] + torch.arange(self.kernel - 1, device=x.device)
         cache.conv = full.gather(1, idx[..., None].expand(-1, -1, full.shape[2]))
+        cache.window = full if cache.tracking else None
         return out
 
 
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm over each head's d_v (fp32), times weight, times silu(z)."""
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   act: str = "silu") -> torch.Tensor:
+    """RMS norm over each head's d_v (fp32), times weight, times silu(z) (or sigmoid(z))."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    out = (weight * xf.to(x.dtype)) * F.silu(z.float())
+    gate = torch.sigmoid(z.float()) if act == "sigmoid" else F.silu(z.float())
+    out = (weight * xf.to(x.dtype)) * gate
     return out.to(x.dtype)
 
 
@@ -159,11 +215,12 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
+def gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, recurrent: bool = False):
     """q, k (B, T, H_k, d_k); v (B, T, H_v, d_v); g, beta (B, T, H_v); state (B, H_v, d_k, d_v).
 
     Returns the output (B, T, H_v, d_v) fp32 and the new state. Key heads are shared by
-    H_v / H_k consecutive value heads. One token runs the recurrence, more run in chunks.
+    H_v / H_k consecutive value heads. One token runs the recurrence, more run in chunks
+    (unless `recurrent`: a speculative verify pass runs its few tokens one by one).
     """
     r = v.shape[2] // q.shape[2]
     if r > 1:
@@ -171,7 +228,7 @@ def gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
     q, k, v, g, beta = (u.transpose(1, 2).float() for u in (q, k, v, g, beta))  # heads first
     q, k = l2norm(q), l2norm(k)
     q = q * q.shape[-1] ** -0.5
-    if q.shape[2] == 1:
+    if q.shape[2] == 1 or recurrent:
         out, state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
     else:
         out, state = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk)

@@ -1,0 +1,65 @@
+"""Hyper-connections: a residual `hc` streams wide, mixed into one block input by a low-rank gate.
+
+The residual is (B, T, hc * hidden), stream s at [s*hidden, (s+1)*hidden). Before a block:
+
+    xn    = grouped_rms_norm(x) * norm          (each stream normalised on its own; norm spans hc*hidden)
+    gate  = sigmoid(up(silu(down(xn) / hc)))    (hc*hidden -> rank -> hc*hidden)
+    mixed = mean over streams of gate * xn      (the block's input, hidden wide)
+    w     = 2 * sigmoid(inject(xn) / hc)        (one weight per stream)
+
+and after it every stream adds the block's output scaled by its own weight: x_s + w_s * out.
+The residual itself is never normalised; only the block input is. The final mixer (no inject)
+takes the place of the output norm.
+
+Weights, llama.cpp's names: `blk.N.hc_attn_{norm,down,up,inject}`, `blk.N.hc_ffn_{...}` and
+`output_hc_{norm,down,up}`; the norm is zero-centred in HF and stored as 1 + w.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.models.weights import WeightLoader
+
+
+def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, group: int, eps: float) -> torch.Tensor:
+    """RMS norm of each `group`-wide slice of the last dim (fp32), times `weight` over the whole width."""
+    xf = x.float()
+    shape = xf.shape
+    xf = xf.reshape(*shape[:-1], -1, group)
+    xf = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).reshape(shape)
+    return (xf * weight.float()).to(x.dtype)
+
+
+class HyperConnection(nn.Module):
+    """One hyper-connection mixer; `inject=False` for the final one (it only mixes)."""
+
+    def __init__(self, w: WeightLoader, prefix: str, hidden: int, hc: int, rank: int, eps: float,
+                 inject: bool = True):
+        super().__init__()
+        self.hidden, self.hc, self.eps = hidden, hc, eps
+        width = hc * hidden
+        self.norm = w.dense(f"{prefix}_norm.weight", (width,))
+        self.down = w.dense(f"{prefix}_down.weight", (rank, width))
+        self.up = w.dense(f"{prefix}_up.weight", (width, rank))
+        self.inject = w.dense(f"{prefix}_inject.weight", (hc, width)) if inject else None
+
+    def mix(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (..., hc*hidden) -> (block input (..., hidden), per-stream weights (..., hc) or None)."""
+        xn = grouped_rms_norm(x, self.norm, self.hidden, self.eps)
+        gate = torch.sigmoid(F.linear(F.silu(F.linear(xn, self.down) / self.hc), self.up))
+        streams = (gate * xn).unflatten(-1, (self.hc, self.hidden))
+        mixed = streams.mean(dim=-2)
+        if self.inject is None:
+            return mixed, None
+        return mixed, 2 * torch.sigmoid(F.linear(xn, self.inject) / self.hc)
+
+    @staticmethod
+    def combine(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every stream of the residual x adds the block output `out`, scaled by its weight."""
+        return x + (out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mix(x)[0]

@@ -1,0 +1,504 @@
+"""The per-layer n-gram embedding (PLE) table, read row by row from the file, never whole.
+
+Each token of a PLE layer looks up `(ngram_size - 1) * heads_per_ngram` rows of one big table
+(Qwen4-Exp's is ~320M rows, ~90 GB). Which rows depends only on the token ids:
+
+    ctx   = the token and its ngram_size - 1 predecessors, where everything at or before an EOS
+            in the window (and everything before the sequence start) reads as EOS
+    mixed = (ctx[0] * m[0]) ^ (ctx[1] * m[1]) ^ ... ^ (ctx[n-1] * m[n-1])   for n = 2..ngram_size
+    row   = mixed % vocab[h] + offset[h]       for the heads_per_ngram heads h of order n
+
+in uint64 (transformers' int64 never overflows: m < 2^63 / vocab). The multipliers m come from a
+splitmix64 of the seed, the per-head moduli are consecutive primes from `ngram_vocab_size_base`
+and the offsets their running sum (transformers' `Qwen4ExpTextNGramEmbedding`); a GGUF carries
+all three as llama.cpp writes them (`ple.layer_multipliers`, `ple.head_vocab_sizes`,
+`ple.head_offsets`, uint64 arrays).
+
+`NgramTable` reads only those rows, with `os.pread` on its own file descriptors, on a small
+thread pool, into an LRU row cache bounded in bytes. `request(rows)` starts the reads and
+returns at once; `Pending.result()` waits for them. The model starts the reads of a step at the
+top of its forward, so they overlap the layers before the PLE layer; since rows depend only on
+the input, a caller may also `request` the prompt's rows, or a sampled token's, earlier.
+`stats()` reports rows and bytes read, cache hits, time spent in reads and time a forward
+waited for them (what the reads add to a decode step), per token.
+
+Before any row is read the table's geometry is checked against the hash: a table too small for
+the head ranges, with the wrong row width, or whose bytes run past the end of its file is
+refused, naming the numbers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+from strata import quant
+from strata.errors import BadModelFile
+
+TABLE = "per_layer_token_embd.weight"  # llama.cpp's name for the joined table
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_PRIME_1 = 10007
+
+
+def _splitmix64(v: int) -> int:
+    v = (v + _GAMMA) & _MASK64
+    v = ((v ^ (v >> 30)) * _M1) & _MASK64
+    v = ((v ^ (v >> 27)) * _M2) & _MASK64
+    return (v ^ (v >> 31)) & _MASK64
+
+
+def layer_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int) -> list[int]:
+    """Odd multipliers below 2^63 / vocab, one per n-gram position (transformers' construction)."""
+    half = max(1, (((1 << 63) - 1) // max(vocab_size, 1)) // 2)
+    base = seed + _PRIME_1 * ple_index
+    return [2 * (_splitmix64((base + _GAMMA * (i + 1)) & _MASK64) % half) + 1 for i in range(ngram_size)]
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    if n % 2 == 0:
+        return n == 2
+    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
+
+
+def head_vocab_sizes(base: int, n_heads: int, ple_index: int) -> list[int]:
+    """Head h of PLE module k hashes into the (k * n_heads + h + 1)-th prime >= base."""
+    sizes, p = [], base - 1
+    for g in range((ple_index + 1) * n_heads):
+        p += 1
+        while not _is_prime(p):
+            p += 1
+        if g >= ple_index * n_heads:
+            sizes.append(p)
+    return sizes
+
+
+@dataclass(frozen=True)
+class NgramHash:
+    """Token ids -> table rows; pure, so rows can be computed (and read) before the forward."""
+
+    ngram_size: int
+    heads_per_ngram: int
+    multipliers: tuple[int, ...]
+    vocab_sizes: tuple[int, ...]  # per head: the modulus
+    offsets: tuple[int, ...]  # per head: its first row
+    eos: int
+
+    @property
+    def n_heads(self) -> int:
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    @property
+    def context(self) -> int:
+        return self.ngram_size - 1
+
+    @property
+    def min_rows(self) -> int:
+        return max(o + v for o, v in zip(self.offsets, self.vocab_sizes))
+
+    def __post_init__(self):
+        if self.ngram_size < 2 or self.heads_per_ngram < 1:
+            raise BadModelFile(f"PLE n-gram size {self.ngram_size} / heads per n-gram {self.heads_per_ngram} "
+                               "are out of range", "the n-gram size must be at least 2")
+        for what, values, need in (("multipliers", self.multipliers, self.ngram_size),
+                                   ("head vocab sizes", self.vocab_sizes, self.n_heads),
+                                   ("head offsets", self.offsets, self.n_heads)):
+            if len(values) < need:
+                raise BadModelFile(f"PLE {what}: {len(values)} entries, at least {need} are required")
+        if any(v <= 0 for v in self.vocab_sizes[:self.n_heads]):
+            raise BadModelFile("a PLE head has a vocabulary size of 0")
+
+    @classmethod
+    def from_config(cls, cfg: dict, ple_index: int = 0) -> "NgramHash":
+        n, per = cfg.get("ngram_size", 3), cfg.get("heads_per_ngram", 8)
+        heads = (n - 1) * per
+        sizes = head_vocab_sizes(cfg.get("ngram_vocab_size_base", 20_000_000), heads, ple_index)
+        offsets = [sum(sizes[:h]) for h in range(heads)]
+        mult = layer_multipliers(cfg["vocab_size"], n, ple_index, cfg.get("seed", 1234))
+        return cls(n, per, tuple(mult), tuple(sizes), tuple(offsets), eos_of(cfg))
+
+    @classmethod
+    def from_gguf(cls, meta: dict, arch: str) -> "NgramHash":
+        def need(key):
+            if f"{arch}.{key}" not in meta:
+                raise BadModelFile(f"GGUF metadata key '{arch}.{key}' is missing",
+                                   "the file lists PLE layers but not the n-gram hash; re-convert it")
+            return meta[f"{arch}.{key}"]
+
+        return cls(int(need("ple.ngram_size")), int(need("ple.heads_per_ngram")),
+                   tuple(int(v) for v in need("ple.layer_multipliers")),
+                   tuple(int(v) for v in need("ple.head_vocab_sizes")),
+                   tuple(int(v) for v in need("ple.head_offsets")), int(need("ple.eos_token_id")))
+
+    def initial_context(self, batch: int) -> torch.Tensor:
+        return torch.full((batch, self.context), self.eos, dtype=torch.long)
+
+    def rows(self, tokens: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T), context (B, ngram_size-1: the previous tokens, EOS-filled at the start)
+        -> (B, T, n_heads) int64 row ids."""
+        hist = torch.cat([context.to(tokens.device), tokens], dim=1).long().cpu()
+        shifted = [self._shift(hist, s).numpy().astype(np.uint64) for s in range(self.ngram_size)]
+        mult = [np.uint64(m) for m in self.multipliers]
+        out = []
+        with np.errstate(over="ignore"):  # uint64 wraps as llama.cpp's does; transformers' never reaches it
+            mixed = shifted[0] * mult[0]
+            for n in range(2, self.ngram_size + 1):
+                mixed = mixed ^ (shifted[n - 1] * mult[n - 1])
+                heads = slice((n - 2) * self.heads_per_ngram, (n - 1) * self.heads_per_ngram)
+                sizes = np.array(self.vocab_sizes[heads], dtype=np.uint64)
+                offs = np.array(self.offsets[heads], dtype=np.uint64)
+                out.append(mixed[..., None] % sizes + offs)
+        ids = np.concatenate(out, axis=-1).astype(np.int64)
+        return torch.from_numpy(ids[:, self.context:])
+
+    def next_context(self, context: torch.Tensor, tokens: torch.Tensor, n_new: torch.Tensor) -> torch.Tensor:
+        """Each row's last ngram_size-1 real tokens after this step (rows with none keep theirs)."""
+        hist = torch.cat([context.to(tokens.device), tokens], dim=1).long()
+        idx = n_new.to(hist.device)[:, None] + torch.arange(self.context, device=hist.device)
+        return hist.gather(1, idx).cpu()
+
+    def _shift(self, ids: torch.Tensor, shift: int) -> torch.Tensor:
+        """transformers' `_shift_right_ignore_eos`: the token `shift` back, or EOS across a reset."""
+        if shift == 0:
+            return ids
+        b, n = ids.shape
+        pos = torch.arange(n)
+        eos_at = torch.where(ids == self.eos, pos, -1)
+        last = torch.cummax(eos_at, dim=1).values
+        previous = torch.cat([eos_at.new_full((b, 1), -1), last[:, :-1]], dim=1)
+        in_segment = pos[None] - (previous + 1)
+        src = pos - shift
+        shifted = ids.gather(1, src.clamp_min(0)[None].expand(b, -1))
+        valid = (in_segment >= shift) & (src[None] >= 0)
+        return torch.where(valid, shifted, torch.full_like(ids, self.eos))
+
+
+def eos_of(cfg: dict) -> int:
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None  # transformers resets on the first
+    if eos is None:
+        raise BadModelFile("config.json has no eos_token_id", "PLE needs it: the n-gram context resets on EOS")
+    return int(eos)
+
+
+@dataclass(frozen=True)
+class Segment:
+    path: str
+    offset: int  # byte offset of the segment's first row
+    rows: int
+
+
+class Pending:
+    """Reads under way for one `request`; `result()` waits and returns the rows."""
+
+    def __init__(self, table: "NgramTable", shape, unique: np.ndarray, inverse: np.ndarray, have: dict, futures):
+        self.table, self.shape, self.unique, self.inverse = table, shape, unique, inverse
+        self.have, self.futures = have, futures
+
+    def result(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t0 = time.perf_counter()
+        for f in self.futures:
+            self.have.update(f.result())
+        self.table._waited(time.perf_counter() - t0)
+        self.table._touch(self.unique[self.inverse].tolist(), self.have)  # LRU order: the order of use
+        data = b"".join(self.have[r] for r in self.unique.tolist())
+        rows = self.table.decode(data, len(self.unique))
+        return rows[torch.from_numpy(self.inverse)].reshape(*self.shape, -1).to(dtype)
+
+
+class NgramTable:
+    """Rows of a (rows, dim) table stored in one or more file segments; see the module docstring."""
+
+    def __init__(self, segments: list[Segment], dim: int, qtype: gguf.GGMLQuantizationType,
+                 cache_bytes: int = 32 << 20, workers: int = 4, description: str = "n-gram table"):
+        self.segments, self.dim, self.qtype = segments, dim, qtype
+        self.row_bytes = quant.row_bytes(qtype, dim)
+        self.rows = sum(s.rows for s in segments)
+        self.description = description
+        self._starts = np.cumsum([0] + [s.rows for s in segments]).tolist()
+        self._check_files()
+        self._fds = {p: os.open(p, os.O_RDONLY) for p in {s.path for s in segments}}
+        for fd in self._fds.values():  # scattered rows: read-ahead would only fetch pages nobody wants
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self._inflight: dict = {}  # row -> the future reading it
+        self.cache_bytes = cache_bytes
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ngram-read")
+        self._workers = workers
+        self._lock = threading.Lock()
+        self.reset_stats()
+
+    # -- opening -----------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, file, hash_: NgramHash, row_dim: int, name: str = TABLE, **kw) -> "NgramTable":
+        """The table tensor of a `GGUFFile`, checked against the hash before any row is read."""
+        info = file.tensors.get(name)
+        if info is None:
+            raise BadModelFile(f"{file.path}: tensor {name!r} is missing",
+                               "the file lists PLE layers but has no n-gram table")
+        if len(info.shape) != 2 or info.shape[1] != row_dim:
+            raise BadModelFile(f"{file.path}: {name} has shape {info.shape}, but its rows must hold "
+                               f"{row_dim} values (embedding_length_per_layer_input)",
+                               "the metadata and the table disagree; re-convert the model")
+        _check_rows(f"{file.path}: {name}", info.shape[0], hash_)
+        if info.n_bytes != info.shape[0] * quant.row_bytes(info.qtype, row_dim):
+            raise BadModelFile(f"{file.path}: {name} has {info.n_bytes} bytes for {info.shape[0]} rows of "
+                               f"{quant.row_bytes(info.qtype, row_dim)}")
+        return cls([Segment(str(file.path), info.offset, info.shape[0])], row_dim, info.qtype,
+                   description=f"{file.path}:{name}", **kw)
+
+    @classmethod
+    def from_safetensors(cls, parts: list[tuple[str, str]], hash_: NgramHash, row_dim: int,
+                         expected_rows: int | None = None, **kw) -> "NgramTable":
+        """A table sharded over safetensors tensors [(file, name), ...], joined in that order."""
+        segments, qtype, headers = [], None, {}
+        for path, key in parts:
+            if path not in headers:  # a real checkpoint spreads hundreds of shards over a few files
+                headers[path] = _safetensors_header(path)
+            header, data_start = headers[path]
+            e = header[key]
+            dtype, shape, (begin, end) = e["dtype"], e["shape"], e["data_offsets"]
+            t = _SAFETENSORS_TYPES.get(dtype)
+            if t is None:
+                raise BadModelFile(f"{path}: {key} is stored as {dtype}", "the n-gram table must be F32, F16 or BF16")
+            if qtype not in (None, t) or len(shape) != 2 or shape[1] != row_dim:
+                raise BadModelFile(f"{path}: {key} has shape {tuple(shape)} ({dtype}), expected rows of {row_dim} "
+                                   "values like the other shards")
+            qtype = t
+            if end - begin != shape[0] * quant.row_bytes(t, row_dim):
+                raise BadModelFile(f"{path}: {key} spans {end - begin} bytes, but {shape[0]} rows of {row_dim} "
+                                   f"{dtype} values take {shape[0] * quant.row_bytes(t, row_dim)}")
+            segments.append(Segment(path, data_start + begin, shape[0]))
+        if not segments:
+            raise BadModelFile("the checkpoint has no n-gram embedding table", "download every shard")
+        total = sum(s.rows for s in segments)
+        where = f"{parts[0][0]}: {parts[0][1].rsplit('.shard_', 1)[0]}"
+        if expected_rows is not None and total != expected_rows:
+            raise BadModelFile(f"{where}: the n-gram table has {total} rows in {len(parts)} shards, but the config "
+                               f"makes it {expected_rows} rows", "a shard is missing or the config is for another "
+                               "checkpoint")
+        _check_rows(where, total, hash_)
+        return cls(segments, row_dim, qtype, description=where, **kw)
+
+    def _check_files(self) -> None:
+        for s in self.segments:
+            size = os.stat(s.path).st_size
+            end = s.offset + s.rows * self.row_bytes
+            if end > size:
+                raise BadModelFile(f"{s.path}: the n-gram table's {s.rows} rows of {self.row_bytes} bytes end at "
+                                   f"byte {end}, but the file has {size} bytes",
+                                   "the file was cut short; fetch it again")
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def request(self, rows: torch.Tensor | np.ndarray) -> Pending:
+        """Start reading the rows not already cached; returns at once."""
+        rows = np.asarray(rows.cpu() if isinstance(rows, torch.Tensor) else rows, dtype=np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.rows):
+            raise BadModelFile(f"{self.description}: row {int(rows.max())} requested from a table of {self.rows}")
+        unique, inverse = np.unique(rows.reshape(-1), return_inverse=True)
+        have, missing, futures = {}, [], {}
+        with self._lock:
+            for r in unique.tolist():
+                data = self._cache.get(r)
+                if data is not None:
+                    have[r] = data
+                elif r in self._inflight:  # an earlier request (a prefetch) is reading it already
+                    futures[id(self._inflight[r])] = self._inflight[r]
+                else:
+                    missing.append(r)
+            self._stats["requests"] += 1
+            self._stats["rows_requested"] += int(rows.size)
+            self._stats["unique_rows"] += len(unique)
+            self._stats["cache_hits"] += len(have)
+            runs = self._runs(missing)
+            n_tasks = min(self._workers, len(runs))
+            for i in range(n_tasks):
+                mine = runs[i::n_tasks]
+                future = self._pool.submit(self._read_runs, mine)
+                futures[id(future)] = future
+                for first, count in mine:
+                    for r in range(first, first + count):
+                        self._inflight[r] = future
+        return Pending(self, rows.shape, unique, inverse, have, list(futures.values()))
+
+    def gather(self, rows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows (any shape of ids) -> (*shape, dim), read now."""
+        return self.request(rows).result(dtype)
+
+    def decode(self, data: bytes, n: int) -> torch.Tensor:
+        if n == 0:
+            return torch.zeros(0, self.dim)
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(n, self.row_bytes)
+        if self.qtype == gguf.GGMLQuantizationType.F32:
+            return raw.view(torch.float32)
+        if self.qtype == gguf.GGMLQuantizationType.F16:
+            return raw.view(torch.float16).float()
+        if self.qtype == gguf.GGMLQuantizationType.BF16:
+            return raw.view(torch.bfloat16).float()
+        return quant.dequantize(raw, self.qtype, (n, self.dim))
+
+    def _runs(self, rows: list[int]) -> list[tuple[int, int]]:
+        """Sorted rows -> (first row, count) runs of neighbours within one segment, one pread each."""
+        runs: list[list[int]] = []
+        for r in rows:
+            if runs and r == runs[-1][0] + runs[-1][1] and self._segment(r) == self._segment(runs[-1][0]):
+                runs[-1][1] += 1
+            else:
+                runs.append([r, 1])
+        return [(a, n) for a, n in runs]
+
+    def _segment(self, row: int) -> int:
+        return bisect.bisect_right(self._starts, row) - 1
+
+    def _read_runs(self, runs) -> dict[int, bytes]:
+        out, n_bytes, t0 = {}, 0, time.perf_counter()
+        for first, count in runs:
+            seg = self._segment(first)
+            s = self.segments[seg]
+            offset = s.offset + (first - self._starts[seg]) * self.row_bytes
+            size = count * self.row_bytes
+            data = os.pread(self._fds[s.path], size, offset)
+            if len(data) != size:
+                raise BadModelFile(f"{s.path}: short read of the n-gram table at byte {offset}")
+            n_bytes += size
+            for i in range(count):
+                out[first + i] = data[i * self.row_bytes:(i + 1) * self.row_bytes]
+        with self._lock:
+            self._insert(out)
+            for r in out:
+                self._inflight.pop(r, None)
+            self._stats["rows_read"] += len(out)
+            self._stats["bytes_read"] += n_bytes
+            self._stats["read_calls"] += len(runs)
+            self._stats["read_s"] += time.perf_counter() - t0
+        return out
+
+    def _insert(self, rows: dict[int, bytes]) -> None:
+        """Cache rows just read (under the lock), evicting the least recently used past the bound."""
+        if self.cache_bytes <= 0:
+            return
+        for r, data in rows.items():
+            self._cache[r] = data
+        limit = self.cache_bytes // self.row_bytes
+        while len(self._cache) > limit:
+            self._cache.popitem(last=False)
+
+    def _touch(self, order: list[int], data: dict[int, bytes]) -> None:
+        """Mark rows used, the last used last (the LRU order), re-caching any evicted meanwhile."""
+        if self.cache_bytes <= 0:
+            return
+        with self._lock:
+            for r in order:
+                self._cache[r] = data[r]
+                self._cache.move_to_end(r)
+            limit = self.cache_bytes // self.row_bytes
+            while len(self._cache) > limit:
+                self._cache.popitem(last=False)
+
+    def _waited(self, seconds: float) -> None:
+        with self._lock:
+            self._stats["wait_s"] += seconds
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def count_tokens(self, n: int) -> None:
+        with self._lock:
+            self._stats["tokens"] += n
+
+    def reset_stats(self) -> None:
+        self._stats = dict(requests=0, tokens=0, rows_requested=0, unique_rows=0, cache_hits=0, rows_read=0,
+                           bytes_read=0, read_calls=0, read_s=0.0, wait_s=0.0)
+
+    def stats(self) -> dict:
+        """Counters since the last `reset_stats()`, with per-token figures."""
+        with self._lock:
+            s = dict(self._stats)
+            cached = len(self._cache)
+        tokens = max(s["tokens"], 1)
+        s.update(row_bytes=self.row_bytes, table_rows=self.rows, table_bytes=self.rows * self.row_bytes,
+                 cached_rows=cached, cache_bytes=cached * self.row_bytes, cache_limit_bytes=self.cache_bytes,
+                 bytes_read_per_token=s["bytes_read"] / tokens, rows_read_per_token=s["rows_read"] / tokens,
+                 read_s_per_token=s["read_s"] / tokens, wait_s_per_token=s["wait_s"] / tokens)
+        return s
+
+    def drop_cache(self, rows: bool = True) -> None:
+        """Ask the kernel to drop the table's pages, and forget the cached rows unless `rows=False`
+        (for benchmarks: the next reads come from the device)."""
+        if rows:
+            with self._lock:
+                self._cache.clear()
+        for s in self.segments:
+            fd = self._fds[s.path]
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, s.offset, s.rows * self.row_bytes, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+    def __del__(self):
+        try:
+            self._pool.shutdown(wait=False)
+            for fd in self._fds.values():
+                os.close(fd)
+        except Exception:
+            pass
+
+
+def _check_rows(where: str, rows: int, hash_: NgramHash) -> None:
+    if rows < hash_.min_rows:
+        raise BadModelFile(f"{where} has {rows} rows, but its {hash_.n_heads} hash heads reach row "
+                           f"{hash_.min_rows} (offset + vocabulary of the last head)",
+                           "the table and the metadata disagree; re-convert the model")
+
+
+_SAFETENSORS_TYPES = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
+                      "BF16": gguf.GGMLQuantizationType.BF16}
+
+
+def _safetensors_header(path: str) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+def open_table(source, hash_: NgramHash, row_dim: int, expected_rows: int | None = None,
+               name: str = TABLE, **kw) -> NgramTable:
+    """The table of a weight source: a GGUF (`GGUFSource`) or an HF checkpoint (`HFSource`)."""
+    if hasattr(source, "file"):
+        return NgramTable.from_gguf(source.file, hash_, row_dim, name, **kw)
+    if name not in source.names():
+        raise BadModelFile(f"{source.description}: the n-gram embedding table is missing",
+                           "download every safetensors shard")
+    return NgramTable.from_safetensors(source.locate(name), hash_, row_dim, expected_rows, **kw)
+
+
+def padded_rows(hash_: NgramHash, divisor: int) -> int:
+    total = sum(hash_.vocab_sizes[:hash_.n_heads])
+    return math.ceil(total / divisor) * divisor
+
+
+__all__ = ["NgramHash", "NgramTable", "Pending", "Segment", "TABLE", "head_vocab_sizes", "layer_multipliers",
+           "open_table", "padded_rows", "eos_of"]
