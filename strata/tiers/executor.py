@@ -1,0 +1,129 @@
+"""The hybrid MoE executor: hits on the device from cache slots, misses on a CPU pool, at once.
+
+Per layer the router's experts split into those on the device (cache hits, misses the
+policy copies in, layers pinned to the device) and those computed on the CPU from their
+home. Both halves are the reference grouped product (`run_experts`) over the same
+dequantized bytes; their sum, in the router's weights, equals the all-resident output
+within floating-point rounding, whatever the cache holds.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from strata.models.layers import run_experts
+from strata.tiers.device_cache import DeviceCache
+from strata.tiers.stats import TierStats
+from strata.tiers.store import ExpertFormat
+
+
+def expert_product(x, ids, weights, experts: set[int], fmt: ExpertFormat, parts) -> torch.Tensor:
+    """The grouped product over `experts`, computed as the resident path computes it.
+
+    On the CPU, types with a compiled kernel multiply by the stored blocks directly (as
+    `ResidentExperts` does through `strata.kernels`); elsewhere, the reference: dequantize
+    the bytes and `run_experts`. `parts(e)` gives an expert's (gate, up, down) bytes.
+    """
+    from strata import kernels
+
+    if kernels.experts_fast_ok(x, *fmt.qtensors(parts(next(iter(experts))))):
+        return _grouped(x, ids, weights, experts, lambda xs, e: kernels.expert_forward(xs, *fmt.qtensors(parts(e))))
+    return run_experts(x, ids, weights, lambda e: fmt.weights(parts(e), x.dtype), experts)
+
+
+def _grouped(x, ids, weights, experts: set[int], forward) -> torch.Tensor:
+    """`run_experts`' grouping (each expert's tokens in one call) with `forward(xs, e)` per expert."""
+    out = torch.zeros_like(x)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    used, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    token_of, w = order // ids.shape[1], weights.reshape(-1)
+    start = 0
+    for e, n in zip(used.tolist(), counts.tolist()):
+        sel, tok = order[start:start + n], token_of[start:start + n]
+        start += n
+        if e in experts:
+            out.index_add_(0, tok, forward(x[tok], e) * w[sel, None])
+    return out
+
+
+class CpuLane:
+    """`threads` workers computing missed experts where their weights live (RAM or disk)."""
+
+    def __init__(self, threads: int, homes: dict, formats: dict[int, ExpertFormat]):
+        self.threads = max(1, threads)
+        self.homes, self.formats = homes, formats
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="strata-cpu")
+
+    def submit(self, layer: int, x, ids, weights, experts: list[int]) -> list[Future]:
+        if not experts:
+            return []
+        x, ids, weights = x.cpu(), ids.cpu(), weights.cpu()
+        groups = [experts[i::self.threads] for i in range(min(self.threads, len(experts)))]
+        return [self.pool.submit(self._run, layer, x, ids, weights, set(g)) for g in groups]
+
+    def _run(self, layer, x, ids, weights, experts: set[int]) -> torch.Tensor:
+        home = self.homes[layer]
+        with torch.inference_mode():
+            return expert_product(x, ids, weights, experts, self.formats[layer], lambda e: home.parts(layer, e))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+class HybridExecutor:
+    """Serves every MoE layer; `TieredExperts` is the per-module face the model calls."""
+
+    def __init__(self, homes: dict, formats: dict[int, ExpertFormat], cache: DeviceCache | None,
+                 lane: CpuLane, stats: TierStats, n_experts: int, device: torch.device, tracer=None):
+        self.homes, self.formats, self.cache, self.lane = homes, formats, cache, lane
+        self.stats, self.n_experts, self.device, self.tracer = stats, n_experts, device, tracer
+        self.prefill = False  # set per forward: prefill misses go to the reserved slots
+        self.positions = None
+
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.tracer is not None:
+            self.tracer.record(layer, self.positions, ids, weights)
+        used = torch.unique(ids).tolist()
+        on_device, on_cpu = self._split(layer, used)
+        futures = self.lane.submit(layer, x, ids, weights, on_cpu)  # starts now, runs beside the device
+        out = self._device(layer, x, ids, weights, set(on_device))
+        for f in futures:
+            out += f.result().to(out.device)
+        return out.to(x.device)
+
+    def _split(self, layer: int, used: list[int]) -> tuple[list[int], list[int]]:
+        """Experts for the device and for the CPU; counts the step."""
+        base = layer * self.n_experts
+        keys = [base + e for e in used]
+        kind = self.homes[layer].kind
+        if kind == "gpu" or self.cache is None:  # pinned on the device, or no cache at all
+            hits, copied, cpu = (keys, [], []) if kind == "gpu" else ([], [], keys)
+        else:
+            hits, copied, cpu = self.cache.request(keys, self.prefill)
+        self.stats.step(layer, keys, hits, copied, cpu, self.formats[layer].nbytes)
+        return [k - base for k in hits + copied], [k - base for k in cpu]
+
+    def _device(self, layer, x, ids, weights, experts: set[int]) -> torch.Tensor:
+        if not experts:
+            return torch.zeros_like(x, device=self.device)
+        fmt, home = self.formats[layer], self.homes[layer]
+        base = layer * self.n_experts
+        if home.kind == "gpu":
+            parts = lambda e: home.parts(layer, e)  # noqa: E731
+        else:
+            parts = lambda e: self.cache.parts(base + e, fmt)  # noqa: E731
+        d = self.device
+        return expert_product(x.to(d), ids.to(d), weights.to(d), experts, fmt, parts)
+
+
+class TieredExperts:
+    """Stands in for `ResidentExperts` inside an `Experts` module: same call, tiered work."""
+
+    def __init__(self, executor: HybridExecutor, layer: int):
+        self.executor, self.layer = executor, layer
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.executor.run(self.layer, x, ids, weights)

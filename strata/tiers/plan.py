@@ -1,0 +1,267 @@
+"""The placement plan: a home tier for every tensor and a slot count for the device expert cache.
+
+Built from tensor names, types and sizes only (`source.info`), so `strata plan` can print it
+before a byte of weights is read. Rules, in order: `--override-tensor` regexes (first match
+wins); experts go to `--pin-experts` (ram or disk); other weights go to the device for the
+first `--gpu-layers` blocks, to RAM otherwise (embedding and output
+projection included: they run where the generate loop runs). A plan that cannot fit is refused with the
+numbers and the flag to change.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from strata.errors import BadOption
+from strata.tiers import hardware
+from strata.tiers.sizes import format_size, parse_fraction, parse_size
+
+EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.")
+TIER_NAMES = {"gpu": "gpu", "cuda": "gpu", "device": "gpu", "cpu": "ram", "ram": "ram",
+              "disk": "disk", "ssd": "disk"}
+PROJECTIONS = ("gate", "up", "down")
+
+
+@dataclass(slots=True)
+class ExpertLayer:
+    """One MoE layer's experts: three stacked tensors `[E, out, in]` sharing one home."""
+
+    layer: int
+    names: tuple[str, str, str]  # gate, up, down
+    n_experts: int
+    bytes_per_expert: int
+    home: str  # gpu (pinned on the device), ram or disk
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_experts * self.bytes_per_expert
+
+
+@dataclass(slots=True)
+class Plan:
+    homes: dict[str, str]  # tensor name -> gpu | ram | disk
+    sizes: dict[str, int]  # tensor name -> bytes
+    experts: list[ExpertLayer]
+    device: str
+    device_budget: int
+    ram_budget: int
+    gpu_layers: int
+    n_layers: int
+    slots: int = 0
+    slot_bytes: int = 0
+    prefill_reserve: int = 0
+    ram_cache: int = 0
+    overrides: list[tuple[str, str, int]] = field(default_factory=list)  # regex, tier, tensors matched
+
+    def dense_bytes(self, tier: str) -> int:
+        experts = {n for layer in self.experts for n in layer.names}
+        return sum(b for n, b in self.sizes.items() if self.homes[n] == tier and n not in experts)
+
+    def expert_bytes(self, home: str | None = None) -> int:
+        return sum(layer.nbytes for layer in self.experts if home in (None, layer.home))
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    @property
+    def n_experts(self) -> int:
+        return sum(layer.n_experts for layer in self.experts)
+
+    def tier_bytes(self) -> dict[str, int]:
+        """What each tier holds: the device also holds the cache; RAM the disk experts' cache."""
+        return {"gpu": self.dense_bytes("gpu") + self.expert_bytes("gpu") + self.cache_bytes,
+                "ram": self.dense_bytes("ram") + self.expert_bytes("ram") + self.ram_cache,
+                "disk": self.expert_bytes("disk")}
+
+
+def make_plan(source, config, opts, device=None) -> Plan:
+    """The plan for a model's tensors under `opts` (a TierOptions or EngineOptions)."""
+    device = device or hardware.device_info()
+    names = source.names()
+    sizes = {n: source.info(n)[2] for n in names}
+    n_layers = config.n_layers
+    device_budget = _budget(opts.gpu_memory, "--gpu-memory", device.default_budget)
+    ram_budget = _budget(opts.ram_memory, "--ram-memory", hardware.ram_default_budget())
+    gpu_layers = _gpu_layers(opts.gpu_layers, n_layers, sizes, device_budget)
+    rules = parse_overrides(opts.override_tensor)
+    homes, matched = {}, [0] * len(rules)
+    for name in names:
+        homes[name] = _home(name, rules, matched, opts.pin_experts or "ram", gpu_layers)
+    plan = Plan(homes, sizes, _expert_layers(source, names, homes), device.name, device_budget,
+                ram_budget, gpu_layers, n_layers,
+                overrides=[(r.pattern, t, n) for (r, t), n in zip(rules, matched)])
+    _check_disk_source(plan, source)
+    _size_cache(plan, opts)
+    _size_ram_cache(plan, opts)
+    return plan
+
+
+def _budget(text, flag: str, default: int) -> int:
+    return parse_size(text, flag) if text is not None else default
+
+
+def _gpu_layers(text, n_layers: int, sizes: dict[str, int], budget: int) -> int:
+    """auto: as many leading blocks' non-expert weights as the device budget holds."""
+    text = str(text).strip().lower()
+    if text == "all":
+        return n_layers
+    if text != "auto":
+        try:
+            n = int(text)
+        except ValueError:
+            raise BadOption(f"--gpu-layers {text!r} is not a number", "use auto, all or a count") from None
+        if n < 0:
+            raise BadOption(f"--gpu-layers must be >= 0, got {n}", "use auto, all or a count")
+        return min(n, n_layers)
+    per_layer = _dense_per_layer(sizes, n_layers)
+    used, n = 0, 0
+    while n < n_layers and used + per_layer[n] <= budget:
+        used, n = used + per_layer[n], n + 1
+    return n
+
+
+def _dense_per_layer(sizes: dict[str, int], n_layers: int) -> list[int]:
+    out = [0] * n_layers
+    for name, b in sizes.items():
+        m = LAYER_TENSOR.match(name)
+        if m and not EXPERT_TENSOR.match(name) and int(m.group(1)) < n_layers:
+            out[int(m.group(1))] += b
+    return out
+
+
+def parse_overrides(rules) -> list[tuple[re.Pattern, str]]:
+    """`REGEX=TIER` strings -> compiled rules; tiers gpu/cuda, ram/cpu, disk/ssd."""
+    out = []
+    for rule in rules or ():
+        pattern, sep, tier = str(rule).rpartition("=")
+        tier_name = TIER_NAMES.get(tier.strip().lower())
+        if not sep or not pattern or tier_name is None:
+            raise BadOption(f"--override-tensor {rule!r} is not REGEX=TIER",
+                            "write it like exps=CPU; tiers are gpu, ram (cpu) and disk")
+        try:
+            out.append((re.compile(pattern), tier_name))
+        except re.error as e:
+            raise BadOption(f"--override-tensor {rule!r}: bad regex ({e})") from None
+    return out
+
+
+def _home(name, rules, matched, expert_home, gpu_layers) -> str:
+    for i, (regex, tier) in enumerate(rules):
+        if regex.search(name):
+            matched[i] += 1
+            if tier == "disk" and not EXPERT_TENSOR.match(name):
+                raise BadOption(f"--override-tensor {regex.pattern}=disk matches {name}, which is not an expert",
+                                "only expert tensors (ffn_*_exps) can stay on disk")
+            return tier
+    if EXPERT_TENSOR.match(name):
+        return expert_home
+    m = LAYER_TENSOR.match(name)
+    if m:
+        return "gpu" if int(m.group(1)) < gpu_layers else "ram"
+    # embedding rows, final norm and output projection run where the engine's loop runs
+    return "ram"
+
+
+def _expert_layers(source, names, homes) -> list[ExpertLayer]:
+    found: dict[int, dict[str, str]] = {}
+    for name in names:
+        m = EXPERT_TENSOR.match(name)
+        if m:
+            found.setdefault(int(m.group(1)), {})[m.group(2)] = name
+    return [_expert_layer(source, layer, parts, homes) for layer, parts in sorted(found.items())]
+
+
+def _expert_layer(source, layer: int, parts: dict[str, str], homes) -> ExpertLayer:
+    names = tuple(parts[p] for p in PROJECTIONS)
+    tiers = {homes[n] for n in names}
+    if len(tiers) > 1:
+        raise BadOption(f"layer {layer}: its expert tensors were sent to different tiers ({sorted(tiers)})",
+                        "make --override-tensor match gate, up and down alike, e.g. blk\\.3\\.ffn_.*_exps=CPU")
+    n_experts = source.info(names[0])[1][0]
+    per_expert = sum(source.info(n)[2] for n in names) // n_experts
+    return ExpertLayer(layer, names, n_experts, per_expert, tiers.pop())
+
+
+def _check_disk_source(plan: Plan, source) -> None:
+    if plan.expert_bytes("disk") and not hasattr(source, "file"):
+        raise BadOption(f"{source.description}: experts can be read from disk only from a GGUF file",
+                        "convert the model to GGUF or use --pin-experts ram")
+
+
+def _size_cache(plan: Plan, opts) -> None:
+    """Slots from --experts-cache: a size, N % of the cacheable experts, auto (what is left) or 0."""
+    cacheable = [layer for layer in plan.experts if layer.home != "gpu"]
+    plan.slot_bytes = max((layer.bytes_per_expert for layer in cacheable), default=0)
+    n_cacheable = sum(layer.n_experts for layer in cacheable)
+    fixed = plan.dense_bytes("gpu") + plan.expert_bytes("gpu")
+    if fixed > plan.device_budget:
+        raise BadOption(f"the device needs {format_size(fixed)} for non-expert weights of {plan.gpu_layers} "
+                        f"layers but its budget is {format_size(plan.device_budget)}",
+                        "lower --gpu-layers (or use auto), or raise --gpu-memory")
+    if not plan.slot_bytes:
+        return
+    free = plan.device_budget - fixed
+    plan.slots = min(_requested_slots(opts.experts_cache, plan, n_cacheable, free), n_cacheable)
+    _check_reserve(plan, opts.prefill_reserve)
+
+
+def _requested_slots(text, plan: Plan, n_cacheable: int, free: int) -> int:
+    text = "auto" if text is None else str(text).strip()
+    if text.lower() == "auto":
+        return free // plan.slot_bytes
+    frac = parse_fraction(text)
+    if frac is not None:
+        want = int(frac * n_cacheable) * plan.slot_bytes
+    else:
+        want = parse_size(text, "--experts-cache", allow_zero=True)
+        if 0 < want < plan.slot_bytes:
+            raise BadOption(f"--experts-cache {text} is smaller than one expert ({format_size(plan.slot_bytes)})",
+                            f"use 0 for no cache, or at least {plan.slot_bytes} bytes")
+    if want > free:
+        raise BadOption(f"--experts-cache {text} needs {format_size(want)} but the device has "
+                        f"{format_size(free)} left after {format_size(plan.device_budget - free)} of "
+                        f"non-expert weights (budget {format_size(plan.device_budget)})",
+                        "lower --experts-cache (or use auto), lower --gpu-layers, or raise --gpu-memory")
+    return want // plan.slot_bytes
+
+
+def _check_reserve(plan: Plan, reserve) -> None:
+    reserve = int(reserve or 0)
+    if reserve < 0 or reserve > plan.slots:
+        raise BadOption(f"--prefill-reserve {reserve} must be between 0 and the cache's {plan.slots} slots",
+                        "lower --prefill-reserve or raise --experts-cache")
+    plan.prefill_reserve = reserve
+
+
+def _size_ram_cache(plan: Plan, opts) -> None:
+    """RAM must hold its dense weights and RAM-homed experts, or the disk experts' cache."""
+    need = plan.dense_bytes("ram") + plan.expert_bytes("ram")
+    if need > plan.ram_budget:
+        raise BadOption(f"RAM needs {format_size(need)} ({format_size(plan.expert_bytes('ram'))} of experts) "
+                        f"but its budget is {format_size(plan.ram_budget)}",
+                        "use --pin-experts disk, raise --gpu-layers, or raise --ram-memory")
+    disk = [layer for layer in plan.experts if layer.home == "disk"]
+    if not disk:
+        return
+    plan.ram_cache = _ram_cache_bytes(opts.ram_cache, plan, disk)
+    if need + plan.ram_cache > plan.ram_budget:
+        raise BadOption(f"--ram-cache {format_size(plan.ram_cache)} does not fit: RAM has "
+                        f"{format_size(plan.ram_budget - need)} left of {format_size(plan.ram_budget)}",
+                        "lower --ram-cache or raise --ram-memory")
+
+
+def _ram_cache_bytes(text, plan: Plan, disk: list[ExpertLayer]) -> int:
+    total = sum(layer.nbytes for layer in disk)
+    one = max(layer.bytes_per_expert for layer in disk)
+    if text is None:  # a quarter of the disk experts, within half the free RAM
+        free = plan.ram_budget - plan.dense_bytes("ram") - plan.expert_bytes("ram")
+        return max(one, min(total // 4, free // 2))
+    frac = parse_fraction(text)
+    size = int(frac * total) if frac is not None else parse_size(text, "--ram-cache")
+    if size < one:
+        raise BadOption(f"--ram-cache {text} is smaller than one expert ({format_size(one)})",
+                        f"use at least {one} bytes")
+    return min(size, total)

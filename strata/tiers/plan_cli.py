@@ -1,0 +1,80 @@
+"""`strata plan`: where every tensor would live, printed before anything is loaded."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+
+from strata.tiers.options import TierOptions, add_tier_args, tier_options
+from strata.tiers.plan import Plan, make_plan
+from strata.tiers.sizes import format_size
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="strata plan", description="Show the placement plan for a model.")
+    p.add_argument("--model", "-m", required=True, help="a .gguf file or a Hugging Face directory")
+    p.add_argument("--tensors", action="store_true", help="list every tensor with its home")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_tier_args(p)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    from strata.loader import open_config
+
+    _, config, source, _ = open_config(args.model)
+    opts = TierOptions(**tier_options(args))
+    plan = make_plan(source, config, opts)
+    if args.json:
+        print(json.dumps(summary(plan)))
+        return 0
+    print(describe(plan, str(args.model)))
+    if args.tensors:
+        for name, tier in plan.homes.items():
+            print(f"  {tier:<5} {format_size(plan.sizes[name]):>12}  {name}")
+    return 0
+
+
+def summary(plan: Plan) -> dict:
+    """The plan's numbers, for --json, engine.stats and tests."""
+    per_gib = 2**30 // plan.slot_bytes if plan.slot_bytes else 0
+    return {"device": plan.device, "device_budget": plan.device_budget, "ram_budget": plan.ram_budget,
+            "tier_bytes": plan.tier_bytes(), "gpu_layers": plan.gpu_layers, "n_layers": plan.n_layers,
+            "n_experts": plan.n_experts, "expert_bytes": plan.expert_bytes(),
+            "bytes_per_expert": plan.slot_bytes, "experts_per_gib": per_gib, "slots": plan.slots,
+            "cache_bytes": plan.cache_bytes, "prefill_reserve": plan.prefill_reserve,
+            "ram_cache": plan.ram_cache,
+            "expert_homes": dict(Counter(layer.home for layer in plan.experts))}
+
+
+def describe(plan: Plan, model: str) -> str:
+    s = summary(plan)
+    tb = s["tier_bytes"]
+    lines = [f"plan for {model}",
+             f"  device  {plan.device}, budget {format_size(plan.device_budget)}; "
+             f"RAM budget {format_size(plan.ram_budget)}", "",
+             f"  {'tier':<5} {'bytes':>12}  holds",
+             f"  {'gpu':<5} {format_size(tb['gpu']):>12}  non-expert weights of {plan.gpu_layers}/{plan.n_layers} "
+             f"blocks ({format_size(plan.dense_bytes('gpu'))}) + expert cache ({format_size(plan.cache_bytes)})"
+             + (f" + pinned experts ({format_size(plan.expert_bytes('gpu'))})" if plan.expert_bytes("gpu") else ""),
+             f"  {'ram':<5} {format_size(tb['ram']):>12}  other weights ({format_size(plan.dense_bytes('ram'))})"
+             f" + experts ({format_size(plan.expert_bytes('ram'))})"
+             + (f" + disk experts' RAM cache ({format_size(plan.ram_cache)})" if plan.ram_cache else ""),
+             f"  {'disk':<5} {format_size(tb['disk']):>12}  experts read on demand from the file", ""]
+    lines += _expert_lines(plan, s)
+    lines += [f"  override {pat}={tier}: {n} tensors" for pat, tier, n in plan.overrides]
+    return "\n".join(lines)
+
+
+def _expert_lines(plan: Plan, s: dict) -> list[str]:
+    if not plan.experts:
+        return ["  no routed experts: the model is dense"]
+    n = plan.n_experts
+    cached = plan.slots / max(n - sum(x.n_experts for x in plan.experts if x.home == "gpu"), 1)
+    return [f"  experts  {n} in {len(plan.experts)} layers, {format_size(plan.expert_bytes())} in all",
+            f"  bytes per expert {format_size(plan.slot_bytes)} (gate + up + down); "
+            f"{s['experts_per_gib']} experts per GiB",
+            f"  expert cache {plan.slots} slots = {format_size(plan.cache_bytes)} ({cached:.0%} of experts)"
+            + (f", {plan.prefill_reserve} kept for prefill" if plan.prefill_reserve else "")]

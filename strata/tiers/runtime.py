@@ -1,0 +1,167 @@
+"""Wire the tiers into a loaded model: plan, homes, device cache, executor, prefetch, trace.
+
+`install(loaded, options)` replaces the backend of every `Experts` module and hooks the
+forward loop; model code is untouched and never learns where an expert is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.models.layers import Experts
+from strata.tiers import hardware
+from strata.tiers.device_cache import Copier, DeviceCache, Region, SlotMemory
+from strata.tiers.executor import CpuLane, HybridExecutor, TieredExperts
+from strata.tiers.placement import place_blocks
+from strata.tiers.plan import Plan, make_plan
+from strata.tiers.policy import LRU, half_life_tokens, make_policy
+from strata.tiers.prefetch import Prefetcher, router_predictors
+from strata.tiers.stats import TierStats
+from strata.tiers.store import DiskHome, FileReader, RamHome, expert_format
+from strata.tiers.trace import TraceRecorder, load_trace
+
+
+class TierRuntime:
+    """The installed tiers; `stats()` for engine.stats, `close()` writes the trace."""
+
+    def __init__(self, plan: Plan, homes, executor: HybridExecutor, prefetcher, cache, reader, trace_path):
+        self.plan, self.homes, self.executor = plan, homes, executor
+        self.prefetcher, self.cache, self.reader, self.trace_path = prefetcher, cache, reader, trace_path
+        self.closed = False
+
+    def before_block(self, block: int, x: torch.Tensor, step) -> None:
+        """Called by the forward loop before each block: step bookkeeping, then prefetch."""
+        if block == 0:
+            self.executor.prefill = step.width > 1
+            self.executor.positions = step.positions[step.token_mask]
+            if self.executor.tracer is not None:
+                self.executor.tracer.next_step()
+        if self.prefetcher is not None:
+            self.prefetcher(block, x, step.token_mask)
+
+    def stats(self) -> dict:
+        from strata.tiers.plan_cli import summary
+
+        resident = self.cache.resident_per_layer() if self.cache else {}
+        resident.update({x.layer: x.n_experts for x in self.plan.experts if x.home == "gpu"})
+        out = self.executor.stats.as_dict(resident)
+        out["plan"] = summary(self.plan)
+        out["policy"] = self.cache.regions[0].policy.name if self.cache else None
+        out["homes"] = [h.stats() for h in _unique(self.homes.values())]
+        return out
+
+    def close(self) -> str | None:
+        """Stop the worker threads and write the trace, if one was asked for; idempotent."""
+        if self.closed:
+            return None
+        self.closed = True
+        self.executor.lane.close()
+        if self.cache is not None:
+            self.cache.copier.close()
+        path = None
+        if self.trace_path and self.executor.tracer is not None:
+            path = str(self.executor.tracer.save(self.trace_path))
+        if self.reader is not None:
+            self.reader.close()
+        return path
+
+
+def _unique(items):
+    seen = {}
+    for item in items:
+        seen.setdefault(id(item), item)
+    return list(seen.values())
+
+
+def install(loaded, options) -> TierRuntime:
+    """Build the tiers for `loaded` (a LoadedModel) under `options` and hook them in."""
+    device = hardware.device_info()
+    plan = make_plan(loaded.source, loaded.config, options, device)
+    if device.is_cuda:
+        place_blocks(loaded.model, plan, device.torch_device)
+    modules = {m.layer: m for m in loaded.model.modules() if isinstance(m, Experts)}
+    formats = _formats(modules, plan, loaded.source)
+    n_experts = max((m.n_experts for m in modules.values()), default=1)
+    reader = FileReader(loaded.source.file.path) if hasattr(loaded.source, "file") and modules else None
+    homes = _homes(plan, modules, formats, reader, device)
+    cache = _cache(plan, options, loaded.config, homes, formats, n_experts, device, len(modules))
+    tracer = TraceRecorder(n_experts, {"model": str(getattr(loaded.source, "description", ""))}) \
+        if options.trace_experts else None
+    lane = CpuLane(getattr(options, "cpu_threads", 0) or 1, homes, formats)
+    executor = HybridExecutor(homes, formats, cache, lane, TierStats(), n_experts, device.torch_device, tracer)
+    for layer, m in modules.items():
+        m.backend = TieredExperts(executor, layer)
+    prefetcher = _prefetcher(loaded.model, options, cache, executor, formats, plan) if modules else None
+    runtime = TierRuntime(plan, homes, executor, prefetcher, cache, reader, options.trace_experts)
+    loaded.model.before_block = runtime.before_block
+    return runtime
+
+
+def _formats(modules, plan: Plan, source) -> dict:
+    files = getattr(getattr(source, "file", None), "tensors", None)
+    out = {}
+    for layer in plan.experts:
+        b = modules[layer.layer].backend
+        offsets = tuple(files[n].offset for n in layer.names) if files else None
+        out[layer.layer] = expert_format((b.gate, b.up, b.down), offsets)
+    return out
+
+
+def _homes(plan: Plan, modules, formats, reader, device) -> dict:
+    """One RamHome for RAM (and device-pinned) layers, one DiskHome for disk layers."""
+    by_kind: dict[str, list[int]] = {}
+    for layer in plan.experts:
+        by_kind.setdefault(layer.home, []).append(layer.layer)
+    homes = {}
+    n = {layer.layer: layer.n_experts for layer in plan.experts}
+    sources = {i: (m.backend.gate, m.backend.up, m.backend.down) for i, m in modules.items()}
+    for kind, layers in by_kind.items():
+        fmts = {i: formats[i] for i in layers}
+        if kind == "disk":
+            home = DiskHome(fmts, reader, plan.ram_cache)
+        else:
+            home = RamHome(fmts, n, reader, sources, pin=device.is_cuda and kind == "ram")
+            if kind == "gpu":
+                home.to_device(device.torch_device)
+        homes.update({i: home for i in layers})
+    return homes
+
+
+def _cache(plan: Plan, options, config, homes, formats, n_experts: int, device, n_moe_layers: int):
+    if plan.slots == 0:
+        return None
+    n_keys = (max(formats) + 1) * n_experts
+    main = plan.slots - plan.prefill_reserve
+    ranking = _ranking(options.hot_set, n_experts) if options.hot_set else None
+    k = getattr(config, "n_experts_used", 0) or 1
+    policy = make_policy(options.cache_policy, main, n_keys, options.admission, n_moe_layers, ranking,
+                         half_life_tokens(n_experts, k))
+    regions = [Region("main", policy, list(range(main - 1, -1, -1)))]
+    if plan.prefill_reserve:
+        regions.append(Region("prefill", LRU(plan.prefill_reserve), list(range(plan.slots - 1, main - 1, -1))))
+    memory = SlotMemory(plan.slots, plan.slot_bytes, device.torch_device)
+    cache = DeviceCache(memory, Copier(memory, homes, formats), regions, n_experts)
+    cache.preload()
+    return cache
+
+
+def _ranking(path, n_experts: int) -> list[int]:
+    """Keys of a trace's experts, most used first: the static policy's hot set."""
+    trace = load_trace(path)
+    counts: dict[int, int] = {}
+    start = 0
+    for layer, n in zip(trace.layer.tolist(), trace.tokens.tolist()):
+        for e in trace.ids[start:start + n].reshape(-1).tolist():
+            key = layer * n_experts + e
+            counts[key] = counts.get(key, 0) + 1
+        start += n
+    return sorted(counts, key=lambda k: -counts[k])
+
+
+def _prefetcher(model, options, cache, executor: HybridExecutor, formats, plan: Plan):
+    if not options.prefetch:
+        return None
+    cached = {layer.layer for layer in plan.experts if layer.home != "gpu"}
+    return Prefetcher(router_predictors(model), cache, executor.stats, executor.n_experts,
+                      {i: f.nbytes for i, f in formats.items()}, cached)
+

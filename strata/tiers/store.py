@@ -1,0 +1,226 @@
+"""Experts' homes: RAM (loaded once, page-locked with CUDA) or disk (read on demand).
+
+Both read the GGUF with explicit `pread`s (O_DIRECT where the filesystem allows it, else
+followed by `posix_fadvise(DONTNEED)`), so the OS page cache is never the cache: decode
+speed does not swing with memory pressure, and RAM use is what the plan says.
+An expert is three byte ranges (gate, up, down), each `[out, in]` in its stored type.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from strata.models.weights import QTensor
+
+ALIGN = 4096
+CHUNK = 64 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One projection of one layer's experts: per-expert type, shape and size, and file offset."""
+
+    qtype: object
+    shape: tuple[int, ...]  # one expert, [out, in]
+    nbytes: int  # one expert
+    offset: int | None  # file offset of expert 0, when the source is a GGUF
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertFormat:
+    """How one layer lays out an expert: gate | up | down bytes, back to back in a slot."""
+
+    parts: tuple[Part, Part, Part]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A flat uint8 buffer (a slot, a read) -> the three projections' byte views."""
+        out, start = [], 0
+        for p in self.parts:
+            out.append(flat[start:start + p.nbytes])
+            start += p.nbytes
+        return tuple(out)
+
+    def qtensors(self, parts) -> tuple[QTensor, ...]:
+        """(gate, up, down) in their stored type, viewing the given bytes (a slot, a home, a read)."""
+        return tuple(QTensor(raw.reshape(p.shape[0], -1), p.qtype, p.shape) for raw, p in zip(parts, self.parts))
+
+    def weights(self, parts, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Dequantized (gate, up, down) exactly as the resident path does: same bytes, same code."""
+        return tuple(q.dequantize(dtype) for q in self.qtensors(parts))
+
+
+def expert_format(qtensors, offsets=None) -> ExpertFormat:
+    """From a layer's stacked (gate, up, down) QTensors; offsets of each in the file, if any."""
+    offsets = offsets or (None, None, None)
+    return ExpertFormat(tuple(Part(q.qtype, q.shape[1:], q.nbytes // q.shape[0], off)
+                              for q, off in zip(qtensors, offsets)))
+
+
+class FileReader:
+    """Positional reads that leave no trace in the page cache; counts what it reads."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        self.direct = hasattr(os, "O_DIRECT")
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+        except OSError:  # tmpfs and some network filesystems refuse O_DIRECT
+            self.direct = False
+            self.fd = os.open(self.path, os.O_RDONLY)
+        self.bytes_read = 0  # bytes asked for
+        self.device_bytes = 0  # bytes actually transferred (alignment included)
+        self.reads = 0
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    def read_into(self, out: torch.Tensor, offset: int) -> None:
+        """Fill the contiguous uint8 tensor `out` with the file's bytes from `offset`."""
+        done = 0
+        while done < out.numel():
+            n = min(CHUNK, out.numel() - done)
+            moved = self._read_chunk(out[done:done + n], offset + done)
+            done += n
+            with self._lock:
+                self.bytes_read += n
+                self.device_bytes += moved
+                self.reads += 1
+
+    def _read_chunk(self, out: torch.Tensor, offset: int) -> int:
+        if not self.direct:
+            _pread_exact(self.fd, memoryview(out.numpy()), offset)
+            os.posix_fadvise(self.fd, offset, out.numel(), os.POSIX_FADV_DONTNEED)
+            return out.numel()
+        start = offset - offset % ALIGN
+        length = -(-(offset + out.numel() - start) // ALIGN) * ALIGN
+        buf = self._buffer(length)
+        got = os.preadv(self.fd, [memoryview(buf)[:length]], start)
+        if got < offset - start + out.numel():
+            raise OSError(f"{self.path}: short read at byte {offset}")
+        out.copy_(torch.frombuffer(buf, dtype=torch.uint8, count=out.numel(), offset=offset - start))
+        return got
+
+    def _buffer(self, length: int) -> mmap.mmap:
+        """A page-aligned buffer per thread (anonymous mmap), grown on demand."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < length:
+            buf = mmap.mmap(-1, max(length, 2**20))
+            self._local.buf = buf
+        return buf
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise OSError(f"short read at byte {offset + done}")
+        done += got
+
+
+class RamHome:
+    """Every expert in anonymous (page-locked with CUDA) memory, read once at start."""
+
+    kind = "ram"
+
+    def __init__(self, formats: dict[int, ExpertFormat], n_experts: dict[int, int], reader=None,
+                 sources=None, pin: bool = False):
+        self.formats = formats
+        self.data: dict[int, tuple[torch.Tensor, ...]] = {}
+        for layer, fmt in formats.items():
+            self.data[layer] = tuple(self._load(p, n_experts[layer], reader, (sources or {}).get(layer, ()), i, pin)
+                                     for i, p in enumerate(fmt.parts))
+        self.bytes_read = 0
+
+    @staticmethod
+    def _load(part: Part, n: int, reader, stacked, i: int, pin: bool) -> torch.Tensor:
+        out = torch.empty((n, part.nbytes), dtype=torch.uint8, pin_memory=pin)  # (E, bytes per expert)
+        if reader is not None and part.offset is not None:
+            reader.read_into(out.view(-1), part.offset)
+        else:  # a source without file offsets (safetensors): copy the already-mapped bytes
+            out.copy_(stacked[i].raw.reshape(n, -1))
+        return out
+
+    def to_device(self, device: torch.device) -> None:
+        """Experts pinned on the device by an override: always hits, never evicted."""
+        self.data = {i: tuple(t.to(device) for t in ts) for i, ts in self.data.items()}
+        self.kind = "gpu"
+
+    def parts(self, layer: int, e: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t[e] for t in self.data[layer])
+
+    def stats(self) -> dict:
+        return {"home": self.kind, "bytes": sum(t.numel() for ts in self.data.values() for t in ts)}
+
+
+class DiskHome:
+    """Experts read from the file on demand into a RAM cache of `capacity` bytes (LRU).
+
+    Each read lands in a fresh buffer, so a CPU worker still computing from an evicted
+    entry keeps its bytes alive; the cache only drops its own reference.
+    """
+
+    kind = "disk"
+
+    def __init__(self, formats: dict[int, ExpertFormat], reader: FileReader, capacity: int):
+        self.formats, self.reader, self.capacity = formats, reader, capacity
+        self.entries: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self.held = 0
+        self.hits = self.misses = 0
+        self._lock = threading.Lock()
+
+    def parts(self, layer: int, e: int) -> tuple[torch.Tensor, ...]:
+        key = (layer, e)
+        with self._lock:
+            flat = self.entries.get(key)
+            if flat is not None:
+                self.entries.move_to_end(key)
+                self.hits += 1
+                return self.formats[layer].split(flat)
+        flat = self._read(layer, e)
+        with self._lock:
+            self.misses += 1
+            self._insert(key, flat)
+        return self.formats[layer].split(flat)
+
+    def _read(self, layer: int, e: int) -> torch.Tensor:
+        fmt = self.formats[layer]
+        flat = torch.empty(fmt.nbytes, dtype=torch.uint8)
+        for view, p in zip(fmt.split(flat), fmt.parts):
+            self.reader.read_into(view, p.offset + e * p.nbytes)
+        return flat
+
+    def _insert(self, key, flat: torch.Tensor) -> None:
+        if key in self.entries:
+            return
+        self.entries[key] = flat
+        self.held += flat.numel()
+        while self.held > self.capacity and len(self.entries) > 1:
+            _, old = self.entries.popitem(last=False)
+            self.held -= old.numel()
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.bytes_read
+
+    def stats(self) -> dict:
+        total = self.hits + self.misses
+        return {"home": "disk", "ram_cache_bytes": self.capacity, "ram_cache_held": self.held,
+                "ram_cache_hits": self.hits, "disk_reads": self.misses,
+                "ram_cache_hit_rate": self.hits / total if total else 0.0,
+                "bytes_read": self.reader.bytes_read, "device_bytes_read": self.reader.device_bytes,
+                "o_direct": self.reader.direct}
