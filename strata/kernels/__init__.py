@@ -1,0 +1,201 @@
+"""CPU kernels that multiply by quantized weights without dequantizing them first.
+
+`qmatmul(x, w)` computes `x @ w.T` for a `QTensor` w in its stored ggml type. A compiled C
+kernel (qmm.c, built with the system C compiler on first use and cached) decodes 8 weights at
+a time into a vector register and uses them for up to 8 rows of x, so an expert is read once
+per call and never materialised as floats; output rows are shared out over a small thread
+pool (`threads`, default torch.get_num_threads()). `expert_forward` is one SwiGLU expert on
+top of it, `run_experts_fast` a whole routed-expert layer.
+
+Every fast path has its plain torch reference beside it (`*_reference`: dequantize, then
+matmul). The fast one is used when the type has a kernel, the tensors are on the CPU and the
+batch is at most FAST_BATCH_MAX rows, else the reference runs. For Q4_K, Q5_K, Q6_K, Q8_0,
+IQ2_XXS, IQ2_XS, IQ4_NL, IQ4_XS and MXFP4 (AVX2 builds) x is quantized to int16 per row and
+multiplied with integer instructions (vpmaddwd), relative error ~3e-5; the other types, and
+all of them after `set_int16(False)`, keep x in float32 and differ from the reference only
+in summation order.
+Without a C compiler, or with STRATA_KERNELS=0, everything takes the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from strata.kernels import _build
+from strata.models.weights import QTensor
+
+__all__ = [
+    "FAST_BATCH_MAX",
+    "available",
+    "expert_forward",
+    "expert_forward_reference",
+    "has_kernel",
+    "kernel_types",
+    "qmatmul",
+    "qmatmul_fast",
+    "qmatmul_reference",
+    "run_experts_fast",
+    "set_int16",
+]
+
+# Above this many rows of x, dequantizing once and calling BLAS wins over decoding the blocks
+# for every 8 rows (bench/bench_kernels.py --batches: on a 2-core AVX2 box the kernel still
+# won at 96 rows of a 768x2048 Q4_K matrix; 64 leaves a margin).
+FAST_BATCH_MAX = 64
+
+# Switch for comparisons (tests, benchmarks): False sends ResidentExperts down the reference path.
+USE_KERNELS = True
+
+
+def available() -> bool:
+    """True when the compiled kernels loaded (else every call takes the reference path)."""
+    return _build.load() is not None
+
+
+def set_int16(on: bool) -> None:
+    """Use the int16-activation variants where a type has one (the default), or float32 only.
+
+    The int16 variants quantize each row of x with one scale (error <= 1.5e-5 of max |x| per
+    element) and are 1.2-2x faster; tests run both.
+    """
+    lib = _build.load()
+    if lib is not None:
+        lib.strata_set_int16(1 if on else 0)
+
+
+def kernel_types() -> tuple[GGMLQuantizationType, ...]:
+    return tuple(GGMLQuantizationType[name] for name in _build.KERNEL_TYPES) if available() else ()
+
+
+def _type_name(qtype) -> str:
+    return GGMLQuantizationType(int(qtype)).name
+
+
+def has_kernel(qtype) -> bool:
+    return _type_name(qtype) in _build.KERNEL_TYPES and available()
+
+
+def _threads(threads: int | None) -> int:
+    return int(threads) if threads and threads > 0 else torch.get_num_threads()
+
+
+def _ptr(t: torch.Tensor):
+    return t.data_ptr()
+
+
+def _raw_bytes(w: QTensor) -> torch.Tensor:
+    """w's bytes, contiguous (a copy only if the view was strided)."""
+    raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
+    return raw if raw.dtype == torch.uint8 else raw.view(torch.uint8)
+
+
+def qmatmul_fast(x: torch.Tensor, w: QTensor, threads: int | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ w.T` by the compiled kernel: x (..., in) float, w (out, in) -> float32 (..., out).
+
+    Raises if w's type has no kernel or the library is unavailable; `qmatmul` picks for you.
+    """
+    lib = _build.load()
+    name = _type_name(w.qtype)
+    if lib is None or name not in _build.KERNEL_TYPES:
+        raise RuntimeError(f"no fast CPU kernel for {name}" + (f" ({_build.error()})" if lib is None else ""))
+    suffix, qk, ts = _build.KERNEL_TYPES[name]
+    if len(w.shape) != 2:
+        raise ValueError(f"qmatmul wants a 2-D weight, got shape {w.shape}")
+    rows, cols = w.shape
+    if x.shape[-1] != cols:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight expects {cols}")
+    if cols % qk:
+        raise ValueError(f"{name} rows must be a multiple of {qk} values, got {cols}")
+    raw = _raw_bytes(w)
+    if raw.numel() != rows * (cols // qk) * ts:
+        raise ValueError(f"{name} weight of shape {w.shape} has {raw.numel()} bytes")
+    lead = x.shape[:-1]
+    xf = x.reshape(-1, cols).to(torch.float32).contiguous()
+    b = xf.shape[0]
+    if out is None:
+        out = torch.empty(b, rows, dtype=torch.float32)
+    if b:
+        getattr(lib, f"strata_qmm_{suffix}")(_ptr(raw), rows, cols, _ptr(xf), b, _ptr(out), _threads(threads))
+    return out.reshape(*lead, rows)
+
+
+def qmatmul_reference(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """The plain path: dequantize w whole, then one matmul (in x's dtype)."""
+    return F.linear(x, w.dequantize(x.dtype))
+
+
+def _fast_ok(x: torch.Tensor, *ws: QTensor) -> bool:
+    if x.device.type != "cpu" or x.numel() // max(x.shape[-1], 1) > FAST_BATCH_MAX:
+        return False
+    return all(w.raw.device.type == "cpu" and has_kernel(w.qtype) for w in ws)
+
+
+def qmatmul(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torch.Tensor:
+    """`x @ w.T` in x's dtype: the fast kernel when one applies, else the reference."""
+    if _fast_ok(x, w):
+        return qmatmul_fast(x, w, threads).to(x.dtype)
+    return qmatmul_reference(x, w)
+
+
+def expert_forward(x: torch.Tensor, gate_q: QTensor, up_q: QTensor, down_q: QTensor,
+                   threads: int | None = None) -> torch.Tensor:
+    """One SwiGLU expert, down(silu(gate x) * up x), on x (n, hidden) -> (n, hidden) in x's dtype.
+
+    Each of the three products uses the compiled kernel when its type has one and x is a small
+    CPU batch; when none applies this is exactly `expert_forward_reference`.
+    """
+    fast = [_fast_ok(x, w) for w in (gate_q, up_q, down_q)]
+    if not any(fast):
+        return expert_forward_reference(x, gate_q, up_q, down_q)
+
+    def mm(v, w, use_fast):
+        return qmatmul_fast(v, w, threads) if use_fast else qmatmul_reference(v.float(), w)
+
+    h = F.silu(mm(x, gate_q, fast[0])).mul_(mm(x, up_q, fast[1]))
+    return mm(h, down_q, fast[2]).to(x.dtype)
+
+
+def expert_forward_reference(x: torch.Tensor, gate_q: QTensor, up_q: QTensor, down_q: QTensor) -> torch.Tensor:
+    gate, up, down = (w.dequantize(x.dtype) for w in (gate_q, up_q, down_q))
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def experts_fast_ok(x: torch.Tensor, *stacked: QTensor) -> bool:
+    """Whether `run_experts_fast` applies: kernels loaded, CPU tensors, every type has a kernel.
+
+    Batch size is not checked here; each expert falls back to the reference on its own when
+    it receives more than FAST_BATCH_MAX tokens.
+    """
+    if not USE_KERNELS or x.device.type != "cpu":
+        return False
+    return all(w.raw.device.type == "cpu" and has_kernel(w.qtype) for w in stacked)
+
+
+def run_experts_fast(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert,
+                     threads: int | None = None) -> torch.Tensor:
+    """Grouped expert product like `layers.run_experts`, each expert by `expert_forward`.
+
+    x (N, hidden); ids, weights (N, k); expert(e) -> (gate_q, up_q, down_q) QTensors.
+    """
+    out = torch.zeros_like(x)
+    flat = ids.reshape(-1)
+    if ids.shape[0] == 1:  # decode: one token, no grouping needed
+        w = weights.reshape(-1).tolist()
+        for j, e in enumerate(flat.tolist()):
+            out.add_(expert_forward(x, *expert(e), threads=threads), alpha=w[j])
+        return out
+    order = torch.argsort(flat, stable=True)
+    used, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    token_of = order // ids.shape[1]
+    wflat = weights.reshape(-1)
+    start = 0
+    for e, n in zip(used.tolist(), counts.tolist()):
+        sel = order[start:start + n]
+        tok = token_of[start:start + n]
+        start += n
+        y = expert_forward(x[tok], *expert(e), threads=threads)
+        out.index_add_(0, tok, y * wflat[sel, None])
+    return out

@@ -1,0 +1,158 @@
+"""Compile qmm.c once per machine and load it with ctypes.
+
+The library is cached under $STRATA_CACHE (default ~/.cache/strata)/kernels, keyed by a hash of
+the source, the compiler and the flags, so a source edit or a new CPU (-march=native) rebuilds
+it. Compiling takes about 5 s of CPU with gcc 12 (once; later loads take milliseconds). No compiler, a failed build or STRATA_KERNELS=0
+means no fast kernels: `load()` returns None and callers use the torch reference path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qmm.c")
+FLAGS = ["-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno"]
+ABI_VERSION = 4
+
+# ggml type name -> (C suffix, block size, type size); the types qmm.c implements.
+KERNEL_TYPES = {
+    "Q4_0": ("q4_0", 32, 18),
+    "Q4_1": ("q4_1", 32, 20),
+    "Q5_0": ("q5_0", 32, 22),
+    "Q5_1": ("q5_1", 32, 24),
+    "Q8_0": ("q8_0", 32, 34),
+    "Q2_K": ("q2_k", 256, 84),
+    "Q3_K": ("q3_k", 256, 110),
+    "Q4_K": ("q4_k", 256, 144),
+    "Q5_K": ("q5_k", 256, 176),
+    "Q6_K": ("q6_k", 256, 210),
+    "IQ2_XXS": ("iq2_xxs", 256, 66),
+    "IQ2_XS": ("iq2_xs", 256, 74),
+    "IQ3_XXS": ("iq3_xxs", 256, 98),
+    "IQ4_NL": ("iq4_nl", 32, 18),
+    "IQ4_XS": ("iq4_xs", 256, 136),
+    "MXFP4": ("mxfp4", 32, 17),
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_error: str | None = None
+_tables: list[np.ndarray] = []  # kept alive for the library's lifetime
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("STRATA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "strata")
+    return Path(root) / "kernels"
+
+
+def _cpu_key() -> str:
+    """Part of the cache key: -march=native code must not run on another CPU model."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build(cc: str) -> Path:
+    src = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode() + _cpu_key().encode())
+    out = _cache_dir() / f"qmm-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if r.returncode:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: concurrent builders both end with a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _init_tables(lib: ctypes.CDLL) -> None:
+    import gguf.quants as gq
+
+    grids = []
+    for name in ("IQ2_XXS", "IQ2_XS", "IQ3_XXS"):
+        ref = getattr(gq, name)
+        ref.init_grid()
+        g = np.asarray(ref.grid, dtype=np.float32).reshape(ref.grid_shape)
+        grids.append(np.ascontiguousarray(g.astype(np.uint8)))
+    ksigns = np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8).copy()
+    _tables[:] = [*grids, ksigns]
+    lib.strata_init_tables(*(t.ctypes.data_as(ctypes.c_void_p) for t in _tables))
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for suffix, _, _ in KERNEL_TYPES.values():
+        f = getattr(lib, f"strata_qmm_{suffix}")
+        f.argtypes = [p, i64, i64, p, i64, p, ctypes.c_int]
+        f.restype = None
+    lib.strata_init_tables.argtypes = [p, p, p, p]
+    lib.strata_init_tables.restype = None
+    lib.strata_abi_version.restype = ctypes.c_int
+    lib.strata_set_int16.argtypes = [ctypes.c_int]
+    lib.strata_set_int16.restype = None
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (see `error()` for why)."""
+    global _lib, _tried, _error
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            if os.environ.get("STRATA_KERNELS", "1").lower() in ("0", "off", "false", "no"):
+                raise RuntimeError("disabled by STRATA_KERNELS=0")
+            cc = _compiler()
+            if cc is None:
+                raise RuntimeError("no C compiler found (set CC, or install gcc)")
+            lib = ctypes.CDLL(str(_build(cc)))
+            _declare(lib)
+            if lib.strata_abi_version() != ABI_VERSION:
+                raise RuntimeError("stale kernel library")
+            _init_tables(lib)
+            _lib = lib
+        except Exception as e:  # noqa: BLE001 -- any failure means "use the reference path"
+            _error = str(e)
+            log.warning("strata: fast CPU kernels unavailable (%s); using dequantize + matmul", e)
+        _tried = True
+    return _lib
+
+
+def error() -> str | None:
+    load()
+    return _error

@@ -1,0 +1,884 @@
+/* Quantized matrix products for the expert miss path: Y[b, r] = sum_k W[r, k] * X[b, k].
+ *
+ * W stays in its ggml block format; every 8 weights are decoded into one vector register and
+ * used at once for up to 8 batch rows, so an expert is never dequantized as a whole.
+ * Arithmetic is float32 throughout (activations are not quantized), so results agree with
+ * "dequantize, then matmul" up to summation order and fused multiply-adds.
+ *
+ * The decoders mirror strata/quant (and so gguf-py) field for field; see those files for the
+ * layout of each block. Built by strata/kernels/_build.py with -O3 -march=native -pthread;
+ * no -ffast-math: only the order of the additions differs from the reference.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v8fu __attribute__((vector_size(32), aligned(4)));  /* unaligned loads */
+
+
+/* ------------------------------------------------------------------ scalars */
+
+static inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: renormalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline float rd_f16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return f16_to_f32(h); }
+static inline uint16_t rd_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t rd_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+static inline float e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ------------------------------------------------------------------ tables */
+
+static uint8_t GRID_IQ2_XXS[256][8];
+static uint8_t GRID_IQ2_XS[512][8];
+static uint8_t GRID_IQ3_XXS[256][4];
+static float KSIGNS[128][8] __attribute__((aligned(32)));
+static int16_t KSIGNS16_INIT[128][8] __attribute__((aligned(16))); /* +-1 as int16, for the int16 kernels */
+
+
+
+/* The codebooks come from gguf-py at load time, so they are the reference decoder's own. */
+void strata_init_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8_t *iq3xxs,
+                        const uint8_t *ksigns) {
+    memcpy(GRID_IQ2_XXS, iq2xxs, sizeof GRID_IQ2_XXS);
+    memcpy(GRID_IQ2_XS, iq2xs, sizeof GRID_IQ2_XS);
+    memcpy(GRID_IQ3_XXS, iq3xxs, sizeof GRID_IQ3_XXS);
+    for (int i = 0; i < 128; i++)
+        for (int j = 0; j < 8; j++) {
+            KSIGNS[i][j] = (ksigns[i] >> j) & 1 ? -1.0f : 1.0f;
+            KSIGNS16_INIT[i][j] = (ksigns[i] >> j) & 1 ? -1 : 1;
+        }
+}
+
+/* ------------------------------------------------------------------ vectors
+ * GCC/Clang vector extensions: 8 lanes of 32 bits. With -march=native on x86 these become AVX2
+ * (vpmovzxbd, vcvtdq2ps, vfmadd, vpshufb); elsewhere the compiler picks the native width.
+ */
+typedef uint8_t v8u8 __attribute__((vector_size(8), aligned(1)));
+typedef int8_t v8i8 __attribute__((vector_size(8), aligned(1)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int8_t v16i8 __attribute__((vector_size(16)));
+typedef int8_t v16i8u __attribute__((vector_size(16), aligned(1)));
+
+static const v8u IOTA = {0, 1, 2, 3, 4, 5, 6, 7};
+
+static inline v8f splat(float f) { return (v8f){f, f, f, f, f, f, f, f}; }
+static inline v8f ldu(const float *p) { return *(const v8fu *)p; }
+#if defined(__AVX2__)
+/* GCC 12 widens a v8u8 byte by byte; say vpmovzxbd/vpmovsxbd outright. */
+static inline v8i ld_u8(const uint8_t *p) { return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline v8i ld_i8(const int8_t *p) { return (v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+#else
+static inline v8i ld_u8(const uint8_t *p) { return __builtin_convertvector(*(const v8u8 *)p, v8i); }
+static inline v8i ld_i8(const int8_t *p) { return __builtin_convertvector(*(const v8i8 *)p, v8i); }
+#endif
+static inline v8f cvt(v8i v) { return __builtin_convertvector(v, v8f); }
+static inline float hsum8(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* 16 table lookups at once (pshufb): out[i] = table[idx[i] & 15], written to out[0..15]. */
+static inline void lookup16(v16i8 table, const uint8_t *q, int shift, int8_t *out) {
+#if defined(__AVX2__)
+    const __m128i raw = _mm_loadu_si128((const __m128i *)q);
+    const __m128i idx = _mm_and_si128(shift ? _mm_srli_epi16(raw, 4) : raw, _mm_set1_epi8(15));
+    _mm_storeu_si128((__m128i *)out, _mm_shuffle_epi8((__m128i)table, idx));
+#else
+    const v16i8 idx = (*(const v16i8u *)q >> shift) & 15; /* the mask undoes the sign extension */
+    v16i8 v = __builtin_shuffle(table, idx);
+    memcpy(out, &v, 16);
+#endif
+}
+
+static v16i8 IQ4_NL_I8 = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static v16i8 E2M1_I8 = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* ------------------------------------------------------------------ blocks
+ * blk_T(b, x, xs, acc, NB): for NB batch rows (x, x + xs, ...) starting at this block's first
+ * value, acc[r] += w * x_r over the block, 8 values at a time. Each 8 weights are decoded once
+ * and used for every batch row; NB is a constant after inlining, so acc stays in registers.
+ */
+#define BLOCK(NAME) \
+    static inline __attribute__((always_inline)) void blk_##NAME(const uint8_t *restrict b, \
+        const float *restrict x, const int64_t xs, v8f *restrict acc, const int NB)
+/* Small NB gets several accumulators per row (picked by `lane`, a constant of the unrolled inner loop), so consecutive
+ * FMAs do not wait on each other's latency; lanes(NB) * NB <= 8 registers. */
+#define LANES(NB) ((NB) == 1 ? 4 : (NB) == 2 ? 2 : 1)
+#define EMIT(w, off, lane)                                                                    \
+    do {                                                                                      \
+        const v8f w_ = (w);                                                                   \
+        const int l_ = (lane) & (LANES(NB) - 1);                                              \
+        for (int r_ = 0; r_ < NB; r_++) acc[r_ * LANES(NB) + l_] += w_ * ldu(x + r_ * xs + (off)); \
+    } while (0)
+
+BLOCK(q4_0) {
+    const v8f d = splat(rd_f16(b));
+    const uint8_t *q = b + 2;
+    #pragma GCC unroll 4
+    for (int g = 0; g < 2; g++) {
+        const v8i v = ld_u8(q + 8 * g);
+        EMIT(cvt((v & 15) - 8) * d, 8 * g, g);
+        EMIT(cvt((v >> 4) - 8) * d, 16 + 8 * g, g + 2);
+    }
+}
+
+BLOCK(q4_1) {
+    const v8f d = splat(rd_f16(b)), m = splat(rd_f16(b + 2));
+    const uint8_t *q = b + 4;
+    #pragma GCC unroll 4
+    for (int g = 0; g < 2; g++) {
+        const v8i v = ld_u8(q + 8 * g);
+        EMIT(cvt(v & 15) * d + m, 8 * g, g);
+        EMIT(cvt(v >> 4) * d + m, 16 + 8 * g, g + 2);
+    }
+}
+
+BLOCK(q5_0) {
+    const v8f d = splat(rd_f16(b));
+    const v8u h = (v8u){0} + rd_u32(b + 2);
+    const uint8_t *q = b + 6;
+    #pragma GCC unroll 4
+    for (int g = 0; g < 2; g++) {
+        const v8i v = ld_u8(q + 8 * g);
+        const v8i h0 = (v8i)((h >> (IOTA + 8 * g)) & 1) << 4, h1 = (v8i)((h >> (IOTA + 16 + 8 * g)) & 1) << 4;
+        EMIT(cvt(((v & 15) | h0) - 16) * d, 8 * g, g);
+        EMIT(cvt(((v >> 4) | h1) - 16) * d, 16 + 8 * g, g + 2);
+    }
+}
+
+BLOCK(q5_1) {
+    const v8f d = splat(rd_f16(b)), m = splat(rd_f16(b + 2));
+    const v8u h = (v8u){0} + rd_u32(b + 4);
+    const uint8_t *q = b + 8;
+    #pragma GCC unroll 4
+    for (int g = 0; g < 2; g++) {
+        const v8i v = ld_u8(q + 8 * g);
+        const v8i h0 = (v8i)((h >> (IOTA + 8 * g)) & 1) << 4, h1 = (v8i)((h >> (IOTA + 16 + 8 * g)) & 1) << 4;
+        EMIT(cvt((v & 15) | h0) * d + m, 8 * g, g);
+        EMIT(cvt((v >> 4) | h1) * d + m, 16 + 8 * g, g + 2);
+    }
+}
+
+BLOCK(q8_0) {
+    const v8f d = splat(rd_f16(b));
+    const int8_t *q = (const int8_t *)(b + 2);
+    #pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) EMIT(cvt(ld_i8(q + 8 * g)) * d, 8 * g, g);
+}
+
+BLOCK(q2_k) {
+    const uint8_t *sc = b, *qs = b + 16;
+    const float d = rd_f16(b + 80), dmin = rd_f16(b + 82);
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            #pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const int sub = h * 8 + s * 2 + (k >> 1);
+                const v8f dl = splat(d * (float)(sc[sub] & 0xF)), ml = splat(dmin * (float)(sc[sub] >> 4));
+                const v8i q = (ld_u8(qs + h * 32 + 8 * k) >> (2 * s)) & 3;
+                EMIT(cvt(q) * dl - ml, h * 128 + s * 32 + 8 * k, k);
+            }
+}
+
+BLOCK(q3_k) {
+    const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
+    const float d = rd_f16(b + 108);
+    float dl[16];
+    for (int k = 0; k < 16; k++) {
+        const int lo = k < 8 ? (sc[k] & 0xF) : (sc[k - 8] >> 4);
+        const int hi = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
+        dl[k] = d * (float)((int8_t)(lo | (hi << 4)) - 32);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            #pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const v8i ql = (ld_u8(qs + h * 32 + 8 * k) >> (2 * s)) & 3;
+                const v8i bit = (ld_u8(hm + 8 * k) >> (h * 4 + s)) & 1;
+                EMIT(cvt(ql - ((bit ^ 1) << 2)) * splat(dl[h * 8 + s * 2 + (k >> 1)]), h * 128 + s * 32 + 8 * k, k);
+            }
+}
+
+static inline void scale_min_k4(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    for (int i = 0; i < 4; i++) {
+        sc[i] = s[i] & 63;
+        mn[i] = s[i + 4] & 63;
+        sc[i + 4] = (s[i + 8] & 0xF) | ((s[i] >> 2) & 0x30);
+        mn[i + 4] = (s[i + 8] >> 4) | ((s[i + 4] >> 2) & 0x30);
+    }
+}
+
+BLOCK(q4_k) {
+    const float d = rd_f16(b), dmin = rd_f16(b + 2);
+    uint8_t sc[8], mn[8];
+    scale_min_k4(b + 4, sc, mn);
+    const uint8_t *qs = b + 16;
+    for (int p = 0; p < 4; p++) {
+        const v8f d0 = splat(d * (float)sc[2 * p]), m0 = splat(dmin * (float)mn[2 * p]);
+        const v8f d1 = splat(d * (float)sc[2 * p + 1]), m1 = splat(dmin * (float)mn[2 * p + 1]);
+        #pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const v8i v = ld_u8(qs + 32 * p + 8 * k);
+            EMIT(cvt(v & 15) * d0 - m0, 64 * p + 8 * k, k);
+            EMIT(cvt(v >> 4) * d1 - m1, 64 * p + 32 + 8 * k, k ^ 2);
+        }
+    }
+}
+
+BLOCK(q5_k) {
+    const float d = rd_f16(b), dmin = rd_f16(b + 2);
+    uint8_t sc[8], mn[8];
+    scale_min_k4(b + 4, sc, mn);
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    for (int p = 0; p < 4; p++) {
+        const v8f d0 = splat(d * (float)sc[2 * p]), m0 = splat(dmin * (float)mn[2 * p]);
+        const v8f d1 = splat(d * (float)sc[2 * p + 1]), m1 = splat(dmin * (float)mn[2 * p + 1]);
+        #pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const v8i v = ld_u8(qs + 32 * p + 8 * k), h = ld_u8(qh + 8 * k);
+            EMIT(cvt((v & 15) | (((h >> (2 * p)) & 1) << 4)) * d0 - m0, 64 * p + 8 * k, k);
+            EMIT(cvt((v >> 4) | (((h >> (2 * p + 1)) & 1) << 4)) * d1 - m1, 64 * p + 32 + 8 * k, k ^ 2);
+        }
+    }
+}
+
+BLOCK(q6_k) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = rd_f16(b + 208);
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < 4; t++) {
+            const uint8_t *pl = ql + h * 64 + (t & 1) * 32, *ph = qh + h * 32;
+            const int sl = 4 * (t >> 1), sh = 2 * t;
+            #pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const v8i q = (((ld_u8(pl + 8 * k) >> sl) & 15) | (((ld_u8(ph + 8 * k) >> sh) & 3) << 4)) - 32;
+                EMIT(cvt(q) * splat(d * (float)sc[h * 8 + t * 2 + (k >> 1)]), h * 128 + t * 32 + 8 * k, k);
+            }
+        }
+}
+
+BLOCK(iq2_xxs) {
+    const float d = rd_f16(b);
+    for (int s = 0; s < 8; s++) {
+        const uint8_t *q = b + 2 + 8 * s;
+        const uint32_t aux = rd_u32(q + 4);
+        const v8f db = splat(d * (0.5f + (float)(aux >> 28)) * 0.25f);
+        #pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const v8f sg = *(const v8f *)KSIGNS[(aux >> (7 * k)) & 0x7F];
+            EMIT(db * cvt(ld_u8(GRID_IQ2_XXS[q[k]])) * sg, 32 * s + 8 * k, k);
+        }
+    }
+}
+
+BLOCK(iq2_xs) {
+    const float d = rd_f16(b);
+    const uint8_t *sc = b + 66;
+    for (int p = 0; p < 8; p++) { /* 32 values: two 16-value sub-blocks with 4-bit scales */
+        const v8f db0 = splat(d * (0.5f + (float)(sc[p] & 0xF)) * 0.25f);
+        const v8f db1 = splat(d * (0.5f + (float)(sc[p] >> 4)) * 0.25f);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const uint16_t q = rd_u16(b + 2 + 8 * p + 2 * k);
+            EMIT((k < 2 ? db0 : db1) * cvt(ld_u8(GRID_IQ2_XS[q & 511])) * *(const v8f *)KSIGNS[q >> 9],
+                 32 * p + 8 * k, k);
+        }
+    }
+}
+
+BLOCK(iq3_xxs) {
+    const float d = rd_f16(b);
+    const uint8_t *qs = b + 2;
+    for (int s = 0; s < 8; s++) {
+        const uint32_t aux = rd_u32(b + 66 + 4 * s);
+        const v8f db = splat(d * (0.5f + (float)(aux >> 28)) * 0.5f);
+        #pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            uint8_t g[8];
+            memcpy(g, GRID_IQ3_XXS[qs[s * 8 + k * 2]], 4);
+            memcpy(g + 4, GRID_IQ3_XXS[qs[s * 8 + k * 2 + 1]], 4);
+            EMIT(db * cvt(ld_u8(g)) * *(const v8f *)KSIGNS[(aux >> (7 * k)) & 0x7F], 32 * s + 8 * k, k);
+        }
+    }
+}
+
+BLOCK(iq4_nl) {
+    const v8f d = splat(rd_f16(b));
+    int8_t v[32];
+    lookup16(IQ4_NL_I8, b + 2, 0, v);
+    lookup16(IQ4_NL_I8, b + 2, 4, v + 16);
+    #pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) EMIT(cvt(ld_i8(v + 8 * g)) * d, 8 * g, g);
+}
+
+BLOCK(iq4_xs) {
+    const float d = rd_f16(b);
+    const uint16_t sh = rd_u16(b + 2);
+    const uint8_t *sl = b + 4, *qs = b + 8;
+    for (int j = 0; j < 8; j++) {
+        const int lo = (sl[j / 2] >> (4 * (j & 1))) & 0xF, hi = (sh >> (2 * j)) & 3;
+        const v8f dl = splat(d * (float)((int8_t)(lo | (hi << 4)) - 32));
+        int8_t v[32];
+        lookup16(IQ4_NL_I8, qs + 16 * j, 0, v);
+        lookup16(IQ4_NL_I8, qs + 16 * j, 4, v + 16);
+        #pragma GCC unroll 4
+        for (int g = 0; g < 4; g++) EMIT(cvt(ld_i8(v + 8 * g)) * dl, 32 * j + 8 * g, g);
+    }
+}
+
+BLOCK(mxfp4) {
+    const v8f d = splat(e8m0_half(b[0]));
+    int8_t v[32];
+    lookup16(E2M1_I8, b + 1, 0, v);
+    lookup16(E2M1_I8, b + 1, 4, v + 16);
+    #pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) EMIT(cvt(ld_i8(v + 8 * g)) * d, 8 * g, g);
+}
+
+/* ------------------------------------------------------------------ thread pool
+ *
+ * Rows are cut into tiles that threads claim one at a time from a shared counter; the calling
+ * thread works too and returns as soon as every tile is done. A helper that the OS has not
+ * scheduled yet simply claims nothing, so on a busy machine a call degrades to the speed of
+ * the threads that do run, instead of waiting at a barrier for one that does not (which made
+ * OpenMP's `parallel for` 10x slower than one thread on a loaded 2-core box).
+ *
+ * state packs (epoch:32 | next tile:16 | tile count:16). A claim is a CAS on it, so a claim
+ * always belongs to the job it read; the job's arguments are written before its epoch is
+ * published and stay valid until all its claimed tiles are done.
+ */
+typedef struct {
+    void (*fn)(const void *args, int64_t tile);
+    const void *args;
+} job_t;
+
+#define MAX_HELPERS 63
+#define SPIN_ROUNDS 2000 /* a few microseconds of polling before a helper sleeps */
+
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake_cv = PTHREAD_COND_INITIALIZER;
+static _Atomic uint64_t pool_state;
+static _Atomic int64_t pool_done;
+static _Atomic int pool_wanted; /* helpers with index < wanted take part in the current job */
+static _Atomic int pool_sleepers;
+static job_t pool_job;
+static int pool_size;
+
+static inline uint32_t st_epoch(uint64_t s) { return (uint32_t)(s >> 32); }
+static inline int64_t st_next(uint64_t s) { return (int64_t)((s >> 16) & 0xFFFF); }
+static inline int64_t st_count(uint64_t s) { return (int64_t)(s & 0xFFFF); }
+
+/* Claim and run tiles of the current job until none is left; returns how many were run. */
+static int64_t pool_work(void) {
+    int64_t ran = 0;
+    uint64_t s = atomic_load_explicit(&pool_state, memory_order_acquire);
+    while (st_next(s) < st_count(s)) {
+        if (atomic_compare_exchange_weak_explicit(&pool_state, &s, s + (1u << 16), memory_order_acq_rel,
+                                                  memory_order_acquire)) {
+            pool_job.fn(pool_job.args, st_next(s));
+            atomic_fetch_add_explicit(&pool_done, 1, memory_order_release);
+            ran++;
+            s = atomic_load_explicit(&pool_state, memory_order_acquire);
+        }
+    }
+    return ran;
+}
+
+static void *pool_helper(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    uint32_t seen = 0;
+    for (;;) {
+        uint64_t s = atomic_load_explicit(&pool_state, memory_order_acquire);
+        if (st_epoch(s) != seen) {
+            seen = st_epoch(s);
+            if (index < atomic_load_explicit(&pool_wanted, memory_order_relaxed)) pool_work();
+            continue;
+        }
+        int spun = 0;
+        while (spun < SPIN_ROUNDS && st_epoch(atomic_load_explicit(&pool_state, memory_order_acquire)) == seen) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+            spun++;
+        }
+        if (spun < SPIN_ROUNDS) continue;
+        pthread_mutex_lock(&wake_mu);
+        atomic_fetch_add(&pool_sleepers, 1);
+        while (st_epoch(atomic_load(&pool_state)) == seen) pthread_cond_wait(&wake_cv, &wake_mu);
+        atomic_fetch_sub(&pool_sleepers, 1);
+        pthread_mutex_unlock(&wake_mu);
+    }
+    return NULL;
+}
+
+/* Run fn(args, t) for t in [0, n_tiles) on up to nth threads (the caller included). */
+static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_t n_tiles, int nth) {
+    if (nth > n_tiles) nth = (int)n_tiles;
+    if (nth > MAX_HELPERS + 1) nth = MAX_HELPERS + 1;
+    /* One job at a time; a second caller (another Python thread) runs its job alone. */
+    if (nth <= 1 || n_tiles > 0xFFFF || pthread_mutex_trylock(&call_mu) != 0) {
+        for (int64_t t = 0; t < n_tiles; t++) fn(args, t);
+        return;
+    }
+    while (pool_size < nth - 1) {
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int ok = pthread_create(&th, &attr, pool_helper, (void *)(intptr_t)pool_size) == 0;
+        pthread_attr_destroy(&attr);
+        if (!ok) break;
+        pool_size++;
+    }
+    pool_job.fn = fn;
+    pool_job.args = args;
+    atomic_store_explicit(&pool_done, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool_wanted, nth - 1, memory_order_relaxed);
+    const uint64_t old = atomic_load_explicit(&pool_state, memory_order_relaxed);
+    /* seq_cst store, then load: pairs with the helper's sleepers++ then state load, so either
+     * the helper sees the new epoch or we see it about to sleep and wake it. */
+    atomic_store(&pool_state, ((uint64_t)(st_epoch(old) + 1) << 32) | (uint64_t)n_tiles);
+    if (atomic_load(&pool_sleepers) > 0) {
+        pthread_mutex_lock(&wake_mu);
+        pthread_cond_broadcast(&wake_cv);
+        pthread_mutex_unlock(&wake_mu);
+    }
+    pool_work();
+    while (atomic_load_explicit(&pool_done, memory_order_acquire) < n_tiles) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+    pthread_mutex_unlock(&call_mu);
+}
+
+/* ------------------------------------------------------------------ drivers */
+
+#define ROW_TILE 16
+
+typedef struct {
+    const uint8_t *W;
+    int64_t rows, cols, nblk, B, tile_rows;
+    const float *X;
+    float *Y;
+} qmm_args;
+
+/* Rows [r0, r1) for NB batch rows starting at X; Y is [B, rows] row-major. */
+#define DEFINE_ROWS(NAME, QK, TS, NB)                                                                \
+    static void rows_##NAME##_##NB(const uint8_t *W, int64_t r0, int64_t r1, int64_t nblk,            \
+                                   const float *X, int64_t cols, float *Y, int64_t rows) {           \
+        for (int64_t r = r0; r < r1; r++) {                                                          \
+            v8f acc[NB * LANES(NB)];                                                                 \
+            for (int i = 0; i < NB * LANES(NB); i++) acc[i] = (v8f){0};                              \
+            const uint8_t *wr = W + r * nblk * (TS);                                                 \
+            for (int64_t j = 0; j < nblk; j++) blk_##NAME(wr + j * (TS), X + j * (QK), cols, acc, NB); \
+            for (int i = 0; i < NB; i++) {                                                           \
+                v8f s = acc[i * LANES(NB)];                                                          \
+                for (int l = 1; l < LANES(NB); l++) s += acc[i * LANES(NB) + l];                     \
+                Y[i * rows + r] = hsum8(s);                                                          \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+/* ------------------------------------------------------------------ int16 activations (AVX2)
+ *
+ * For the most used types a faster variant quantizes each row of x to int16 with one scale
+ * (max |x| -> 32767: an error of at most 1.5e-5 of max |x| per element, far inside the 1e-3
+ * the kernels are held to) and multiplies integer weights with vpmaddwd, 16 products per
+ * instruction, converting to float once per 16 or 32 values to apply the block scales.
+ * Sums stay exact in int32: |q| <= 128 and |x| <= 32767, at most 4 products per lane.
+ * Mins (Q4_K's dmin * m) use per-32 sums of the quantized x.
+ */
+#if defined(__AVX2__)
+#define HAVE_I16 1
+
+typedef struct {
+    const uint8_t *W;
+    int64_t rows, cols, nblk, B, tile_rows, nsum;
+    const int16_t *XQ; /* [B, cols] */
+    const float *XS;   /* [B] scale of each row */
+    const float *XSUM; /* [B, cols / 32] sums of XQ over 32 values */
+    float *Y;
+} qmm16_args;
+
+static inline __m256i ld16(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline v8f cvt32(__m256i v) { return (v8f)_mm256_cvtepi32_ps(v); }
+static inline __m256i lo16u(__m256i v) { return _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)); }
+static inline __m256i hi16u(__m256i v) { return _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1)); }
+static inline __m256i lo16s(__m256i v) { return _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)); }
+static inline __m256i hi16s(__m256i v) { return _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)); }
+
+/* Quantize X rows; returns 0 (and leaves the float path to run) if some |x| is not finite. */
+static int prep_x16(const float *X, int64_t B, int64_t cols, int16_t *xq, float *xs, float *xsum) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *x = X + b * cols;
+        float m = 0.0f;
+        for (int64_t i = 0; i < cols; i++) {
+            const float a = x[i] < 0 ? -x[i] : x[i];
+            m = a > m ? a : m;
+        }
+        if (!(m <= 3.0e38f)) return 0; /* inf or nan */
+        const float inv = m > 0 ? 32767.0f / m : 0.0f;
+        xs[b] = m > 0 ? m / 32767.0f : 0.0f;
+        int16_t *q = xq + b * cols;
+        for (int64_t i = 0; i < cols; i++) q[i] = (int16_t)__builtin_lrintf(x[i] * inv);
+        for (int64_t g = 0; g < cols / 32; g++) {
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) sum += q[32 * g + i];
+            xsum[b * (cols / 32) + g] = (float)sum;
+        }
+    }
+    return 1;
+}
+
+/* blk16_T(b, xq, xs, xsum, ss, acc, macc, NB): like blk_T, with int16 x (row stride xs), its
+ * per-32 sums (row stride ss) and a scalar accumulator per row for the min terms. */
+#define BLOCK16(NAME)                                                                               \
+    static inline __attribute__((always_inline)) void blk16_##NAME(                                 \
+        const uint8_t *restrict b, const int16_t *restrict xq, const int64_t xs,                    \
+        const float *restrict xsum, const int64_t ss, v8f *restrict acc, v8f *restrict macc,      \
+        const int NB)
+#define EMIT16(isum, scale, lane)                                                                   \
+    do {                                                                                            \
+        const int l_ = (lane) & (LANES(NB) - 1);                                                    \
+        acc[r_ * LANES(NB) + l_] += cvt32(isum) * (scale);                                          \
+    } while (0)
+
+BLOCK16(q8_0) {
+    (void)xsum; (void)ss; (void)macc;
+    const v8f d = splat(rd_f16(b));
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2));
+    const __m256i q0 = lo16s(q), q1 = hi16s(q);
+    for (int r_ = 0; r_ < NB; r_++) {
+        const int16_t *x = xq + r_ * xs;
+        EMIT16(_mm256_add_epi32(_mm256_madd_epi16(q0, ld16(x)), _mm256_madd_epi16(q1, ld16(x + 16))), d, 0);
+    }
+}
+
+BLOCK16(q4_k) {
+    const float d = rd_f16(b), dmin = rd_f16(b + 2);
+    uint8_t sc[8], mn[8];
+    scale_min_k4(b + 4, sc, mn);
+    /* the min terms, dmin * m_j * sum(x over sub-block j), for all 8 sub-blocks at once */
+    v8f mv;
+    for (int i = 0; i < 8; i++) mv[i] = dmin * (float)mn[i];
+    for (int r_ = 0; r_ < NB; r_++) macc[r_] += mv * ldu(xsum + r_ * ss);
+    const __m256i m4 = _mm256_set1_epi8(15);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * p));
+        const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        const __m256i l0 = lo16u(lo), l1 = hi16u(lo), h0 = lo16u(hi), h1 = hi16u(hi);
+        const v8f dl = splat(d * (float)sc[2 * p]), dh = splat(d * (float)sc[2 * p + 1]);
+        for (int r_ = 0; r_ < NB; r_++) {
+            const int16_t *x = xq + r_ * xs + 64 * p;
+            EMIT16(_mm256_add_epi32(_mm256_madd_epi16(l0, ld16(x)), _mm256_madd_epi16(l1, ld16(x + 16))), dl, 2 * p);
+            EMIT16(_mm256_add_epi32(_mm256_madd_epi16(h0, ld16(x + 32)), _mm256_madd_epi16(h1, ld16(x + 48))), dh,
+                   2 * p + 1);
+        }
+    }
+}
+
+BLOCK16(q6_k) {
+    (void)xsum; (void)ss; (void)macc;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = rd_f16(b + 208);
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3), c32 = _mm256_set1_epi8(32);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const __m256i qa = _mm256_loadu_si256((const __m256i *)(b + h * 64));
+        const __m256i qb = _mm256_loadu_si256((const __m256i *)(b + h * 64 + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + h * 32));
+        __m256i q[4];
+        q[0] = _mm256_or_si256(_mm256_and_si256(qa, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+        q[1] = _mm256_or_si256(_mm256_and_si256(qb, m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {
+            const __m256i qs = _mm256_sub_epi8(q[t], c32);
+            const __m256i w0 = lo16s(qs), w1 = hi16s(qs);
+            const v8f s0 = splat(d * (float)sc[h * 8 + t * 2]), s1 = splat(d * (float)sc[h * 8 + t * 2 + 1]);
+            for (int r_ = 0; r_ < NB; r_++) {
+                const int16_t *x = xq + r_ * xs + h * 128 + t * 32;
+                EMIT16(_mm256_madd_epi16(w0, ld16(x)), s0, 2 * t);
+                EMIT16(_mm256_madd_epi16(w1, ld16(x + 16)), s1, 2 * t + 1);
+            }
+        }
+    }
+}
+
+BLOCK16(q5_k) {
+    const float d = rd_f16(b), dmin = rd_f16(b + 2);
+    uint8_t sc[8], mn[8];
+    scale_min_k4(b + 4, sc, mn);
+    /* the min terms, dmin * m_j * sum(x over sub-block j), for all 8 sub-blocks at once */
+    v8f mv;
+    for (int i = 0; i < 8; i++) mv[i] = dmin * (float)mn[i];
+    for (int r_ = 0; r_ < NB; r_++) macc[r_] += mv * ldu(xsum + r_ * ss);
+    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * p));
+        const __m256i bl = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), one), 4);
+        const __m256i bh = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), one), 4);
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, m4), bl);
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), bh);
+        const __m256i l0 = lo16u(lo), l1 = hi16u(lo), h0 = lo16u(hi), h1 = hi16u(hi);
+        const v8f dl = splat(d * (float)sc[2 * p]), dh = splat(d * (float)sc[2 * p + 1]);
+        for (int r_ = 0; r_ < NB; r_++) {
+            const int16_t *x = xq + r_ * xs + 64 * p;
+            EMIT16(_mm256_add_epi32(_mm256_madd_epi16(l0, ld16(x)), _mm256_madd_epi16(l1, ld16(x + 16))), dl, 2 * p);
+            EMIT16(_mm256_add_epi32(_mm256_madd_epi16(h0, ld16(x + 32)), _mm256_madd_epi16(h1, ld16(x + 48))), dh,
+                   2 * p + 1);
+        }
+    }
+}
+
+/* 32 table values of a 16-byte nibble run (low nibbles = values 0-15), as two int16 vectors. */
+static inline void lookup32_i16(__m128i table, const uint8_t *q, __m256i *w0, __m256i *w1) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)q), m4 = _mm_set1_epi8(15);
+    *w0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(v, m4)));
+    *w1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(v, 4), m4)));
+}
+
+#define BLOCK16_LOOKUP32(NAME, TABLE, SCALE, QOFF)                                                    \
+    BLOCK16(NAME) {                                                                                 \
+        (void)xsum; (void)ss; (void)macc;                                                           \
+        const v8f d = splat(SCALE);                                                                 \
+        __m256i w0, w1;                                                                             \
+        lookup32_i16((__m128i)TABLE, b + (QOFF), &w0, &w1);                                         \
+        for (int r_ = 0; r_ < NB; r_++) {                                                           \
+            const int16_t *x = xq + r_ * xs;                                                        \
+            EMIT16(_mm256_add_epi32(_mm256_madd_epi16(w0, ld16(x)), _mm256_madd_epi16(w1, ld16(x + 16))), d, 0); \
+        }                                                                                           \
+    }
+BLOCK16_LOOKUP32(iq4_nl, IQ4_NL_I8, rd_f16(b), 2)
+BLOCK16_LOOKUP32(mxfp4, E2M1_I8, e8m0_half(b[0]), 1)
+
+BLOCK16(iq4_xs) {
+    (void)xsum; (void)ss; (void)macc;
+    const float d = rd_f16(b);
+    const uint16_t sh = rd_u16(b + 2);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        const int lo = (b[4 + j / 2] >> (4 * (j & 1))) & 0xF, hi = (sh >> (2 * j)) & 3;
+        const v8f dl = splat(d * (float)((int8_t)(lo | (hi << 4)) - 32));
+        __m256i w0, w1;
+        lookup32_i16((__m128i)IQ4_NL_I8, b + 8 + 16 * j, &w0, &w1);
+        for (int r_ = 0; r_ < NB; r_++) {
+            const int16_t *x = xq + r_ * xs + 32 * j;
+            EMIT16(_mm256_add_epi32(_mm256_madd_epi16(w0, ld16(x)), _mm256_madd_epi16(w1, ld16(x + 16))), dl, j);
+        }
+    }
+}
+
+#define KSIGNS16 KSIGNS16_INIT
+
+/* Two 8-value grid rows (uint8) with their sign rows -> 16 signed int16 weights. */
+static inline __m256i grid16(const uint8_t *g0, const uint8_t *g1, int s0, int s1) {
+    uint64_t a, c;
+    memcpy(&a, g0, 8);
+    memcpy(&c, g1, 8);
+    const __m256i g = _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)c, (long long)a));
+    const __m256i sg = _mm256_set_m128i(_mm_load_si128((const __m128i *)KSIGNS16[s1]),
+                                        _mm_load_si128((const __m128i *)KSIGNS16[s0]));
+    return _mm256_sign_epi16(g, sg);
+}
+
+BLOCK16(iq2_xxs) {
+    (void)xsum; (void)ss; (void)macc;
+    const float d = rd_f16(b);
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {
+        const uint8_t *q = b + 2 + 8 * s;
+        const uint32_t aux = rd_u32(q + 4);
+        const v8f db = splat(d * (0.5f + (float)(aux >> 28)) * 0.25f);
+        const __m256i w0 = grid16(GRID_IQ2_XXS[q[0]], GRID_IQ2_XXS[q[1]], aux & 127, (aux >> 7) & 127);
+        const __m256i w1 = grid16(GRID_IQ2_XXS[q[2]], GRID_IQ2_XXS[q[3]], (aux >> 14) & 127, (aux >> 21) & 127);
+        for (int r_ = 0; r_ < NB; r_++) {
+            const int16_t *x = xq + r_ * xs + 32 * s;
+            EMIT16(_mm256_add_epi32(_mm256_madd_epi16(w0, ld16(x)), _mm256_madd_epi16(w1, ld16(x + 16))), db, s);
+        }
+    }
+}
+
+BLOCK16(iq2_xs) {
+    (void)xsum; (void)ss; (void)macc;
+    const float d = rd_f16(b);
+#pragma GCC unroll 16
+    for (int s = 0; s < 16; s++) { /* 16 values: two grid rows sharing one 4-bit scale */
+        const uint16_t q0 = rd_u16(b + 2 + 4 * s), q1 = rd_u16(b + 4 + 4 * s);
+        const v8f db = splat(d * (0.5f + (float)((b[66 + s / 2] >> (4 * (s & 1))) & 0xF)) * 0.25f);
+        const __m256i w = grid16(GRID_IQ2_XS[q0 & 511], GRID_IQ2_XS[q1 & 511], q0 >> 9, q1 >> 9);
+        for (int r_ = 0; r_ < NB; r_++) EMIT16(_mm256_madd_epi16(w, ld16(xq + r_ * xs + 16 * s)), db, s);
+    }
+}
+
+#define DEFINE_ROWS16(NAME, QK, TS, NB)                                                               \
+    static void rows16_##NAME##_##NB(const qmm16_args *a, int64_t r0, int64_t r1, int64_t b0) {        \
+        const int16_t *xq = a->XQ + b0 * a->cols;                                                     \
+        const float *xsum = a->XSUM + b0 * a->nsum;                                                   \
+        for (int64_t r = r0; r < r1; r++) {                                                           \
+            v8f acc[NB * LANES(NB)];                                                                  \
+            v8f macc[NB];                                                                             \
+            for (int i = 0; i < NB * LANES(NB); i++) acc[i] = (v8f){0};                               \
+            for (int i = 0; i < NB; i++) macc[i] = (v8f){0};                                          \
+            const uint8_t *wr = a->W + r * a->nblk * (TS);                                            \
+            for (int64_t j = 0; j < a->nblk; j++)                                                     \
+                blk16_##NAME(wr + j * (TS), xq + j * (QK), a->cols, xsum + j * ((QK) / 32), a->nsum,  \
+                             acc, macc, NB);                                                          \
+            for (int i = 0; i < NB; i++) {                                                            \
+                v8f s = acc[i * LANES(NB)];                                                           \
+                for (int l = 1; l < LANES(NB); l++) s += acc[i * LANES(NB) + l];                      \
+                a->Y[(b0 + i) * a->rows + r] = hsum8(s - macc[i]) * a->XS[b0 + i];                    \
+            }                                                                                         \
+        }                                                                                             \
+    }
+
+#define DEFINE_QMM16(NAME, QK, TS)                                                                     \
+    DEFINE_ROWS16(NAME, QK, TS, 1) DEFINE_ROWS16(NAME, QK, TS, 2) DEFINE_ROWS16(NAME, QK, TS, 4)       \
+    DEFINE_ROWS16(NAME, QK, TS, 8)                                                                     \
+    static void tile16_##NAME(const void *a_, int64_t tile) {                                         \
+        const qmm16_args *a = (const qmm16_args *)a_;                                                 \
+        const int64_t t0 = tile * a->tile_rows;                                                       \
+        const int64_t t1 = t0 + a->tile_rows < a->rows ? t0 + a->tile_rows : a->rows;                 \
+        for (int64_t b0 = 0; b0 < a->B;) {                                                            \
+            const int64_t left = a->B - b0;                                                           \
+            if (left >= 8) { rows16_##NAME##_8(a, t0, t1, b0); b0 += 8; }                             \
+            else if (left >= 4) { rows16_##NAME##_4(a, t0, t1, b0); b0 += 4; }                        \
+            else if (left >= 2) { rows16_##NAME##_2(a, t0, t1, b0); b0 += 2; }                        \
+            else { rows16_##NAME##_1(a, t0, t1, b0); b0 += 1; }                                       \
+        }                                                                                             \
+    }                                                                                                 \
+    static int qmm16_##NAME(const uint8_t *W, int64_t rows, int64_t cols, const float *X, int64_t B,  \
+                            float *Y, int nth) {                                                      \
+        int16_t *xq = malloc(sizeof(int16_t) * B * cols);                                             \
+        float *xs = malloc(sizeof(float) * (B + B * (cols / 32)));                                    \
+        int ok = xq && xs && prep_x16(X, B, cols, xq, xs, xs + B);                                    \
+        if (ok) {                                                                                     \
+            int64_t tile_rows = ROW_TILE;                                                             \
+            while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;                       \
+            const qmm16_args a = {W, rows, cols, cols / (QK), B, tile_rows, cols / 32, xq, xs, xs + B, Y}; \
+            pool_run(tile16_##NAME, &a, (rows + tile_rows - 1) / tile_rows, nth < 1 ? 1 : nth);       \
+        }                                                                                             \
+        free(xq);                                                                                     \
+        free(xs);                                                                                     \
+        return ok;                                                                                    \
+    }
+
+DEFINE_QMM16(q8_0, 32, 34)
+DEFINE_QMM16(q4_k, 256, 144)
+DEFINE_QMM16(q5_k, 256, 176)
+DEFINE_QMM16(q6_k, 256, 210)
+DEFINE_QMM16(iq2_xxs, 256, 66)
+DEFINE_QMM16(iq2_xs, 256, 74)
+DEFINE_QMM16(iq4_nl, 32, 18)
+DEFINE_QMM16(iq4_xs, 256, 136)
+DEFINE_QMM16(mxfp4, 32, 17)
+#endif
+
+/* Set to 0 to use the float32-activation kernels everywhere (tests compare the two). */
+static int use_i16 = 1;
+void strata_set_int16(int on) { use_i16 = on; }
+
+#define DEFINE_QMM(NAME, QK, TS)                                                                      \
+    DEFINE_ROWS(NAME, QK, TS, 1) DEFINE_ROWS(NAME, QK, TS, 2) DEFINE_ROWS(NAME, QK, TS, 4)            \
+    DEFINE_ROWS(NAME, QK, TS, 8)                                                                      \
+    static void tile_##NAME(const void *a_, int64_t tile) {                                          \
+        const qmm_args *a = (const qmm_args *)a_;                                                    \
+        const int64_t t0 = tile * a->tile_rows;                                                      \
+        const int64_t t1 = t0 + a->tile_rows < a->rows ? t0 + a->tile_rows : a->rows;                \
+        const int64_t nb = a->nblk, c = a->cols, R = a->rows;                                        \
+        /* batch rows in groups of 8, then 4, 2, 1: each group decodes the tile once */              \
+        for (int64_t b0 = 0; b0 < a->B;) {                                                           \
+            const float *x = a->X + b0 * c;                                                          \
+            float *y = a->Y + b0 * R;                                                                \
+            const int64_t left = a->B - b0;                                                          \
+            if (left >= 8) { rows_##NAME##_8(a->W, t0, t1, nb, x, c, y, R); b0 += 8; }               \
+            else if (left >= 4) { rows_##NAME##_4(a->W, t0, t1, nb, x, c, y, R); b0 += 4; }          \
+            else if (left >= 2) { rows_##NAME##_2(a->W, t0, t1, nb, x, c, y, R); b0 += 2; }          \
+            else { rows_##NAME##_1(a->W, t0, t1, nb, x, c, y, R); b0 += 1; }                         \
+        }                                                                                            \
+    }                                                                                                \
+    void strata_qmm_##NAME(const uint8_t *W, int64_t rows, int64_t cols, const float *X, int64_t B,  \
+                           float *Y, int nth) {                                                     \
+        if (use_i16 && qmm16_dispatch_##NAME(W, rows, cols, X, B, Y, nth)) return;                   \
+        int64_t tile_rows = ROW_TILE;                                                                \
+        while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;                          \
+        const qmm_args a = {W, rows, cols, cols / (QK), B, tile_rows, X, Y};                         \
+        pool_run(tile_##NAME, &a, (rows + tile_rows - 1) / tile_rows, nth < 1 ? 1 : nth);            \
+    }
+
+/* qmm16_dispatch_T: run the int16 variant if T has one (returns 1), else 0. */
+#define NO_I16(NAME) \
+    static inline int qmm16_dispatch_##NAME(const uint8_t *W, int64_t r, int64_t c, const float *X, int64_t B, \
+                                            float *Y, int nth) { (void)W; (void)r; (void)c; (void)X; (void)B; (void)Y; (void)nth; return 0; }
+#if defined(HAVE_I16)
+#define WITH_I16(NAME) \
+    static inline int qmm16_dispatch_##NAME(const uint8_t *W, int64_t r, int64_t c, const float *X, int64_t B, \
+                                            float *Y, int nth) { return qmm16_##NAME(W, r, c, X, B, Y, nth); }
+#else
+#define WITH_I16(NAME) NO_I16(NAME)
+#endif
+NO_I16(q4_0) NO_I16(q4_1) NO_I16(q5_0) NO_I16(q5_1) WITH_I16(q8_0) NO_I16(q2_k) NO_I16(q3_k)
+WITH_I16(q4_k) WITH_I16(q5_k) WITH_I16(q6_k) WITH_I16(iq2_xxs) WITH_I16(iq2_xs) NO_I16(iq3_xxs)
+WITH_I16(iq4_nl) WITH_I16(iq4_xs) WITH_I16(mxfp4)
+
+DEFINE_QMM(q4_0, 32, 18)
+DEFINE_QMM(q4_1, 32, 20)
+DEFINE_QMM(q5_0, 32, 22)
+DEFINE_QMM(q5_1, 32, 24)
+DEFINE_QMM(q8_0, 32, 34)
+DEFINE_QMM(q2_k, 256, 84)
+DEFINE_QMM(q3_k, 256, 110)
+DEFINE_QMM(q4_k, 256, 144)
+DEFINE_QMM(q5_k, 256, 176)
+DEFINE_QMM(q6_k, 256, 210)
+DEFINE_QMM(iq2_xxs, 256, 66)
+DEFINE_QMM(iq2_xs, 256, 74)
+DEFINE_QMM(iq3_xxs, 256, 98)
+DEFINE_QMM(iq4_nl, 32, 18)
+DEFINE_QMM(iq4_xs, 256, 136)
+DEFINE_QMM(mxfp4, 32, 17)
+
+int strata_abi_version(void) { return 4; }
