@@ -117,6 +117,8 @@ def qmatmul_fast(x: torch.Tensor, w: QTensor, threads: int | None = None,
     b = xf.shape[0]
     if out is None:
         out = torch.empty(b, rows, dtype=torch.float32)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != b * rows:
+        raise ValueError(f"out must be a contiguous float32 tensor of {b} x {rows} values")
     if b:
         getattr(lib, f"strata_qmm_{suffix}")(_ptr(raw), rows, cols, _ptr(xf), b, _ptr(out), _threads(threads))
     return out.reshape(*lead, rows)

@@ -1,0 +1,208 @@
+"""Per-kernel speed of strata.kernels against the reference path and the machine's memory bandwidth.
+
+    .venv/bin/python bench/bench_kernels.py                     # all kernel types, 2 shapes, B=1 and 8
+    .venv/bin/python bench/bench_kernels.py --types Q4_K IQ2_XS --threads 1 2
+    .venv/bin/python bench/bench_kernels.py --batches          # fast vs reference crossover (FAST_BATCH_MAX)
+    .venv/bin/python bench/bench_kernels.py --compare-numba    # the tool choice: C vs numba on Q4_K
+
+Weights are Qwen3-30B-A3B expert matrices (gate/up 768x2048, down 2048x768), N_EXPERTS of them
+cycled so the working set does not fit the caches, as on the expert miss path. GB/s counts the
+quantized weight bytes read per second; "%bw" relates it to a big torch copy (bytes read +
+written per second), the machine's practical memory bandwidth. Times are medians of many calls
+(min in brackets); on a shared machine look at the load average printed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from strata import kernels  # noqa: E402
+from strata.kernels import _build  # noqa: E402
+from strata.models.weights import QTensor  # noqa: E402
+from strata.synth import random_blocks  # noqa: E402
+
+SHAPES = {"gate/up 768x2048": (768, 2048), "down 2048x768": (2048, 768)}
+
+
+def timed(fn, reps: int, budget_s: float = 2.0) -> tuple[float, float]:
+    """(median, min) seconds per call; stops early after budget_s."""
+    fn()
+    ts = []
+    t_end = time.perf_counter() + budget_s
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+        if time.perf_counter() > t_end and len(ts) >= 5:
+            break
+    return statistics.median(ts), min(ts)
+
+
+def memory_bandwidth(mb: int = 512) -> float:
+    """GB/s of a big tensor copy, counting bytes read plus bytes written."""
+    a = torch.ones(mb * 2**20 // 4)
+    b = torch.empty_like(a)
+    med, best = timed(lambda: b.copy_(a), 10)
+    return 2 * a.numel() * 4 / best / 1e9
+
+
+def experts(qtype: T, shape, n: int, seed: int = 0) -> list[QTensor]:
+    from strata import quant
+
+    q = quant.get(qtype)
+    rows, cols = shape
+    blocks = random_blocks(qtype, n * rows * cols // q.block_size, np.random.default_rng(seed))
+    raw = torch.from_numpy(blocks.reshape(n, rows, -1))
+    return [QTensor(raw[e], qtype, shape) for e in range(n)]
+
+
+def bench_types(types, threads_list, batches, n_experts, bw):
+    print(f"{'type':<8} {'shape':<17} {'thr':>3} {'B':>2} | {'fast ms':>14} {'GB/s':>6} {'%bw':>4} | "
+          f"{'ref ms':>7} {'speedup':>7}")
+    for name in types:
+        qtype = T[name]
+        for label, shape in SHAPES.items():
+            ws = experts(qtype, shape, n_experts)
+            nbytes = ws[0].nbytes
+            for threads in threads_list:
+                torch.set_num_threads(threads)
+                for b in batches:
+                    x = torch.randn(b, shape[1])
+                    out = torch.empty(b, shape[0])
+                    it = iter(range(10**9))
+
+                    def fast():
+                        kernels.qmatmul_fast(x, ws[next(it) % n_experts], threads=threads, out=out)
+
+                    def ref():
+                        kernels.qmatmul_reference(x, ws[next(it) % n_experts])
+
+                    med, best = timed(fast, 400)
+                    rmed, _ = timed(ref, 20, budget_s=1.0)
+                    gbs = nbytes / med / 1e9
+                    print(f"{name:<8} {label:<17} {threads:>3} {b:>2} | {med * 1e3:6.3f} ({best * 1e3:5.3f}) "
+                          f"{gbs:6.2f} {100 * gbs / bw:4.0f} | {rmed * 1e3:7.2f} {rmed / med:7.1f}x", flush=True)
+
+
+def bench_batches(threads):
+    torch.set_num_threads(threads)
+    print(f"fast kernel vs dequantize+matmul by batch size (Q4_K, 768x2048, {threads} threads)")
+    ws = experts(T.Q4_K, (768, 2048), 16)
+    for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96):
+        x = torch.randn(b, 2048)
+        it = iter(range(10**9))
+        fmed, _ = timed(lambda: kernels.qmatmul_fast(x, ws[next(it) % 16], threads=threads), 100, 1.0)
+        rmed, _ = timed(lambda: kernels.qmatmul_reference(x, ws[next(it) % 16]), 20, 1.0)
+        print(f"  B={b:3d}: fast {fmed * 1e3:7.3f} ms  reference {rmed * 1e3:7.3f} ms  -> "
+              f"{'fast' if fmed < rmed else 'reference'}", flush=True)
+
+
+# --- the tool choice: the same Q4_K matrix-vector product in numba (parallel prange, no fastmath)
+
+def _numba_q4k():
+    from numba import njit, prange
+
+    @njit(inline="always")
+    def f16(h):
+        s = (h >> 15) & 1
+        e = (h >> 10) & 0x1F
+        m = h & 0x3FF
+        v = np.float32(m) * np.float32(2.0 ** -24) if e == 0 else \
+            (np.float32(1.0) + np.float32(m) / np.float32(1024.0)) * np.float32(2.0 ** (int(e) - 15))
+        return -v if s else v
+
+    @njit(parallel=True, fastmath=False)
+    def q4k_mv(W, x, y, nblk):
+        for r in prange(W.shape[0]):
+            acc = np.float32(0.0)
+            for j in range(nblk):
+                o = j * 144
+                d = f16(np.uint16(W[r, o]) | (np.uint16(W[r, o + 1]) << np.uint16(8)))
+                dmin = f16(np.uint16(W[r, o + 2]) | (np.uint16(W[r, o + 3]) << np.uint16(8)))
+                for jj in range(8):
+                    if jj < 4:
+                        sc = W[r, o + 4 + jj] & 63
+                        mn = W[r, o + 8 + jj] & 63
+                    else:
+                        sc = (W[r, o + 8 + jj] & 0xF) | ((W[r, o + jj] >> 2) & 0x30)
+                        mn = (W[r, o + 8 + jj] >> 4) | ((W[r, o + 4 + jj] >> 2) & 0x30)
+                    base = j * 256 + 32 * jj
+                    q0 = o + 16 + 32 * (jj // 2)
+                    sh = 4 * (jj % 2)
+                    s = np.float32(0.0)
+                    sx = np.float32(0.0)
+                    for l in range(32):
+                        s += np.float32((W[r, q0 + l] >> sh) & 0xF) * x[base + l]
+                        sx += x[base + l]
+                    acc += d * np.float32(sc) * s - dmin * np.float32(mn) * sx
+            y[r] = acc
+
+    return q4k_mv
+
+
+def compare_numba(threads_list):
+    try:
+        import numba
+    except ImportError:
+        print("numba is not installed; pip install numba to reproduce the comparison")
+        return
+    ws = experts(T.Q4_K, (768, 2048), 16)
+    x = torch.randn(1, 2048)
+    t0 = time.perf_counter()
+    q4k_mv = _numba_q4k()
+    y = np.zeros(768, np.float32)
+    q4k_mv(ws[0].raw.numpy(), x[0].numpy(), y, 8)
+    compile_s = time.perf_counter() - t0
+    ref = kernels.qmatmul_reference(x, ws[0])[0]
+    err = float(np.abs(y - ref.numpy()).max() / ref.abs().max())
+    print(f"numba {numba.__version__}: compile {compile_s:.1f} s, rel. error {err:.1e}")
+    for threads in threads_list:
+        numba.set_num_threads(threads)
+        torch.set_num_threads(threads)
+        it = iter(range(10**9))
+        nmed, nbest = timed(lambda: q4k_mv(ws[next(it) % 16].raw.numpy(), x[0].numpy(), y, 8), 200)
+        cmed, cbest = timed(lambda: kernels.qmatmul_fast(x, ws[next(it) % 16], threads=threads), 400)
+        rmed, rbest = timed(lambda: kernels.qmatmul_reference(x, ws[next(it) % 16]), 20)
+        print(f"  Q4_K 768x2048 matvec, {threads} thread(s): C {cmed * 1e3:.3f} ms (min {cbest * 1e3:.3f})  "
+              f"numba {nmed * 1e3:.3f} ms (min {nbest * 1e3:.3f})  "
+              f"torch dequantize+matmul {rmed * 1e3:.2f} ms (min {rbest * 1e3:.2f})")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--types", nargs="*", default=list(_build.KERNEL_TYPES))
+    ap.add_argument("--threads", nargs="*", type=int, default=[torch.get_num_threads()])
+    ap.add_argument("--batch", nargs="*", type=int, default=[1, 8])
+    ap.add_argument("--experts", type=int, default=48, help="matrices cycled per measurement (defeats caches)")
+    ap.add_argument("--batches", action="store_true", help="only the batch-size crossover")
+    ap.add_argument("--compare-numba", action="store_true", help="only C vs numba on Q4_K")
+    args = ap.parse_args(argv)
+    if not kernels.available():
+        print(f"kernels unavailable: {_build.error()}")
+        return 1
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; torch {torch.__version__}")
+    if args.compare_numba:
+        compare_numba(args.threads)
+        return 0
+    if args.batches:
+        bench_batches(args.threads[0])
+        return 0
+    bw = memory_bandwidth()
+    print(f"memory bandwidth (512 MiB torch copy, read+write): {bw:.1f} GB/s")
+    bench_types(args.types, args.threads, args.batch, args.experts, bw)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

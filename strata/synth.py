@@ -1,0 +1,422 @@
+"""`strata synth`: a random-weight GGUF with a real model's per-layer shapes, for benchmarks.
+
+    strata synth --like qwen3-30b-a3b --layers 4 --quant Q4_K_M out.gguf
+
+The file is a complete model in llama.cpp's layout (arch qwen3moe for qwen3-30b-a3b, qwen3next
+for qwen3-next-80b): the real hidden size, heads, experts and expert width, fewer layers,
+optionally a smaller vocabulary (--vocab) or fewer experts (--experts, for small test files),
+and a small byte-level BPE tokenizer (tokenizer.ggml.model "gpt2") so llama.cpp accepts it.
+qwen4exp is refused until strata implements it.
+
+Quantized tensors are written block by block without a quantizer: random bytes for the
+quants, with every scale field overwritten by a finite, positive value sized so that the
+weights come out with an RMS of about 0.02 and mean near zero (`random_blocks`). Any bit
+pattern in the quant fields is a valid block, so this is the same set of files a quantizer
+could produce, at the speed of a random number generator (gguf-py cannot quantize to K- or
+i-quants at all, and is far too slow for gigabytes of experts where it can).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from strata import quant
+from strata.errors import BadOption, StrataError, UnsupportedQuantType
+
+WEIGHT_RMS = 0.02
+
+# ----------------------------------------------------------------------------- random blocks
+
+# Each type's f16 scale fields: (byte offset, role). "d" scales the block; "dmin"/"m" are set
+# from d so the decoded values are centred (see _centre).
+_F16_FIELDS: dict[T, tuple[tuple[int, str], ...]] = {
+    T.Q4_0: ((0, "d"),), T.Q4_1: ((0, "d"), (2, "m")), T.Q5_0: ((0, "d"),), T.Q5_1: ((0, "d"), (2, "m")),
+    T.Q8_0: ((0, "d"),), T.Q2_K: ((80, "d"), (82, "dmin")), T.Q3_K: ((108, "d"),),
+    T.Q4_K: ((0, "d"), (2, "dmin")), T.Q5_K: ((0, "d"), (2, "dmin")), T.Q6_K: ((208, "d"),),
+    T.IQ2_XXS: ((0, "d"),), T.IQ2_XS: ((0, "d"),), T.IQ2_S: ((0, "d"),), T.IQ3_XXS: ((0, "d"),),
+    T.IQ3_S: ((0, "d"),), T.IQ1_S: ((0, "d"),), T.IQ4_NL: ((0, "d"),), T.IQ4_XS: ((0, "d"),),
+}
+# dmin / m relative to d: the mean quant value times the mean of (sub-scale / sub-min), so that
+# d * sc * q - dmin * mn averages to zero (sc and mn are drawn from the same distribution).
+_CENTRE = {T.Q4_1: -7.5, T.Q5_1: -15.5, T.Q2_K: 1.5, T.Q4_K: 7.5, T.Q5_K: 15.5}
+RANDOM_BLOCK_TYPES = (*_F16_FIELDS, T.MXFP4)
+
+_UNIT_RMS: dict[T, float] = {}
+
+
+def _random_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
+    """n random bytes, writable (64-bit draws are the fastest numpy offers)."""
+    words = rng.bit_generator.random_raw((n + 7) // 8)
+    return words.view(np.uint8)[:n]
+
+
+def _set_scales(blocks: np.ndarray, qtype: T, d: np.ndarray) -> None:
+    """Overwrite the scale fields of uint8 [n, type_size] blocks; d: float per block."""
+    if qtype == T.MXFP4:  # E8M0 exponent byte: decodes to 2**(e - 128) ("half" convention)
+        blocks[:, 0] = np.clip(np.round(np.log2(d)) + 128, 2, 254).astype(np.uint8)
+        return
+    for offset, role in _F16_FIELDS[qtype]:
+        value = d if role == "d" else d * _CENTRE[qtype]
+        blocks[:, offset:offset + 2] = value.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+def _unit_rms(qtype: T) -> float:
+    """RMS of values decoded from random blocks whose scale is 1 (measured once per type)."""
+    if qtype not in _UNIT_RMS:
+        rng = np.random.default_rng(1234)
+        q = quant.get(qtype)
+        blocks = _random_bytes(rng, 512 * q.type_size).reshape(512, q.type_size)
+        _set_scales(blocks, qtype, np.ones(512, np.float32))
+        values = q.dequantize_blocks(torch.from_numpy(blocks))
+        _UNIT_RMS[qtype] = float(values.pow(2).mean().sqrt())
+    return _UNIT_RMS[qtype]
+
+
+def random_blocks(qtype, n_blocks: int, rng: np.random.Generator, rms: float = WEIGHT_RMS) -> np.ndarray:
+    """uint8 [n_blocks, type_size] of valid `qtype` blocks whose values have about this RMS.
+
+    Quant fields are uniform random bits (every pattern is a valid block); scale fields are
+    finite: each block's scale is the target scale times a factor in [0.5, 1.5).
+    """
+    qtype = T(int(qtype))
+    if qtype not in RANDOM_BLOCK_TYPES:
+        raise UnsupportedQuantType(f"synth cannot build random {qtype.name} blocks",
+                                   "supported: " + ", ".join(t.name for t in RANDOM_BLOCK_TYPES))
+    ts = quant.get(qtype).type_size
+    blocks = _random_bytes(rng, n_blocks * ts).reshape(n_blocks, ts)
+    scale = rms / _unit_rms(qtype)
+    jitter = rng.random(n_blocks, dtype=np.float32) + np.float32(0.5)
+    _set_scales(blocks, qtype, (scale * jitter).astype(np.float32))
+    return blocks
+
+
+def random_f16(rng: np.random.Generator, n: int, rms: float = WEIGHT_RMS) -> np.ndarray:
+    """n float16 values from random bits: random sign, mantissa and exponent LSB, so magnitudes
+    fall in two octaves around `rms` (two in-place passes; no float math)."""
+    bits = rng.bit_generator.random_raw((n + 3) // 4).view(np.uint16)[:n]
+    base = (int(math.floor(math.log2(rms))) - 1 + 15) & ~1  # even: the random bit 10 adds 0 or 1
+    bits &= np.uint16(0x87FF)  # keep sign, exponent LSB, mantissa
+    bits |= np.uint16(base << 10)
+    return bits.view(np.float16)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class Like:
+    """A real model's shapes (Hugging Face config names in comments)."""
+
+    arch: str
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int  # intermediate_size (dense MLP width; unused when every layer is MoE)
+    expert_ffn: int  # moe_intermediate_size
+    experts: int
+    experts_used: int
+    rope_theta: float
+    context: int
+    rms_eps: float = 1e-6
+    # qwen3next only
+    shared_ffn: int = 0  # shared_expert_intermediate_size
+    rope_dim: int = 0  # rotated dims per head (partial_rotary_factor * head_dim); 0 = head_dim
+    full_attention_interval: int = 0
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    conv_kernel: int = 0
+
+
+LIKE = {
+    # Qwen/Qwen3-30B-A3B config.json
+    "qwen3-30b-a3b": Like(arch="qwen3moe", vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4,
+                          head_dim=128, ffn=6144, expert_ffn=768, experts=128, experts_used=8,
+                          rope_theta=1_000_000.0, context=40960),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json: 3 Gated DeltaNet layers, then 1 gated attention
+    "qwen3-next-80b": Like(arch="qwen3next", vocab=151936, hidden=2048, layers=48, heads=16, kv_heads=2,
+                           head_dim=256, ffn=5120, expert_ffn=512, experts=512, experts_used=10,
+                           rope_theta=10_000_000.0, context=262144, shared_ffn=512, rope_dim=64,
+                           full_attention_interval=4, linear_k_heads=16, linear_v_heads=32,
+                           linear_k_dim=128, linear_v_dim=128, conv_kernel=4),
+}
+NOT_YET = {
+    "qwen4exp": "its architecture is not implemented in strata yet",
+}
+
+# --quant name -> (ggml file_type id, chooser(kind, layer, n_layers) -> type)
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of layers, and every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _q4_k_m(kind: str, i: int, n: int) -> T:
+    if kind == "output":
+        return T.Q6_K
+    if kind in ("attn_v", "ffn_down_exps") and _more_bits(i, n):
+        return T.Q6_K
+    return T.Q4_K
+
+
+def _iq2_xs(kind: str, i: int, n: int) -> T:
+    return {"output": T.Q5_K, "token_embd": T.Q2_K, "attn_v": T.Q4_K, "attn_output": T.Q5_K,
+            "ffn_down_exps": T.Q2_K if i < n // 8 else T.IQ2_XS}.get(kind, T.IQ2_XS)
+
+
+QUANTS = {
+    "Q4_K_M": (15, _q4_k_m),
+    "IQ2_XS": (20, _iq2_xs),
+    "Q8_0": (7, lambda kind, i, n: T.Q8_0),
+    "Q4_0": (2, lambda kind, i, n: T.Q6_K if kind == "output" else T.Q4_0),
+    "F16": (1, lambda kind, i, n: T.F16),
+}
+
+
+def tensor_plan(like: Like, n_layers: int, vocab: int, quant_name: str, experts: int | None = None):
+    """[(name, torch-order shape, ggml type, kind)] in file order, as llama.cpp names them."""
+    choose = QUANTS[quant_name][1]
+    h, E, f = like.hidden, experts or like.experts, like.expert_ffn
+    plan = [("token_embd.weight", (vocab, h), choose("token_embd", 0, n_layers), "token_embd")]
+
+    def add(i, name, shape, kind):
+        small = kind in ("norm", "router", "conv", "ssm_a", "ssm_dt")
+        plan.append((f"blk.{i}.{name}", shape, T.F32 if small else choose(kind, i, n_layers), kind))
+
+    for i in range(n_layers):
+        add(i, "attn_norm.weight", (h,), "norm")
+        if like.arch == "qwen3next" and (i + 1) % like.full_attention_interval:  # Gated DeltaNet
+            kd, vd = like.linear_k_heads * like.linear_k_dim, like.linear_v_heads * like.linear_v_dim
+            conv = 2 * kd + vd
+            add(i, "ssm_in.weight", (conv + vd, h), "ssm_in")  # HF's in_proj_qkvz, llama.cpp's legacy form
+            add(i, "ssm_ba.weight", (2 * like.linear_v_heads, h), "ssm_ba")
+            add(i, "ssm_conv1d.weight", (conv, like.conv_kernel), "conv")
+            add(i, "ssm_dt.bias", (like.linear_v_heads,), "ssm_dt")
+            add(i, "ssm_a", (like.linear_v_heads,), "ssm_a")
+            add(i, "ssm_norm.weight", (like.linear_v_dim,), "norm")
+            add(i, "ssm_out.weight", (h, vd), "ssm_out")
+        else:
+            gated = 2 if like.arch == "qwen3next" else 1  # qwen3next's attn_q holds [query | gate]
+            add(i, "attn_q.weight", (gated * like.heads * like.head_dim, h), "attn_q")
+            add(i, "attn_k.weight", (like.kv_heads * like.head_dim, h), "attn_k")
+            add(i, "attn_v.weight", (like.kv_heads * like.head_dim, h), "attn_v")
+            add(i, "attn_output.weight", (h, like.heads * like.head_dim), "attn_output")
+            add(i, "attn_q_norm.weight", (like.head_dim,), "norm")
+            add(i, "attn_k_norm.weight", (like.head_dim,), "norm")
+        add(i, "post_attention_norm.weight" if like.arch == "qwen3next" else "ffn_norm.weight", (h,), "norm")
+        add(i, "ffn_gate_inp.weight", (E, h), "router")
+        add(i, "ffn_gate_exps.weight", (E, f, h), "ffn_gate_exps")
+        add(i, "ffn_up_exps.weight", (E, f, h), "ffn_up_exps")
+        add(i, "ffn_down_exps.weight", (E, h, f), "ffn_down_exps")
+        if like.shared_ffn:
+            add(i, "ffn_gate_inp_shexp.weight", (1, h), "router")
+            add(i, "ffn_gate_shexp.weight", (like.shared_ffn, h), "ffn_gate_shexp")
+            add(i, "ffn_up_shexp.weight", (like.shared_ffn, h), "ffn_up_shexp")
+            add(i, "ffn_down_shexp.weight", (h, like.shared_ffn), "ffn_down_exps")
+    plan.append(("output_norm.weight", (h,), T.F32, "norm"))
+    plan.append(("output.weight", (vocab, h), choose("output", 0, n_layers), "output"))
+    return plan
+
+
+def metadata(like: Like, n_layers: int, vocab: int, quant_name: str, like_name: str,
+             experts: int | None = None) -> dict:
+    from strata.models.rope import RopeConfig
+
+    E = experts or like.experts
+    rope = RopeConfig(dim=like.rope_dim or like.head_dim, theta=like.rope_theta)
+    common = dict(vocab_size=vocab, hidden_size=like.hidden, n_layers=n_layers, n_heads=like.heads,
+                  n_kv_heads=like.kv_heads, head_dim=like.head_dim, ffn_size=like.ffn,
+                  expert_ffn_size=like.expert_ffn, n_experts=E, n_experts_used=min(like.experts_used, E),
+                  norm_topk_prob=True, rms_eps=like.rms_eps, rope=rope, context_length=like.context)
+    if like.arch == "qwen3next":
+        from strata.models import qwen3next as arch
+
+        c = arch.Config(**common, shared_ffn_size=like.shared_ffn,
+                        recurrent=tuple((i + 1) % like.full_attention_interval != 0 for i in range(n_layers)),
+                        conv_kernel=like.conv_kernel, linear_k_heads=like.linear_k_heads,
+                        linear_v_heads=like.linear_v_heads, linear_k_dim=like.linear_k_dim,
+                        linear_v_dim=like.linear_v_dim)
+    else:
+        from strata.models import qwen3moe as arch
+
+        c = arch.Config(**common)
+    meta = {
+        "general.name": f"synth-{like_name}-{n_layers}L-{quant_name}",
+        "general.description": f"random weights with {like_name}'s shapes, written by `strata synth`",
+        "general.file_type": QUANTS[quant_name][0],
+        "general.quantization_version": 2,
+    }
+    meta.update(arch.gguf_metadata(c))
+    if like.arch == "qwen3next" and n_layers < like.full_attention_interval:
+        # gguf_metadata derives the interval from the layer kinds; with no full-attention layer
+        # any interval > n_layers fits, so record the real one.
+        meta[f"{like.arch}.full_attention_interval"] = like.full_attention_interval
+    meta.update(tokenizer_metadata(vocab))
+    return meta
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the alphabet byte-level BPE spells tokens in)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _letters(i: int) -> str:
+    """Bijective base 26: a, b, ..., z, aa, ab, ..."""
+    s = ""
+    i += 1
+    while i:
+        i, r = divmod(i - 1, 26)
+        s = chr(ord("a") + r) + s
+    return s
+
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tokenizer_metadata(vocab: int) -> dict:
+    """A byte-level BPE vocabulary of exactly `vocab` tokens: 256 bytes, filler words, 3 specials.
+
+    Fillers are "Ġ" + letters (a space then a word), all spelled in the byte alphabet so
+    llama.cpp can detokenize every id; merges build the one-letter ones ("Ġ a" -> "Ġa").
+    """
+    if vocab < 256 + len(SPECIALS) + 26:
+        raise BadOption(f"--vocab {vocab} is too small", "use at least 285 (256 bytes, 26 words, 3 specials)")
+    space = _bytes_to_unicode()[ord(" ")]
+    byte_tokens = list(_bytes_to_unicode().values())
+    fillers = [space + _letters(i) for i in range(vocab - 256 - len(SPECIALS))]
+    tokens = byte_tokens + fillers + list(SPECIALS)
+    types = [1] * (len(tokens) - len(SPECIALS)) + [3] * len(SPECIALS)
+    merges = [f"{space} {_letters(i)}" for i in range(26)]
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": vocab - 3,
+        "tokenizer.ggml.eos_token_id": vocab - 1,
+        "tokenizer.ggml.padding_token_id": vocab - 3,
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.chat_template": CHAT_TEMPLATE,
+    }
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _add_kv(writer: gguf.GGUFWriter, key: str, value) -> None:
+    V = gguf.GGUFValueType
+    if isinstance(value, bool):
+        writer.add_key_value(key, value, V.BOOL)
+    elif isinstance(value, int):
+        writer.add_key_value(key, value, V.UINT32 if 0 <= value < 2**32 else V.INT64)
+    elif isinstance(value, float):
+        writer.add_key_value(key, value, V.FLOAT32)
+    elif isinstance(value, str):
+        writer.add_key_value(key, value, V.STRING)
+    else:
+        sub = V.STRING if value and isinstance(value[0], str) else V.INT32
+        writer.add_key_value(key, list(value), V.ARRAY, sub_type=sub)
+
+
+def _tensor_data(shape, qtype: T, kind: str, rng: np.random.Generator) -> np.ndarray:
+    n = math.prod(shape)
+    if qtype == T.F32:
+        if kind == "norm":  # RMSNorm weights near 1 (qwen3next stores its zero-centred ones as 1 + w)
+            return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).reshape(shape)
+        if kind == "ssm_a":  # -exp(A_log): negative, so the DeltaNet state decays
+            return -rng.uniform(0.5, 8.0, n).astype(np.float32).reshape(shape)
+        if kind in ("ssm_dt", "conv"):
+            return (0.1 * rng.standard_normal(n, dtype=np.float32)).reshape(shape)
+        return (WEIGHT_RMS * rng.standard_normal(n, dtype=np.float32)).reshape(shape)
+    if qtype == T.F16:
+        return random_f16(rng, n).reshape(shape)
+    q = quant.get(qtype)
+    return random_blocks(qtype, n // q.block_size, rng).reshape(*shape[:-1], shape[-1] // q.block_size * q.type_size)
+
+
+def write(path, like_name: str = "qwen3-30b-a3b", layers: int = 4, quant_name: str = "Q4_K_M",
+          vocab: int | None = None, seed: int = 0, log=None, experts: int | None = None) -> Path:
+    """Write the synthetic model; returns its path. `experts` shrinks the expert count (tests)."""
+    if like_name in NOT_YET:
+        raise StrataError(f"--like {like_name}: {NOT_YET[like_name]}",
+                          f"use --like {' or '.join(LIKE)}")
+    if like_name not in LIKE:
+        raise BadOption(f"unknown --like {like_name!r}", f"known: {', '.join([*LIKE, *NOT_YET])}")
+    if quant_name not in QUANTS:
+        raise BadOption(f"unknown --quant {quant_name!r}", f"known: {', '.join(QUANTS)}")
+    like = LIKE[like_name]
+    if layers < 1:
+        raise BadOption("--layers must be at least 1")
+    vocab = vocab or like.vocab
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    if experts is not None and not 1 <= experts <= like.experts:
+        raise BadOption(f"--experts must be between 1 and {like.experts}")
+    plan = tensor_plan(like, layers, vocab, quant_name, experts)
+    writer = gguf.GGUFWriter(str(path), like.arch)
+    for key, value in metadata(like, layers, vocab, quant_name, like_name, experts).items():
+        _add_kv(writer, key, value)
+    for name, shape, qtype, _ in plan:
+        if qtype in (T.F32, T.F16):
+            dtype = np.float32 if qtype == T.F32 else np.float16
+            writer.add_tensor_info(name, shape, np.dtype(dtype), math.prod(shape) * np.dtype(dtype).itemsize)
+        else:
+            q = quant.get(qtype)
+            byte_shape = (*shape[:-1], shape[-1] // q.block_size * q.type_size)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=qtype)
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, shape, qtype, kind in plan:  # one tensor in memory at a time
+        writer.write_tensor_data(_tensor_data(shape, qtype, kind, rng))
+        if log:
+            log(f"  {name:<28} {qtype.name:<8} {list(shape)}")
+    writer.close()
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="strata synth", description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="the .gguf file to write")
+    ap.add_argument("--like", default="qwen3-30b-a3b", help=f"model whose shapes to copy: {', '.join([*LIKE, *NOT_YET])}")
+    ap.add_argument("--layers", type=int, default=4, help="number of layers (default 4)")
+    ap.add_argument("--quant", default="Q4_K_M", help=f"type mix: {', '.join(QUANTS)} (default Q4_K_M)")
+    ap.add_argument("--vocab", type=int, default=None, help="shrink the vocabulary to save disk (default: the model's)")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="fewer experts per layer than the model has (small test files; default: the model's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-v", "--verbose", action="store_true", help="list the tensors as they are written")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    path = write(args.out, args.like, args.layers, args.quant, args.vocab, args.seed,
+                 log=print if args.verbose else None, experts=args.experts)
+    size = path.stat().st_size
+    print(f"wrote {path}: {args.like} shapes, {args.layers} layers, {args.quant}, "
+          f"{size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s")
+    return 0
