@@ -24,11 +24,10 @@ def convert_hf_to_gguf(hf_dir: str | Path, out: str | Path,
     def tensors():
         for name in source.names():
             t = source.get(name).dequantize()
-            block = gguf.GGML_QUANT_SIZES[dense_type][0]
-            if t.ndim == 1 or "ffn_gate_inp" in name or "norm" in name or t.shape[-1] % block:
+            qtype = expert_type if "_exps" in name else dense_type
+            whole_blocks = t.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+            if t.ndim == 1 or "ffn_gate_inp" in name or "norm" in name or not whole_blocks:
                 qtype = F32  # llama.cpp keeps these in F32 too (e.g. ssm_conv1d rows of 4)
-            else:
-                qtype = expert_type if "_exps" in name else dense_type
             yield name, t, qtype
 
     rope_factors = arch.rope_factors(config) if hasattr(arch, "rope_factors") else None

@@ -17,7 +17,7 @@ class TierOptions:
     gpu_layers: str = "auto"  # auto | all | N: blocks whose non-expert weights live on the device
     gpu_memory: str | None = None  # device budget; default: 90 % of free CUDA memory (or half the RAM)
     ram_memory: str | None = None  # host budget; default: 90 % of available RAM
-    pin_experts: str | None = None  # ram | disk: where experts live; None = tiers off
+    pin_experts: str | None = None  # ram | disk | auto: where experts live; None = tiers off
     experts_cache: str | None = None  # SIZE | N% | auto | 0: the device expert cache
     ram_cache: str | None = None  # SIZE | N%: RAM cache in front of disk-homed experts
     cache_policy: str = "adaptive"
@@ -39,7 +39,8 @@ def add_tier_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-layers", default="auto", help="auto | all | N blocks' non-expert weights on the device")
     g.add_argument("--gpu-memory", help="device budget, e.g. 32G (default: 90%% of free CUDA memory)")
     g.add_argument("--ram-memory", help="host budget, e.g. 64G (default: 90%% of available RAM)")
-    g.add_argument("--pin-experts", choices=["ram", "disk"], help="experts' home: RAM, or read from the file")
+    g.add_argument("--pin-experts", choices=["ram", "disk", "auto"],
+                   help="experts' home: RAM, or read from the file; auto picks by available RAM")
     g.add_argument("--experts-cache", help="device expert cache: SIZE (23.44G, 512M), N%% of experts, auto or 0")
     g.add_argument("--ram-cache", help="RAM cache for disk-homed experts: SIZE or N%% of experts")
     g.add_argument("--cache-policy", default="adaptive", choices=POLICIES)

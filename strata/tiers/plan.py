@@ -79,7 +79,10 @@ class Plan:
 
 def make_plan(source, config, opts, device=None) -> Plan:
     """The plan for a model's tensors under `opts` (a TierOptions or EngineOptions)."""
+    from strata.tiers.auto import resolve_home
+
     device = device or hardware.device_info()
+    opts = resolve_home(source, opts)
     names = source.names()
     sizes = {n: source.info(n)[2] for n in names}
     n_layers = config.n_layers

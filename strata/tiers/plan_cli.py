@@ -6,6 +6,7 @@ import argparse
 import json
 from collections import Counter
 
+from strata.tiers.auto import auto_options, predict_hit_rate
 from strata.tiers.options import TierOptions, add_tier_args, tier_options
 from strata.tiers.plan import Plan, make_plan
 from strata.tiers.sizes import format_size
@@ -16,6 +17,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", "-m", required=True, help="a .gguf file or a Hugging Face directory")
     p.add_argument("--tensors", action="store_true", help="list every tensor with its home")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--auto", action="store_true",
+                   help="detect RAM, device memory and disk, and choose the placement flags")
+    p.add_argument("--trace", metavar="TRACE", help="predict the cache hit rate by replaying this routing trace")
     add_tier_args(p)
     return p
 
@@ -26,15 +30,34 @@ def main(argv: list[str]) -> int:
 
     _, config, source, _ = open_config(args.model)
     opts = TierOptions(**tier_options(args))
+    detected = None
+    if args.auto:
+        opts, detected = auto_options(source, opts, args.model)
     plan = make_plan(source, config, opts)
+    prediction = predict_hit_rate(args.trace, plan, opts.cache_policy) if args.trace else None
     if args.json:
-        print(json.dumps(summary(plan)))
+        print(json.dumps({**summary(plan), "auto": detected, "prediction": prediction}))
         return 0
+    if detected:
+        print(describe_auto(detected, opts))
     print(describe(plan, str(args.model)))
+    if prediction:
+        p = prediction
+        print(f"  predicted hit rate {p['hit_rate']:.1%} ({p['policy']}; Belady's MIN {p['min_hit_rate']:.1%}) "
+              f"at {p['fraction']:.0%} of experts cached, replaying {p['tokens']} traced routing decisions")
     if args.tensors:
         for name, tier in plan.homes.items():
             print(f"  {tier:<5} {format_size(plan.sizes[name]):>12}  {name}")
     return 0
+
+
+def describe_auto(d: dict, opts) -> str:
+    return "\n".join([
+        f"detected: {d['device']} (budget {format_size(d['device_budget'])}), RAM budget "
+        f"{format_size(d['ram_budget'])}, free disk {format_size(d['free_disk'])}",
+        f"  --pin-experts {opts.pin_experts}: {d['pin_experts_reason']}",
+        f"chosen: --gpu-layers {opts.gpu_layers} --experts-cache {opts.experts_cache} "
+        f"--pin-experts {opts.pin_experts} --cpu-threads {d['cpu_threads']}", ""])
 
 
 def summary(plan: Plan) -> dict:
