@@ -227,7 +227,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strata cache-sim", description="Replay an expert trace under cache policies.")
     p.add_argument("trace", help="a trace written by strata run --trace-experts")
     p.add_argument("--policy", default=",".join(ALL_POLICIES), help="comma list of lru,lfu,adaptive,static")
-    p.add_argument("--sizes", default="10%,30%,50%,70%,90%", help="cache sizes, % of all experts")
+    p.add_argument("--sizes", default="10%,30%,50%,70%,90%", help="cache sizes, %% of all experts (default %(default)s)")
     p.add_argument("--plot", help="write the hit-rate curves to this image")
     p.add_argument("--summary-only", action="store_true", help="skip the per-layer tables")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
