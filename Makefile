@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 DEMO_MODEL := strata/demo/strata-demo.gguf
-DEMO_PROMPT ?= def read_config(path):\n    \"\"\"Read a JSON config file.\"\"\"\n
+DEMO_PROMPT ?= strata/demo/prompt.txt
 
 .PHONY: demo test demo-model bench clean
 
@@ -14,6 +14,8 @@ $(BIN)/python:
 $(VENV)/.base: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e .
+	# compile the quantized CPU kernels now, so no inference run ever builds (or writes) them
+	$(BIN)/python -c "from strata.kernels import _build; _build.load() or print('CPU kernels unavailable:', _build.error())"
 	touch $@
 
 $(VENV)/.test: pyproject.toml $(VENV)/.base
@@ -22,7 +24,7 @@ $(VENV)/.test: pyproject.toml $(VENV)/.base
 	touch $@
 
 demo: $(VENV)/.base
-	$(BIN)/strata run --model $(DEMO_MODEL) --prompt "$$(printf '$(DEMO_PROMPT)')" --max-tokens 96
+	$(BIN)/strata run --model $(DEMO_MODEL) --file $(DEMO_PROMPT) --max-tokens 96 --experts-cache 50%
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest -q -p no:cacheprovider

@@ -35,6 +35,8 @@ def open_config(path: str | Path):
         config = _build_config(arch.Config.from_hf, cfg, str(path / "config.json"))
         source = hf.HFSource(path, getattr(arch, "HF_TENSOR_NAMES", ()),
                              getattr(arch, "sanitize_hf", None), config)
+        if hasattr(arch, "config_with_weights"):  # what config.json leaves out (an MTP layer)
+            config = source._config = arch.config_with_weights(config, source.names())
         return arch, config, source, cfg
     file = GGUFFile(path)
     arch = registry.by_arch(file.arch)

@@ -23,3 +23,12 @@ def test_bench_quick_writes_every_regime(tmp_path, capsys):
     assert "| serial warm |" in md and "| concurrency 2 |" in md and "cold start" in md
     assert (out / "bench.png").stat().st_size > 1000
     assert "| serial warm |" in capsys.readouterr().out
+
+
+def test_bench_reports_hit_rates_when_tiers_are_on(tmp_path, capsys):
+    model = write_tiny_llama(tmp_path / "tiny.gguf", context_length=256)
+    out = tmp_path / "report"
+    assert main(["bench", "--model", str(model), "--out", str(out), "--quick", "--experts-cache", "25%"]) == 0
+    r = json.loads((out / "bench.json").read_text())
+    rates = [r["serial_warm"]["hit_rate"], r["long_output"]["hit_rate"]] + [c["hit_rate"] for c in r["concurrency"]]
+    assert all(0.0 <= x <= 1.0 for x in rates), rates

@@ -26,10 +26,25 @@ print(json.dumps({"load_s": t_loaded - t0, "first_token_s": time.time() - t0}))
 '''
 
 
-def expert_stats(engine) -> dict:
-    """The tiers' summary, when the engine has tiers; empty otherwise."""
-    tiers = engine.stats.get("experts") or {}
-    return {k: tiers[k] for k in ("hit_rate", "hits", "misses") if k in tiers}
+class HitRate:
+    """The expert cache's hit rate over one regime (the tiers count from load on)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.start = self._counts()
+
+    def _counts(self) -> tuple[int, int]:
+        total = (self.engine.stats.get("tiers") or {}).get("total") or {}
+        return total.get("hits", 0), total.get("misses", 0)
+
+    def rate(self) -> float | None:
+        """None when the tiers are off (every expert resident)."""
+        if getattr(self.engine, "tiers", None) is None:
+            return None
+        if hasattr(self.engine.tiers, "stats"):
+            self.engine.stats["tiers"] = self.engine.tiers.stats()
+        hits, misses = (b - a for a, b in zip(self.start, self._counts()))
+        return hits / (hits + misses) if hits + misses else None
 
 
 def drop_page_cache(path: str) -> bool:
@@ -58,13 +73,12 @@ def cold_start(model: str, options: dict, prompt: str, page_cache: str) -> dict:
 def serial_warm(engine, ids: list[int], runs: int = 9, tokens: int = 256) -> dict:
     """The report's method: warm engine, serial greedy runs, fixed output length."""
     engine.generate(ids, 8, stop_at_eos=False)  # warm-up, not counted
-    speeds, hits = [], []
+    speeds, hits = [], HitRate(engine)
     for _ in range(runs):
         engine.generate(ids, tokens, stop_at_eos=False)
         speeds.append(engine.stats["decode_tokens_per_s"])
-        hits.append(expert_stats(engine).get("hit_rate"))
     return {"runs": runs, "tokens": tokens, "median_tps": statistics.median(speeds), "min_tps": min(speeds),
-            "max_tps": max(speeds), "hit_rate": hits[-1]}
+            "max_tps": max(speeds), "hit_rate": hits.rate()}
 
 
 def concurrency(engine, prompts: list[list[int]], levels=(1, 2, 4, 8), tokens: int = 128) -> list[dict]:
@@ -73,6 +87,7 @@ def concurrency(engine, prompts: list[list[int]], levels=(1, 2, 4, 8), tokens: i
 
     rows = []
     for n in levels:
+        hits = HitRate(engine)
         with Scheduler(engine, max_concurrent=n) as sched:
             t0 = time.perf_counter()
             reqs = [sched.submit(prompts[i % len(prompts)], tokens, SamplingParams(), ignore_eos=True)
@@ -85,19 +100,18 @@ def concurrency(engine, prompts: list[list[int]], levels=(1, 2, 4, 8), tokens: i
         per_req = [r.completion_tokens / (r.finished_at - r.submitted_at) for r in reqs]
         rows.append({"concurrency": n, "aggregate_tps": sum(r.completion_tokens for r in reqs) / wall,
                      "per_request_tps": statistics.median(per_req), "ttft_p50_s": _pct(ttft, 50),
-                     "ttft_p95_s": _pct(ttft, 95), "hit_rate": expert_stats(engine).get("hit_rate")})
+                     "ttft_p95_s": _pct(ttft, 95), "hit_rate": hits.rate()})
     return rows
 
 
 def long_output(engine, ids: list[int], tokens: int = 2048, window: int = 256) -> dict:
     """One long greedy generation; speed per window shows drift as the context grows."""
-    stamps = []
+    stamps, hits = [], HitRate(engine)
     for r in engine.stream(ids, tokens, stop_at_eos=False):
         if r.token is not None:
             stamps.append(time.perf_counter())
     windows = [window / (stamps[i + window - 1] - stamps[i - 1]) for i in range(1, len(stamps) - window + 1, window)]
-    return {"tokens": len(stamps), "window": window, "tps_per_window": windows,
-            "hit_rate": expert_stats(engine).get("hit_rate")}
+    return {"tokens": len(stamps), "window": window, "tps_per_window": windows, "hit_rate": hits.rate()}
 
 
 def prefill_speed(engine, vocab_ids: list[int], lengths=(512, 4096, 32768)) -> list[dict]:
@@ -107,10 +121,9 @@ def prefill_speed(engine, vocab_ids: list[int], lengths=(512, 4096, 32768)) -> l
             rows.append({"tokens": n, "skipped": f"context is {engine.ctx_size}"})
             continue
         ids = (vocab_ids * (n // len(vocab_ids) + 1))[:n]
-        t0 = time.perf_counter()
+        hits, t0 = HitRate(engine), time.perf_counter()
         engine.generate(ids, 1, stop_at_eos=False)
-        rows.append({"tokens": n, "tps": n / (time.perf_counter() - t0),
-                     "hit_rate": expert_stats(engine).get("hit_rate")})
+        rows.append({"tokens": n, "tps": n / (time.perf_counter() - t0), "hit_rate": hits.rate()})
     return rows
 
 

@@ -66,6 +66,10 @@ class KVCache:
         if self.k is not None:
             self.k, self.v = self.k[rows], self.v[rows]
 
+    def rollback(self, n_drop: int) -> None:
+        """Forget the last `n_drop` positions: nothing to do, `ModelCache.lengths` decides what
+        is attended and later writes overwrite the stale entries."""
+
     def extend(self, other: "KVCache") -> None:
         """Append `other`'s rows after these (a prefilled request joins a running batch).
 
@@ -129,6 +133,30 @@ class ModelCache:
         for mine, theirs in zip(self.layers, other.layers):
             mine.extend(theirs)
         self.lengths = torch.cat([self.lengths, other.lengths])
+
+    def track(self, on: bool = True) -> None:
+        """Speculative decoding: from now on, layers with a recurrent state keep what
+        `rollback` needs to undo part of the next forward (see `GDNCache.track`)."""
+        for c in self.layers:
+            if hasattr(c, "track"):
+                c.track(on)
+
+    def rollback(self, n_drop: int) -> None:
+        """Drop every row's last `n_drop` positions (rejected draft tokens).
+
+        Attention caches only shorten `lengths`; a recurrent layer restores its state to the
+        one after the kept positions, which needs `track()` on before the forward that wrote
+        them, and can undo only that last forward."""
+        if n_drop <= 0:
+            return
+        if bool((self.lengths < n_drop).any()):
+            raise ValueError(f"cannot drop {n_drop} positions from rows of lengths {self.lengths.tolist()}")
+        stuck = [type(c).__name__ for c in self.layers if not hasattr(c, "rollback")]
+        if stuck:
+            raise NotImplementedError(f"a {stuck[0]} cannot roll back (no speculative decoding for it)")
+        for c in self.layers:
+            c.rollback(n_drop)
+        self.lengths = self.lengths - n_drop
 
     @property
     def batch(self) -> int:

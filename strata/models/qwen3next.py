@@ -29,7 +29,20 @@ Metadata: the shared decoder keys, `rope.dimension_count` = rotated dims per hea
 
 The Hugging Face loader maps `in_proj_qkvz` to the legacy `ssm_in` name (one HF tensor maps to
 one GGUF name), so `convert_hf_to_gguf` writes that legacy form; llama.cpp reads both, and so
-does this file. MTP weights (`mtp.*`) are ignored.
+does this file.
+
+The multi-token-prediction layer (HF `mtp.*`, which transformers drops) loads as the draft head
+(`strata.models.mtp`), named as llama.cpp's converter names Qwen3.5's: the block after the last,
+`blk.{n_layers}`, with `nextn_predict_layers` = 1 and `block_count` = n_layers + 1:
+
+    mtp.fc                       blk.N.nextn.eh_proj
+    mtp.pre_fc_norm_embedding    blk.N.nextn.enorm             (1 + w, like every zero-centred norm)
+    mtp.pre_fc_norm_hidden       blk.N.nextn.hnorm             (1 + w)
+    mtp.norm                     blk.N.nextn.shared_head_norm  (1 + w)
+    mtp.layers.0.*               blk.N.* as model.layers.i.* map (a full-attention block with its MoE)
+
+A checkpoint holding only part of it loads without a draft head (`Model.mtp_skipped` says why).
+(llama.cpp's own qwen3next converter still drops `mtp.*`; its qwen35 one writes these names.)
 """
 
 from __future__ import annotations
@@ -39,10 +52,11 @@ from dataclasses import dataclass
 import torch
 
 from strata.errors import StrataError
-from strata.formats.hf import L
+from strata.formats.hf import COMMON_TENSOR_NAMES, L
 from strata.gguf.writer import decoder_metadata
 from strata.models.gated_deltanet import GatedDeltaNet
 from strata.models.layers import Attention, DenseFFN, Experts, RMSNorm, SharedExpert, softmax_topk
+from strata.models.mtp import load_mtp, mtp_prefix
 from strata.models.rope import Rope, RopeConfig
 from strata.models.transformer import Block, DecoderLM, MoE
 from strata.models.weights import WeightLoader
@@ -64,6 +78,22 @@ HF_TENSOR_NAMES = [
     (rf"{L}\.mlp\.shared_expert\.down_proj\.weight", "blk.{i}.ffn_down_shexp.weight"),
     (rf"{L}\.mlp\.shared_expert_gate\.weight", "blk.{i}.ffn_gate_inp_shexp.weight"),
 ]
+
+
+def _mtp_name(template: str):
+    """An MTP tensor's name: `template` with block i = n_layers, the block after the model's."""
+    return lambda groups, config: template.format(**{**groups, "i": config.n_layers})
+
+
+MTP = r"mtp\.layers\.0"
+HF_TENSOR_NAMES += [
+    (r"mtp\.fc\.weight", _mtp_name("blk.{i}.nextn.eh_proj.weight")),
+    (r"mtp\.pre_fc_norm_embedding\.weight", _mtp_name("blk.{i}.nextn.enorm.weight")),
+    (r"mtp\.pre_fc_norm_hidden\.weight", _mtp_name("blk.{i}.nextn.hnorm.weight")),
+    (r"mtp\.norm\.weight", _mtp_name("blk.{i}.nextn.shared_head_norm.weight")),
+] + [(MTP + pattern[len(L):], _mtp_name(template))  # the block, named like model.layers.i's
+     for pattern, template in HF_TENSOR_NAMES + COMMON_TENSOR_NAMES
+     if pattern.startswith(L) and isinstance(template, str)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +120,7 @@ class Config:
     linear_k_dim: int
     linear_v_dim: int
     dense_layers: tuple[int, ...] = ()
+    mtp_layers: int = 0  # MTP (NextN) blocks after the model's, `blk.{n_layers}`: 0 or 1
 
     @classmethod
     def from_gguf(cls, meta: dict) -> "Config":
@@ -97,7 +128,8 @@ class Config:
         hidden = meta[f"{a}.embedding_length"]
         n_heads = meta[f"{a}.attention.head_count"]
         head_dim = meta.get(f"{a}.attention.key_length", hidden // n_heads)
-        n_layers = meta[f"{a}.block_count"]
+        mtp_layers = meta.get(f"{a}.nextn_predict_layers", 0)
+        n_layers = meta[f"{a}.block_count"] - mtp_layers  # llama.cpp counts the MTP block
         interval = meta.get(f"{a}.full_attention_interval", 4)
         v_heads = meta[f"{a}.ssm.time_step_rank"]
         return cls(vocab_size=meta.get(f"{a}.vocab_size") or len(meta["tokenizer.ggml.tokens"]),
@@ -117,7 +149,7 @@ class Config:
                    conv_kernel=meta[f"{a}.ssm.conv_kernel"],
                    linear_k_heads=meta[f"{a}.ssm.group_count"], linear_v_heads=v_heads,
                    linear_k_dim=meta[f"{a}.ssm.state_size"],
-                   linear_v_dim=meta[f"{a}.ssm.inner_size"] // v_heads)
+                   linear_v_dim=meta[f"{a}.ssm.inner_size"] // v_heads, mtp_layers=mtp_layers)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Config":
@@ -148,7 +180,17 @@ class Config:
                    conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
                    linear_k_heads=cfg["linear_num_key_heads"], linear_v_heads=cfg["linear_num_value_heads"],
                    linear_k_dim=cfg["linear_key_head_dim"], linear_v_dim=cfg["linear_value_head_dim"],
-                   dense_layers=dense)
+                   dense_layers=dense,
+                   # Qwen3-Next's config.json does not say; `config_with_weights` looks at the tensors
+                   mtp_layers=min(1, int(cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers") or 0)))
+
+
+def config_with_weights(c: Config, names) -> Config:
+    """The checkpoint's tensors decide whether it has an MTP layer (config.json rarely says)."""
+    import dataclasses
+
+    has = f"{mtp_prefix(c)}.nextn.eh_proj.weight" in set(names)
+    return c if c.mtp_layers == int(has) else dataclasses.replace(c, mtp_layers=int(has))
 
 
 def full_attention_interval(c: Config) -> int:
@@ -161,7 +203,7 @@ def full_attention_interval(c: Config) -> int:
 
 
 def gguf_metadata(c: Config) -> dict:
-    return decoder_metadata(
+    meta = decoder_metadata(
         ARCH, c, feed_forward_length=c.ffn_size, expert_feed_forward_length=c.expert_ffn_size,
         expert_shared_feed_forward_length=c.shared_ffn_size, expert_count=c.n_experts,
         expert_used_count=c.n_experts_used, expert_weights_norm=c.norm_topk_prob,
@@ -169,6 +211,10 @@ def gguf_metadata(c: Config) -> dict:
         **{"ssm.conv_kernel": c.conv_kernel, "ssm.state_size": c.linear_k_dim,
            "ssm.group_count": c.linear_k_heads, "ssm.time_step_rank": c.linear_v_heads,
            "ssm.inner_size": c.linear_v_heads * c.linear_v_dim})
+    if c.mtp_layers:  # as llama.cpp writes Qwen3.5's: block_count counts the MTP block
+        meta[f"{ARCH}.block_count"] = c.n_layers + c.mtp_layers
+        meta[f"{ARCH}.nextn_predict_layers"] = c.mtp_layers
+    return meta
 
 
 def sanitize_hf(name: str, t: torch.Tensor, c: Config) -> torch.Tensor:
@@ -187,12 +233,14 @@ class Model(DecoderLM):
         rope = Rope(c.rope)
         blocks = [self._block(c, w, i, rope) for i in range(c.n_layers)]
         super().__init__(c, w, blocks, rope, c.rms_eps)
-        w.finish(ignore=("hf:mtp.",))
+        # the MTP draft head: full attention, like the layer HF builds for it
+        self.mtp = load_mtp(self, w, lambda i: self._block(c, w, i, rope, recurrent=False))
+        w.finish(ignore=("hf:mtp.",) + ((mtp_prefix(c) + ".",) if self.mtp_skipped else ()))
 
     @staticmethod
-    def _block(c: Config, w: WeightLoader, i: int, rope: Rope) -> Block:
+    def _block(c: Config, w: WeightLoader, i: int, rope: Rope, recurrent: bool | None = None) -> Block:
         p = f"blk.{i}"
-        if c.recurrent[i]:
+        if c.recurrent[i] if recurrent is None else recurrent:
             mixer = GatedDeltaNet(w, p, c.hidden_size, c.linear_k_heads, c.linear_v_heads, c.linear_k_dim,
                                   c.linear_v_dim, c.conv_kernel, c.rms_eps)
         else:

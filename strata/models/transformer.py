@@ -86,8 +86,12 @@ class DecoderLM(nn.Module):
         return ModelCache([b.new_cache() for b in self.blocks], batch)
 
     def forward(self, tokens: torch.Tensor, cache: ModelCache, n_new: torch.Tensor | None = None,
-                tap: Tap = no_tap, last_only: bool = False) -> torch.Tensor:
-        """tokens (B, T), right-padded when rows differ (`n_new` real tokens each)."""
+                tap: Tap = no_tap, last_only: bool = False, hidden: bool = False):
+        """tokens (B, T), right-padded when rows differ (`n_new` real tokens each).
+
+        With `hidden`, returns (logits, h): h (B, T, hidden) is every position's last hidden
+        state after the final norm (what the output head reads; an MTP draft head's input),
+        whatever `last_only` says of the logits."""
         step = cache.step(tokens.shape[1], n_new)
         x = F.embedding(tokens, self.tok_embd)  # (B, T, hidden)
         rope_cs = self.rope.cos_sin(step.positions)
@@ -97,6 +101,10 @@ class DecoderLM(nn.Module):
             x = block(x, layer_cache, step, rope_cs, _prefixed(tap, i))
             tap(f"l_out-{i}", x)
         cache.advance(step)
+        if hidden:
+            h = self.output_norm(x)
+            last = h[torch.arange(x.shape[0]), (step.n_new - 1).clamp(min=0)][:, None] if last_only else h
+            return F.linear(last, self.output), h
         if last_only:  # decode and sampling need only each row's last real position
             x = x[torch.arange(x.shape[0]), (step.n_new - 1).clamp(min=0)][:, None]
         x = self.output_norm(x)

@@ -13,6 +13,7 @@ from strata.errors import BadOption, StrataError
 from strata.loader import load_model
 from strata.runtime.generate import Response, generate_step, prefill, stream_generate
 from strata.runtime.sampling import SamplingParams
+from strata.runtime.speculative import DraftStats, speculative_steps
 from strata.tiers.options import TierOptions, tiers_requested
 
 
@@ -22,6 +23,8 @@ class EngineOptions(TierOptions):  # tier options (placement, expert cache, trac
     ctx_size: int = 0  # 0 = the model's trained context
     prefill_chunk: int = 8192
     cpu_threads: int = 0  # 0 = torch's default
+    draft: str = "auto"  # on | off | auto (= on when the model has an MTP layer): speculative decoding
+    draft_tokens: int = 2  # tokens the MTP head drafts per verify pass
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineOptions":
@@ -34,6 +37,10 @@ class EngineOptions(TierOptions):  # tier options (placement, expert cache, trac
             raise BadOption(f"dtype {opts.dtype!r} is not supported", "use float32, bfloat16 or float16")
         if opts.prefill_chunk <= 0:
             raise BadOption("--prefill-chunk must be positive")
+        if opts.draft not in ("on", "off", "auto"):
+            raise BadOption(f"draft {opts.draft!r} is not one of on, off, auto")
+        if not 1 <= opts.draft_tokens <= 16:
+            raise BadOption(f"--draft-tokens must be in 1..16, not {opts.draft_tokens}")
         return opts
 
 
@@ -54,6 +61,12 @@ class Engine:
             from strata.tiers.runtime import install
 
             self.tiers = install(loaded, self.options)
+        # speculative decoding with the model's MTP head (single requests; batches run without)
+        self.drafter = getattr(self.model, "mtp", None)
+        if self.options.draft == "on" and self.drafter is None:
+            why = getattr(self.model, "mtp_skipped", None) or "the model has no MTP (NextN) layer"
+            raise BadOption(f"--draft on: {why}", "use --draft off or auto")
+        self.drafting = self.drafter is not None and self.options.draft != "off"
         self.stats: dict = {"load_s": time.perf_counter() - t0}
 
     def close(self) -> str | None:
@@ -105,7 +118,8 @@ class Engine:
         cache = self.model.new_cache(len(prompts))
         t0 = time.perf_counter()
         t_first = None
-        steps = generate_step(self.model, prompts, params, cache, self.options.prefill_chunk)
+        draft = self._draft_steps(max(limit, 0)) if len(prompts) == 1 else None
+        steps = (draft or generate_step)(self.model, prompts, params, cache, self.options.prefill_chunk)
         for _ in range(max(limit, 0)):
             tokens = next(steps).tolist()
             t_first = t_first or time.perf_counter()
@@ -118,8 +132,22 @@ class Engine:
             if all(done):
                 break
         steps.close()
-        self._record(sum(len(p) for p in prompts), sum(len(o) for o in outs), t0, t_first)
+        self._record(sum(len(p) for p in prompts), sum(len(o) for o in outs), t0, t_first,
+                     draft.stats if draft else None)
         return outs
+
+    def _draft_steps(self, limit: int):
+        """A `generate_step` stand-in running the speculative loop, or None when not drafting."""
+        if not self.drafting:
+            return None
+        stats = DraftStats(self.options.draft_tokens)
+
+        def steps(model, prompts, params, cache, prefill_chunk):
+            return speculative_steps(model, self.drafter, prompts[0], params, cache, stats.draft_tokens,
+                                     limit, prefill_chunk, stats)
+
+        steps.stats = stats
+        return steps
 
     def stream(self, token_ids: list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                stop: list[str] = (), stop_at_eos: bool = True, **sampling) -> Iterator[Response]:
@@ -128,14 +156,16 @@ class Engine:
         params = SamplingParams(temperature=temperature, **sampling)
         t0, t_first, n = time.perf_counter(), None, 0
         eos = self.eos_ids if stop_at_eos else set()
+        draft = self._draft_steps(max(0, min(max_new_tokens, self.ctx_size - len(prompt))))
         for r in stream_generate(self.model, self.tokenizer, prompt, max_new_tokens, params, stop,
-                                 eos, self.ctx_size, self.options.prefill_chunk):
+                                 eos, self.ctx_size, self.options.prefill_chunk, step_fn=draft):
             t_first = t_first or time.perf_counter()
             n += r.token is not None
             yield r
-        self._record(len(prompt), n, t0, t_first)
+        self._record(len(prompt), n, t0, t_first, draft.stats if draft else None)
 
-    def _record(self, n_prompt: int, n_out: int, t0: float, t_first: float | None) -> None:
+    def _record(self, n_prompt: int, n_out: int, t0: float, t_first: float | None,
+                draft: DraftStats | None = None) -> None:
         end = time.perf_counter()
         t_first = t_first or end
         decode_s = end - t_first
@@ -147,6 +177,10 @@ class Engine:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         })
         self.stats["tokens_per_s"] = self.stats["decode_tokens_per_s"]
+        if draft is not None:  # acceptance of the MTP head's drafts (see strata.runtime.speculative)
+            self.stats["draft"] = draft.as_dict()
+        else:
+            self.stats.pop("draft", None)
         if self.tiers is not None:
             self.stats["tiers"] = self.tiers.stats()
 

@@ -53,8 +53,10 @@ class Response:
 
 def stream_generate(model, tokenizer, prompt: list[int], max_new_tokens: int, params: SamplingParams,
                     stop: list[str] = (), eos_ids: set[int] = frozenset(), max_length: int | None = None,
-                    prefill_chunk: int = 8192) -> Iterator[Response]:
-    """One request: tokens with text deltas; stops on EOS, a stop string or a length limit."""
+                    prefill_chunk: int = 8192, step_fn=None) -> Iterator[Response]:
+    """One request: tokens with text deltas; stops on EOS, a stop string or a length limit.
+
+    `step_fn` replaces `generate_step` (same arguments), e.g. the speculative loop's."""
     from strata.formats.tokenizer import IncrementalDecoder
 
     cache = model.new_cache(1)
@@ -64,7 +66,7 @@ def stream_generate(model, tokenizer, prompt: list[int], max_new_tokens: int, pa
     if limit <= 0:
         yield Response(None, "", "length")
         return
-    steps = generate_step(model, [prompt], params, cache, prefill_chunk)
+    steps = (step_fn or generate_step)(model, [prompt], params, cache, prefill_chunk)
     for n, tokens in enumerate(steps, start=1):
         token = int(tokens[0])
         if token in eos_ids:

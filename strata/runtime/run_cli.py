@@ -17,18 +17,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill step")
     p.add_argument("--cpu-threads", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--draft", default="auto", choices=["on", "off", "auto"],
+                   help="speculative decoding with the model's MTP layer (auto: on when it has one)")
+    p.add_argument("--draft-tokens", type=int, default=2, help="tokens the MTP layer drafts per step")
     add_tier_args(p)
 
 
 def engine_options(args) -> dict:
     return dict(ctx_size=args.ctx_size, prefill_chunk=args.prefill_chunk,
-                cpu_threads=args.cpu_threads, dtype=args.dtype, **tier_options(args))
+                cpu_threads=args.cpu_threads, dtype=args.dtype, draft=args.draft,
+                draft_tokens=args.draft_tokens, **tier_options(args))
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strata run", description="Generate text with a model.")
     add_engine_args(p)
     p.add_argument("--prompt", "-p", help="text to complete; without it, an interactive chat")
+    p.add_argument("--file", "-f", help="read the prompt from this file (kept byte for byte)")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the model's chat template")
     p.add_argument("--max-tokens", "-n", type=int, default=128)
     p.add_argument("--temperature", "-t", type=float, default=0.0)
@@ -46,6 +51,12 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if args.max_tokens < 0:
         raise StrataError("--max-tokens must be >= 0")
+    if args.file is not None:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                args.prompt = f.read()
+        except OSError as e:
+            raise StrataError(f"cannot read --file {args.file}: {e.strerror}") from None
     import strata
 
     engine = strata.load(args.model, **engine_options(args))
@@ -77,6 +88,10 @@ def main(argv: list[str]) -> int:
         print(f"\n\n[{stats['completion_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tok/s decode, "
               f"{stats['prefill_tokens_per_s']:.1f} tok/s prefill, peak RSS {stats['peak_rss_mb']:.0f} MB]",
               file=sys.stderr)
+        if "draft" in stats:
+            d = stats["draft"]
+            print(f"[draft: {d['accepted']}/{d['drafted']} accepted ({100 * d['acceptance_rate']:.0f}%), "
+                  f"{d['tokens_per_round']:.2f} tokens per verify pass]", file=sys.stderr)
         if "tiers" in stats:
             from strata.tiers.stats import describe
 

@@ -1,0 +1,403 @@
+"""MTP speculative decoding on a tiny random qwen3next (tests/test_qwen3next.py's model).
+
+transformers drops Qwen3-Next's `mtp.*` weights, so the checkpoint gets random ones here: the
+block is layer 0 of a one-layer, full-attention Qwen3NextModel (`aux`), whose final norm is
+`mtp.norm`, plus random `mtp.fc` and pre-fc norms. The same aux model is the head's reference.
+
+The random head rarely agrees with the model, so rejections at every draft position and the
+all-accepted path (with its bonus token) come from `Oracle`, a test double that drafts the
+model's own greedy continuation, wrong exactly where a test says.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+import strata
+from reference import prompt, randomise, save_hf
+from strata.errors import BadOption
+from strata.gguf.convert import convert_hf_to_gguf
+from strata.gguf.reader import GGUFFile
+from strata.models import qwen3next
+from strata.models.cache import ModelCache
+from strata.models.gated_deltanet import GDNCache
+from strata.runtime.generate import generate_step
+from strata.runtime.sampling import SamplingParams
+from strata.runtime.speculative import DraftStats, _accept, speculative_steps
+from test_qwen3next import VOCAB, tiny_qwen3next
+
+GREEDY = SamplingParams()
+N_OUT = 20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_mtp(model, tmp) -> tuple[Qwen3NextForCausalLM, dict]:
+    """A random MTP layer for `model`: (aux reference model, the `mtp.*` tensors)."""
+    cfg = model.config.to_dict()
+    cfg.update(num_hidden_layers=1, layer_types=["full_attention"])
+    cfg.pop("full_attention_interval", None)
+    aux = randomise(Qwen3NextForCausalLM(Qwen3NextConfig(**cfg)).eval(), seed=5)
+    save_hf(aux, tmp)  # transformers' own checkpoint names (one tensor per expert)
+    saved = {}
+    for f in tmp.glob("*.safetensors"):
+        saved.update(load_file(str(f)))
+    tensors = {"mtp." + k[len("model."):]: v for k, v in saved.items()
+               if k.startswith(("model.layers.", "model.norm."))}
+    hidden = model.config.hidden_size
+    g = torch.Generator().manual_seed(6)
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=g) / (2 * hidden) ** 0.5
+    tensors["mtp.pre_fc_norm_embedding.weight"] = 0.5 * torch.randn(hidden, generator=g)
+    tensors["mtp.pre_fc_norm_hidden.weight"] = 0.5 * torch.randn(hidden, generator=g)
+    return aux, tensors
+
+
+@torch.inference_mode()
+def reference_mtp(model, aux, tensors, ids: list[int]) -> torch.Tensor:
+    """The head's logits at positions 0..n-2 of `ids` (pairs (h_p, x_{p+1})), from transformers."""
+    def norm(x, w):  # Qwen3-Next's zero-centred RMS norm
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w)
+
+    x = torch.tensor([ids])
+    h = model.model(x).last_hidden_state[:, :-1]  # after the final norm
+    e = model.model.embed_tokens(x[:, 1:])
+    u = torch.cat([norm(e, tensors["mtp.pre_fc_norm_embedding.weight"]),
+                   norm(h, tensors["mtp.pre_fc_norm_hidden.weight"])], dim=-1) @ tensors["mtp.fc.weight"].T
+    g = aux.model(inputs_embeds=u).last_hidden_state  # block, then mtp.norm
+    return model.lm_head(g)[0].float()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    model = tiny_qwen3next()
+    d = tmp_path_factory.mktemp("qwen3next_mtp")
+    aux, tensors = tiny_mtp(model, d / "aux")
+    save_hf(model, d / "hf")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "hf" / "mtp.safetensors"))
+    convert_hf_to_gguf(d / "hf", d / "model.gguf")
+    plain = d / "plain"
+    save_hf(model, plain)
+    return model, aux, tensors, {"safetensors": d / "hf", "gguf": d / "model.gguf", "plain": plain}
+
+
+@functools.cache
+def _engine(path, **options):
+    return strata.load(path, **options)
+
+
+@functools.cache
+def _plain(path, ids: tuple[int, ...], n: int) -> list[int]:
+    return _engine(path, draft="off").generate(list(ids), n, stop_at_eos=False)
+
+
+PROMPTS = [prompt(VOCAB, 24, seed=11), prompt(VOCAB, 5, seed=12), prompt(VOCAB, 1, seed=13)]
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_mtp_head_loads_and_matches_reference(checkpoint, fmt):
+    model, aux, tensors, paths = checkpoint
+    engine = _engine(paths[fmt])
+    assert engine.drafting and engine.drafter is not None and engine.config.mtp_layers == 1
+    head = engine.drafter
+    ids = PROMPTS[0]
+    with torch.inference_mode():
+        cache = engine.model.new_cache(1)
+        _, h = engine.model(torch.tensor([ids]), cache, hidden=True)
+        whole, _ = head(torch.tensor([ids[1:]]), h[:, :-1], head.new_cache(1))
+        # the same positions in two steps through the head's KV cache
+        dcache = head.new_cache(1)
+        first, _ = head(torch.tensor([ids[1:10]]), h[:, :9], dcache)
+        rest, _ = head(torch.tensor([ids[10:]]), h[:, 9:-1], dcache)
+    ref = reference_mtp(model, aux, tensors, ids)
+    assert (whole[0] - ref).abs().max().item() < 1e-4
+    assert (torch.cat([first, rest], 1)[0] - ref).abs().max().item() < 1e-4
+
+
+def test_gguf_names_follow_llama_cpp(checkpoint):
+    *_, paths = checkpoint
+    file = GGUFFile(paths["gguf"])
+    a = qwen3next.ARCH
+    assert file.metadata[f"{a}.block_count"] == 5 and file.metadata[f"{a}.nextn_predict_layers"] == 1
+    names = set(file.tensors)
+    for n in ("nextn.eh_proj", "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm", "attn_q", "attn_norm",
+              "post_attention_norm", "attn_q_norm", "ffn_gate_inp", "ffn_up_exps", "ffn_gate_inp_shexp"):
+        assert f"blk.4.{n}.weight" in names, n
+    assert not any(n.startswith("blk.4.ssm") for n in names)
+    assert qwen3next.Config.from_gguf(file.metadata).n_layers == 4
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_draft_on_equals_draft_off(checkpoint, k):
+    *_, paths = checkpoint
+    engine = _engine(paths["gguf"])
+    engine.options.draft_tokens = k
+    for ids in PROMPTS:
+        assert engine.generate(ids, N_OUT, stop_at_eos=False) == _plain(paths["gguf"], tuple(ids), N_OUT)
+        d = engine.stats["draft"]
+        assert d["draft_tokens"] == k and d["rounds"] > 0 and d["drafted"] >= d["accepted"]
+    if k == 3:  # the repetition penalty applies to drafts and verification alike
+        ids, kw = PROMPTS[0], dict(stop_at_eos=False, repetition_penalty=1.5)
+        assert engine.generate(ids, 12, **kw) == _engine(paths["gguf"], draft="off").generate(ids, 12, **kw)
+
+
+class Oracle:
+    """A draft head that knows the model's greedy continuation `out` of `prompt_ids`: it drafts it
+    (like an MTP head that copies the model), except the tokens at output indices `wrong`."""
+
+    def __init__(self, prompt_ids, out, wrong=()):
+        self.seq = list(prompt_ids) + list(out)
+        self.n_prompt, self.wrong = len(prompt_ids), set(wrong)
+
+    def new_cache(self, batch=1):
+        return ModelCache([], batch)
+
+    def __call__(self, tokens, hidden, cache, n_new=None, last_only=False):
+        step = cache.step(tokens.shape[1], n_new)
+        cache.advance(step)
+        targets = step.positions[0] + 2  # position p predicts x_{p+2}
+        logits = torch.full((1, tokens.shape[1], VOCAB), -1e9)
+        for i, s in enumerate(targets.tolist()):
+            t = self.seq[s] if s < len(self.seq) else 0
+            if s - self.n_prompt in self.wrong:
+                t = (t + 1) % VOCAB
+            logits[0, i, t] = 0.0
+        return (logits[:, -1:] if last_only else logits), hidden
+
+
+def schedule(k: int, limit: int, errors) -> list[int]:
+    """Output indices to draft wrong so that round r rejects at draft position errors[r]
+    (k: none wrong, every draft and the bonus token kept), replaying the loop's arithmetic."""
+    wrong, c, r = [], 1, 0  # the first token comes from the prefill
+    while c < limit:
+        kr = min(k, limit - c - 1)
+        e = min(errors[r % len(errors)], kr)
+        if e < kr:
+            wrong.append(c + e)
+        c, r = c + e + 1, r + 1
+    return wrong
+
+
+def _run(engine, ids, head, n, cache=None, k=3, params=GREEDY):
+    stats = DraftStats(k)
+    steps = speculative_steps(engine.model, head, ids, params, cache, k, n, 8192, stats)
+    out = [int(next(steps)) for _ in range(n)]
+    steps.close()
+    return out, stats
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_rejection_at_every_position_and_full_acceptance(checkpoint, k):
+    *_, paths = checkpoint
+    engine = _engine(paths["gguf"])
+    ids = PROMPTS[0]
+    plain = _plain(paths["gguf"], tuple(ids), N_OUT)
+    errors = list(range(k + 1))  # round r rejects d_{r mod (k+1)}; k: all accepted + the bonus
+    out, stats = _run(engine, ids, Oracle(ids, plain, schedule(k, N_OUT, errors)), N_OUT, k=k)
+    assert out == plain
+    assert all(stats.drafted_at[i] > stats.accepted_at[i] for i in range(k)), stats  # a rejection at each i
+    assert stats.accepted_at[k - 1] > 0  # and whole rounds kept
+    # a head that copies the model: every draft kept, k+1 tokens per verify pass
+    out, stats = _run(engine, ids, Oracle(ids, plain), N_OUT, k=k)
+    assert out == plain and stats.acceptance_rate == 1.0
+    assert stats.rounds == -(-(N_OUT - 1) // (k + 1))
+
+
+def test_eos_and_max_tokens_mid_draft(checkpoint):
+    *_, paths = checkpoint
+    ids = PROMPTS[0]
+    plain = _plain(paths["gguf"], tuple(ids), N_OUT)
+    engine = strata.load(paths["gguf"], draft_tokens=4)
+    engine.drafter = Oracle(ids, plain)  # all kept: rounds yield tokens 1..5, 6..10, ...
+    for n in (1, 2, 3, 7, 9):  # limits inside rounds
+        assert engine.generate(ids, n, stop_at_eos=False) == plain[:n]
+        assert engine.stats["draft"]["drafted"] <= n  # nothing drafted past the limit
+    eos = next(t for t in plain[2:] if t not in plain[:2])  # first seen mid-round
+    engine.tokenizer = FakeTokenizer([eos])
+    stop = plain.index(eos)
+    assert engine.generate(ids, N_OUT) == plain[:stop]
+    streamed = list(engine.stream(ids, N_OUT))
+    assert [r.token for r in streamed[:-1]] == plain[:stop] and streamed[-1].finish_reason == "stop"
+    assert "".join(r.text for r in streamed) == "".join(f"<{t}>" for t in plain[:stop])
+    streamed = list(engine.stream(ids, 7, stop_at_eos=False))
+    assert [r.token for r in streamed] == plain[:7] and streamed[-1].finish_reason == "length"
+
+
+class FakeTokenizer:
+    def __init__(self, eos_ids):
+        self.eos_ids = eos_ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{t}>" for t in ids)
+
+
+class OracleOnRealHead(Oracle):
+    """Runs the real MTP head (its KV cache, its chained hidden states) but drafts like `Oracle`."""
+
+    def __init__(self, head, prompt_ids, out, wrong=()):
+        super().__init__(prompt_ids, out, wrong)
+        self.head, self.caches = head, []
+
+    def new_cache(self, batch=1):
+        self.caches.append(self.head.new_cache(batch))
+        return self.caches[-1]
+
+    def __call__(self, tokens, hidden, cache, n_new=None, last_only=False):
+        start = cache.lengths.clone()
+        _, g = self.head(tokens, hidden, cache, n_new, last_only)
+        logits, _ = super().__call__(tokens, hidden, _at(start), n_new, last_only)
+        return logits, g
+
+
+def _at(lengths):
+    """A throwaway bookkeeping cache at `lengths`, for `Oracle` to read positions from."""
+    c = ModelCache([], 1)
+    c.lengths = lengths
+    return c
+
+
+def test_mtp_cache_holds_the_model_pairs_after_rollbacks(checkpoint):
+    """The head's KV cache after a speculative run: position p holds (h_p, x_{p+1}) from the
+    model, as a fresh pass of the head over the final sequence writes it (chained drafts and
+    rejected positions rolled back, accepted ones re-read with the model's hidden states)."""
+    *_, paths = checkpoint
+    engine = _engine(paths["gguf"])
+    ids = PROMPTS[0]
+    plain = _plain(paths["gguf"], tuple(ids), N_OUT)
+    head = OracleOnRealHead(engine.drafter, ids, plain, schedule(3, N_OUT, [3, 0, 2, 1]))
+    out, stats = _run(engine, ids, head, N_OUT, k=3)
+    assert out == plain and 0 < stats.accepted < stats.drafted
+    kv = head.caches[0]
+    n = int(kv.lengths[0])
+    assert len(ids) <= n < len(ids) + N_OUT - 1  # the prompt's pairs and the committed ones read back
+    seq = torch.tensor([ids + plain])
+    with torch.inference_mode():
+        _, h = engine.model(seq, engine.model.new_cache(1), hidden=True)
+        fresh = engine.drafter.new_cache(1)
+        engine.drafter(seq[:, 1:n + 1], h[:, :n], fresh)
+    got, want = kv.layers[0], fresh.layers[0]
+    for a, b in ((got.k, want.k), (got.v, want.v)):
+        a, b = a[:, :, :n], b[:, :, :n]
+        assert (a - b).abs().max().item() <= 1e-4 * b.abs().max().item()
+
+
+def _states(cache):
+    return [(c.conv.clone(), c.state.clone()) for c in cache.layers if isinstance(c, GDNCache)]
+
+
+def test_recurrent_state_after_speculation_equals_plain_run(checkpoint):
+    *_, paths = checkpoint
+    engine = _engine(paths["gguf"])
+    ids = PROMPTS[0]
+    plain = _plain(paths["gguf"], tuple(ids), N_OUT)
+    head = Oracle(ids, plain, schedule(3, N_OUT, [0, 2, 1, 3]))
+    cache = engine.model.new_cache(1)
+    out, stats = _run(engine, ids, head, N_OUT, cache=cache, k=3)
+    assert out == plain and stats.accepted < stats.drafted
+    ref = engine.model.new_cache(1)  # plain: the prompt, then one token at a time
+    steps = generate_step(engine.model, [ids], GREEDY, ref)
+    assert [int(next(steps)) for _ in range(N_OUT)] == plain
+    # the plain run has fed all but the last token; so has the speculative one
+    assert cache.lengths.tolist() == ref.lengths.tolist() == [len(ids) + N_OUT - 1]
+    # equal up to fp32 rounding, which the verify pass's (k+1)-token matmuls do in another order
+    # than one-token steps (~3e-6 of the scale here by the second DeltaNet layer; a wrong
+    # rollback is off by O(1))
+    for (conv, state), (conv_ref, state_ref) in zip(_states(cache), _states(ref)):
+        assert (conv - conv_ref).abs().max().item() <= 1e-5 * conv_ref.abs().max().item()
+        assert (state - state_ref).abs().max().item() <= 1e-5 * state_ref.abs().max().item()
+
+
+def test_gdn_rollback_restores_the_state_after_the_kept_tokens(checkpoint):
+    *_, paths = checkpoint
+    model = _engine(paths["gguf"]).model
+    ids = PROMPTS[0]
+    with torch.inference_mode():
+        a, b, c = (model.new_cache(1) for _ in range(3))
+        for cache in (a, b, c):
+            model(torch.tensor([ids[:20]]), cache)
+        a.track()
+        b.track()
+        model(torch.tensor([ids[20:24]]), a)  # 4 tokens, then keep 2 of them
+        a.rollback(2)
+        model(torch.tensor([ids[20:22]]), b)
+        assert a.lengths.tolist() == b.lengths.tolist() == [22]
+        for (conv, state), (conv_ref, state_ref) in zip(_states(a), _states(b)):  # up to rounding
+            assert (conv - conv_ref).abs().max().item() <= 1e-5 * conv_ref.abs().max().item()
+            assert (state - state_ref).abs().max().item() <= 1e-5 * state_ref.abs().max().item()
+        a.rollback(2)  # and the other two: back to the prefix's state, exactly
+        assert a.lengths.tolist() == [20]
+        for (conv, state), (conv_ref, state_ref) in zip(_states(a), _states(c)):
+            assert torch.equal(conv, conv_ref) and torch.equal(state, state_ref)
+        with pytest.raises(ValueError):
+            a.rollback(1)  # more than that forward wrote
+
+
+def test_sampling_keeps_the_model_distribution():
+    """Speculative sampling's accept / resample rule: tokens come out distributed as p."""
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0)
+    p_logits, q_logits = torch.randn(1, 6, generator=g) * 2, torch.randn(6, generator=g) * 2
+    logits = torch.cat([p_logits, torch.zeros(1, 6)])  # position 0 is judged; 1 would be the bonus
+    q = torch.softmax(q_logits, -1)
+    n = 2000
+    counts = torch.zeros(6)
+    for _ in range(n):
+        d = int(torch.multinomial(q, 1, generator=g))
+        counts[_accept(logits, [d], [q], [], params, g)[0]] += 1
+    p = torch.softmax(p_logits[0], -1)
+    assert (counts / n - p).abs().max().item() < 0.04, (counts / n, p)
+
+
+def test_sampling_runs_with_the_real_head(checkpoint):
+    *_, paths = checkpoint
+    engine = _engine(paths["safetensors"])
+    engine.options.draft_tokens = 3
+    out = engine.generate(PROMPTS[1], 12, temperature=0.8, top_k=20, seed=3, stop_at_eos=False)
+    assert len(out) == 12 and all(0 <= t < VOCAB for t in out)
+    assert engine.generate(PROMPTS[1], 12, temperature=0.8, top_k=20, seed=3, stop_at_eos=False) == out
+
+
+def test_draft_options(checkpoint):
+    *_, paths = checkpoint
+    with pytest.raises(BadOption):
+        strata.load(paths["plain"], draft="on")
+    assert not strata.load(paths["plain"]).drafting  # auto: no MTP layer, no drafts
+    assert not _engine(paths["gguf"], draft="off").drafting
+    with pytest.raises(BadOption):
+        strata.load(paths["gguf"], draft="maybe")
+    with pytest.raises(BadOption):
+        strata.load(paths["gguf"], draft_tokens=0)
+    from strata.runtime.run_cli import engine_options, parser
+
+    args = parser().parse_args(["-m", "x", "--draft", "off", "--draft-tokens", "3"])
+    assert engine_options(args)["draft"] == "off" and engine_options(args)["draft_tokens"] == 3
+
+
+def test_demo_model_drafts_like_it_decodes():
+    """The bundled demo model, once it has an MTP layer (it has none yet)."""
+    from pathlib import Path
+
+    from strata.demo import train
+
+    demo = Path(train.__file__).with_name("strata-demo.gguf")
+    if not demo.exists():
+        pytest.skip("run `make demo-model` to build the demo model")
+    if not any(k.endswith(".nextn_predict_layers") and v for k, v in GGUFFile(demo).metadata.items()):
+        pytest.skip("the demo model has no MTP layer yet")
+    engine = strata.load(demo, draft="on")
+    ids = engine.tokenizer.encode("def read_config(path):\n")
+    out = engine.generate(ids, 48, stop_at_eos=False)
+    assert engine.stats["draft"]["rounds"] > 0
+    engine.drafting = False
+    assert engine.generate(ids, 48, stop_at_eos=False) == out
