@@ -44,9 +44,12 @@ def open_config(path: str | Path):
     return arch, config, GGUFSource(file), file.metadata
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = False) -> LoadedModel:
+    from strata.runtime.progress import tensor_bar
+
     arch, config, source, meta = open_config(path)
-    model = arch.Model(config, WeightLoader(source, dtype)).eval()
+    with tensor_bar(len(source.names()), progress) as advance:
+        model = arch.Model(config, WeightLoader(source, dtype, on_tensor=advance)).eval()
     return LoadedModel(model, model.config, arch, _tokenizer(Path(path), meta), source, meta)
 
 

@@ -66,11 +66,12 @@ class WeightSource(Protocol):
 class WeightLoader:
     """Hands out tensors by GGUF name, checking shapes; `finish()` refuses leftovers."""
 
-    def __init__(self, source: WeightSource, dtype: torch.dtype = torch.float32):
+    def __init__(self, source: WeightSource, dtype: torch.dtype = torch.float32, on_tensor=None):
         self.source = source
         self.dtype = dtype
         self._available = set(source.names())
         self._used: set[str] = set()
+        self._on_tensor = on_tensor  # progress: called once per tensor handed out
 
     def has(self, name: str) -> bool:
         return name in self._available
@@ -86,6 +87,8 @@ class WeightLoader:
                 f"expected {tuple(shape)} from the model's hyper-parameters",
                 "the metadata and the weights disagree; re-convert the model")
         self._used.add(name)
+        if self._on_tensor is not None:
+            self._on_tensor()
         return t
 
     def dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:

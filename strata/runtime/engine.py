@@ -23,6 +23,7 @@ class EngineOptions(TierOptions):  # tier options (placement, expert cache, trac
     ctx_size: int = 0  # 0 = the model's trained context
     prefill_chunk: int = 8192
     cpu_threads: int = 0  # 0 = torch's default
+    progress: bool = False  # a progress bar on stderr while loading (the CLI turns it on)
     draft: str = "auto"  # on | off | auto (= on when the model has an MTP layer): speculative decoding
     draft_tokens: int = 2  # tokens the MTP head drafts per verify pass
 
@@ -52,7 +53,7 @@ class Engine:
         if self.options.cpu_threads > 0:
             torch.set_num_threads(self.options.cpu_threads)
         t0 = time.perf_counter()
-        loaded = load_model(path, getattr(torch, self.options.dtype))
+        loaded = load_model(path, getattr(torch, self.options.dtype), self.options.progress)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.loaded = loaded
         self.ctx_size = self.options.ctx_size or self.config.context_length
@@ -68,6 +69,22 @@ class Engine:
             raise BadOption(f"--draft on: {why}", "use --draft off or auto")
         self.drafting = self.drafter is not None and self.options.draft != "off"
         self.stats: dict = {"load_s": time.perf_counter() - t0}
+
+    def summary(self) -> str:
+        """One line on what was loaded and where it lives, for the CLI to print."""
+        c = self.config
+        n_experts = getattr(c, "n_experts", 0)
+        what = f"{self.loaded.arch.ARCH}, {c.n_layers} layers" + (f" x {n_experts} experts" if n_experts else "")
+        if self.tiers is None:
+            where = "all weights in RAM"
+        else:
+            p = self.tiers.stats()["plan"]
+            homes = "+".join(sorted(p["expert_homes"])) or "none"
+            where = (f"experts home {homes}, cache {p['slots']} of {p['n_experts']} experts "
+                     f"({p['cache_bytes'] / 2**20:.1f} MiB) on {p['device']}, "
+                     f"{p['gpu_layers']}/{p['n_layers']} blocks on the device")
+        draft = f", drafts {self.options.draft_tokens}" if self.drafting else ""
+        return f"loaded {what} in {self.stats['load_s']:.1f} s; {where}{draft}; context {self.ctx_size}"
 
     def close(self) -> str | None:
         """Stop the tiers' threads and write the expert trace, if asked; returns its path."""

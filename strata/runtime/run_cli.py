@@ -59,7 +59,8 @@ def main(argv: list[str]) -> int:
             raise StrataError(f"cannot read --file {args.file}: {e.strerror}") from None
     import strata
 
-    engine = strata.load(args.model, **engine_options(args))
+    engine = strata.load(args.model, progress=True, **engine_options(args))
+    print(engine.summary(), file=sys.stderr)
     if engine.tokenizer is None:
         raise StrataError(f"{args.model} has no tokenizer", "use a GGUF with tokenizer metadata")
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,

@@ -58,7 +58,8 @@ def main(argv: list[str]) -> int:
         raise StrataError(f"serving needs {e.name}", "pip install 'strata[serve]'") from None
     import strata
 
-    engine = strata.load(args.model, **engine_options(args))
+    engine = strata.load(args.model, progress=True, **engine_options(args))
+    print(engine.summary(), file=sys.stderr)
     name = args.model_name or default_model_name(args.model)
     app = create_app(engine, name, api_key=args.api_key, max_concurrent=args.max_concurrent,
                      max_waiting=args.max_queue)

@@ -1,0 +1,111 @@
+"""Soak: many requests at fixed concurrency against a real `strata serve` process (not a test).
+
+    .venv/bin/python bench/soak_server.py [--model strata/demo/strata-demo.gguf] [--requests 1000]
+        [--concurrency 8] [--max-tokens 24]
+
+First each distinct prompt is served alone (the serial reference), then all requests run through
+a pool of `--concurrency` client threads; every output is compared with its serial reference.
+Prints errors, mismatches, throughput and the server's RSS over time (from /proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [f"def {name}(path):\n    " for name in
+           ("read_config", "load", "parse_args", "main", "walk", "copy_tree", "open_text", "checksum",
+            "split_lines", "merge", "to_json", "from_json", "retry", "connect", "close", "flush")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=str(ROOT / "strata/demo/strata-demo.gguf"))
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=24)
+    args = p.parse_args()
+    import httpx
+    from openai import OpenAI
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--model", args.model,
+                               "--port", str(port), "--max-concurrent", str(args.concurrency),
+                               "--model-name", "demo", "--log-level", "warning"])
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.time() > deadline or server.poll() is not None:
+                sys.exit("the server did not start")
+            time.sleep(0.2)
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+
+        def ask(prompt: str) -> str:
+            r = client.completions.create(model="demo", prompt=prompt, max_tokens=args.max_tokens, temperature=0)
+            return r.choices[0].text
+
+        serial = {prompt: ask(prompt) for prompt in PROMPTS}
+        rss = [(0, rss_mb(server.pid))]
+        errors, mismatches, done = [], 0, 0
+        t0 = time.perf_counter()
+
+        def one(i: int):
+            prompt = PROMPTS[i % len(PROMPTS)]
+            try:
+                return prompt, ask(prompt), None
+            except Exception as e:  # counted, never raised: the soak reports every failure
+                return prompt, None, repr(e)
+
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            for prompt, text, err in pool.map(one, range(args.requests)):
+                done += 1
+                if err:
+                    errors.append(err)
+                elif text != serial[prompt]:
+                    mismatches += 1
+                if done % 100 == 0:
+                    rss.append((done, rss_mb(server.pid)))
+        wall = time.perf_counter() - t0
+    finally:
+        server.terminate()
+        server.wait(30)
+    print(f"{args.requests} requests, concurrency {args.concurrency}, {args.max_tokens} max tokens, greedy")
+    print(f"errors: {len(errors)}  outputs different from serial: {mismatches}")
+    print(f"wall {wall:.1f} s, {args.requests / wall:.2f} requests/s")
+    print("server RSS (MB) after N requests: " + ", ".join(f"{n}: {m:.0f}" for n, m in rss))
+    later = [m for n, m in rss[2:]]
+    if later:
+        print(f"RSS from request 200 on: min {min(later):.0f}, max {max(later):.0f}, "
+              f"median {statistics.median(later):.0f} MB")
+    for e in errors[:5]:
+        print("error:", e)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""A progress bar on stderr while a model loads (rich), shown only on a terminal."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+
+
+@contextmanager
+def tensor_bar(total: int, enabled: bool, what: str = "loading"):
+    """Yields `advance()`; a no-op when disabled or when stderr is not a terminal."""
+    if not enabled or not sys.stderr.isatty():
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn("tensors"), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda: bar.advance(task)
