@@ -1,4 +1,17 @@
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models on a shared two-core machine: two threads spin against each other, one is
+    several times faster. Modules opt in with `pytestmark = pytest.mark.usefixtures(...)`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

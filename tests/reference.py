@@ -48,3 +48,35 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
                          min_new_tokens=n, pad_token_id=0, eos_token_id=None)
     return out[0, len(ids):].tolist()
+
+
+def greedy_decode(model, cache, first: torch.Tensor, n: int):
+    """n greedy steps from `first` (B, 1); -> (per-step token lists, last tokens (B, 1))."""
+    out, tokens = [], first
+    for _ in range(n):
+        tokens = model(tokens, cache, last_only=True)[:, 0].argmax(-1, keepdim=True)
+        out.append(tokens[:, 0].tolist())
+    return out, tokens
+
+
+@torch.inference_mode()
+def check_merge_and_leave(model, prompts: list[list[int]], inspect=lambda merged: None) -> None:
+    """Continuous batching: two requests prefilled alone, merged with `extend`, decoded together,
+    then one leaves with `select`; every token equals the request decoded alone. `inspect(merged)`
+    checks the merged cache's layers before decoding."""
+    def prefill(p):
+        cache = model.new_cache(1)
+        return cache, model(torch.tensor([p]), cache, last_only=True)[:, 0].argmax(-1, keepdim=True)
+
+    alone = []
+    for p in prompts:
+        cache, first = prefill(p)
+        alone.append([t[0] for t in greedy_decode(model, cache, first, 6)[0]])
+    (merged, first0), (other, first1) = prefill(prompts[0]), prefill(prompts[1])
+    merged.extend(other)
+    inspect(merged)
+    steps, last = greedy_decode(model, merged, torch.cat([first0, first1]), 3)
+    assert [[s[r] for s in steps] for r in (0, 1)] == [a[:3] for a in alone]
+    merged.select(torch.tensor([1]))
+    rest, _ = greedy_decode(model, merged, last[1:], 3)
+    assert [s[0] for s in rest] == alone[1][3:]

@@ -16,7 +16,7 @@ import torch
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 import strata
-from reference import hf_greedy, hf_logits, prompt, randomise, save_hf
+from reference import check_merge_and_leave, hf_greedy, hf_logits, prompt, randomise, save_hf
 from strata.gguf.convert import convert_hf_to_gguf
 from strata.gguf.reader import GGUFFile
 from strata.gguf.source import GGUFSource
@@ -65,13 +65,7 @@ def write_split_layout(src, dst):
     return write_gguf(dst, qwen3next.ARCH, file.metadata, tensors)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two threads on a shared two-core machine spin against each other; one is ~10x faster here."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -229,33 +223,11 @@ def test_recurrent_cache_select_extend_and_size(checkpoint):
     model = _engine(paths["gguf"]).model
     prompts = [prompt(VOCAB, 20, seed=8), prompt(VOCAB, 33, seed=9)]
 
-    def decode(cache, first, n):
-        out, tokens = [], first
-        for _ in range(n):
-            tokens = model(tokens, cache, last_only=True)[:, 0].argmax(-1, keepdim=True)
-            out.append(tokens[:, 0].tolist())
-        return out, tokens
-
-    with torch.inference_mode():
-        alone = []
-        for p in prompts:
-            cache = model.new_cache(1)
-            first = model(torch.tensor([p]), cache, last_only=True)[:, 0].argmax(-1, keepdim=True)
-            alone.append([t[0] for t in decode(cache, first, 6)[0]])
-        caches, firsts = [], []
-        for p in prompts:
-            cache = model.new_cache(1)
-            firsts.append(model(torch.tensor([p]), cache, last_only=True)[:, 0].argmax(-1, keepdim=True))
-            caches.append(cache)
-        merged = caches[0]
-        merged.extend(caches[1])
+    def inspect(merged):
         gdn = _recurrent_caches(merged)[0]
         assert gdn.nbytes == 2 * (3 * 96 + 4 * 16 * 8) * 4  # conv window + fp32 state, per row
-        steps, last = decode(merged, torch.cat(firsts), 3)
-        assert [[s[r] for s in steps] for r in (0, 1)] == [a[:3] for a in alone]
-        merged.select(torch.tensor([1]))
-        rest, _ = decode(merged, last[1:], 3)
-        assert [s[0] for s in rest] == alone[1][3:]
+
+    check_merge_and_leave(model, prompts, inspect)
 
 
 QWEN3_NEXT_80B_CONFIG = {  # config.json of Qwen/Qwen3-Next-80B-A3B-Instruct (no layer_types)

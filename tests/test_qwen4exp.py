@@ -24,7 +24,7 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import (Qwen4ExpTextRMSNor
                                                               _find_nth_prime_after)
 
 import strata
-from reference import hf_greedy, hf_logits, prompt, randomise, save_hf
+from reference import check_merge_and_leave, hf_greedy, hf_logits, prompt, randomise, save_hf
 from strata.errors import BadModelFile
 from strata.gguf.convert import convert_hf_to_gguf
 from strata.gguf.reader import GGUFFile
@@ -75,12 +75,7 @@ def eos_prompt(n: int = 64, seed: int = 1) -> list[int]:
     return ids
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -335,35 +330,13 @@ def test_cache_select_extend_and_size(checkpoint):
     model = _engine(paths["gguf"]).model
     prompts = [eos_prompt(20, seed=8), eos_prompt(33, seed=9)]
 
-    def decode(cache, first, n):
-        out, tokens = [], first
-        for _ in range(n):
-            tokens = model(tokens, cache, last_only=True)[:, 0].argmax(-1, keepdim=True)
-            out.append(tokens[:, 0].tolist())
-        return out, tokens
-
-    with torch.inference_mode():
-        alone = []
-        for p in prompts:
-            cache = model.new_cache(1)
-            first = model(torch.tensor([p]), cache, last_only=True)[:, 0].argmax(-1, keepdim=True)
-            alone.append([t[0] for t in decode(cache, first, 6)[0]])
-        caches, firsts = [], []
-        for p in prompts:
-            cache = model.new_cache(1)
-            firsts.append(model(torch.tensor([p]), cache, last_only=True)[:, 0].argmax(-1, keepdim=True))
-            caches.append(cache)
-        merged = caches[0]
-        merged.extend(caches[1])
+    def inspect(merged):
         ple = merged.layers[1]
         assert ple.ple.nbytes == 2 * (2 * 8 + 9 * 256 * 4)  # n-gram context (int64) + conv window, per row
         qsa = merged.layers[3]
         assert qsa.nbytes == qsa.k.nbytes + qsa.v.nbytes + qsa.ik.nbytes and qsa.ik.shape[0] == 2
-        steps, last = decode(merged, torch.cat(firsts), 3)
-        assert [[s[r] for s in steps] for r in (0, 1)] == [a[:3] for a in alone]
-        merged.select(torch.tensor([1]))
-        rest, _ = decode(merged, last[1:], 3)
-        assert [s[0] for s in rest] == alone[1][3:]
+
+    check_merge_and_leave(model, prompts, inspect)
 
 
 def test_ngram_rows_are_read_from_disk_per_token(checkpoint):

@@ -35,12 +35,7 @@ GREEDY = SamplingParams()
 N_OUT = 20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_mtp(model, tmp) -> tuple[Qwen3NextForCausalLM, dict]:

@@ -28,14 +28,7 @@ POLICIES = ["adaptive", "lru", "lfu", "static"]
 DEMO = Path(strata.__file__).parent / "demo" / "strata-demo.gguf"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from intra-op threads, and spinning OpenMP teams on a
-    shared 2-core machine slow them 10-100x; the engine's own threads still run."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def build_gguf(builder, expert_type, d: Path) -> Path:
