@@ -12,7 +12,7 @@ import torch
 
 from strata.gguf.writer import decoder_metadata
 from strata.models.hparams import decoder_from_gguf, decoder_from_hf
-from strata.models.layers import Attention, DenseFFN, Experts, RMSNorm, softmax_topk
+from strata.models.layers import Attention, DenseFFN, Experts, softmax_topk
 from strata.models.rope import Rope, RopeConfig
 from strata.models.transformer import Block, DecoderLM, MoE
 from strata.models.weights import WeightLoader
@@ -105,5 +105,4 @@ class Model(DecoderLM):
                       route=lambda logits: softmax_topk(logits, k, normalize=True))
         else:
             ffn = DenseFFN(w, p, c.hidden_size, c.ffn_size)
-        return Block(RMSNorm(w.dense(f"{p}.attn_norm.weight", (c.hidden_size,)), c.rms_eps), attn,
-                     RMSNorm(w.dense(f"{p}.ffn_norm.weight", (c.hidden_size,)), c.rms_eps), ffn)
+        return Block.from_weights(w, p, c.hidden_size, c.rms_eps, attn, ffn)

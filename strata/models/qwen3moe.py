@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from strata.gguf.writer import decoder_metadata
 from strata.models.hparams import decoder_from_gguf, decoder_from_hf
-from strata.models.layers import Attention, DenseFFN, Experts, RMSNorm, softmax_topk
+from strata.models.layers import Attention, DenseFFN, Experts, softmax_topk
 from strata.models.rope import Rope, RopeConfig
 from strata.models.transformer import Block, DecoderLM, MoE
 from strata.models.weights import WeightLoader
@@ -84,5 +84,4 @@ class Model(DecoderLM):
             ffn = MoE(w.dense(f"{p}.ffn_gate_inp.weight", (c.n_experts, c.hidden_size)),
                       Experts(w, p, c.n_experts, c.hidden_size, c.expert_ffn_size, layer=i),
                       route=lambda logits: softmax_topk(logits, k, normalize=norm))
-        return Block(RMSNorm(w.dense(f"{p}.attn_norm.weight", (c.hidden_size,)), c.rms_eps), attn,
-                     RMSNorm(w.dense(f"{p}.ffn_norm.weight", (c.hidden_size,)), c.rms_eps), ffn)
+        return Block.from_weights(w, p, c.hidden_size, c.rms_eps, attn, ffn)

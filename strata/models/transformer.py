@@ -46,6 +46,12 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
 
+    @classmethod
+    def from_weights(cls, w: WeightLoader, prefix: str, hidden: int, eps: float, attn, ffn) -> "Block":
+        """The block with llama.cpp's `attn_norm` / `ffn_norm` around `attn` and `ffn`."""
+        return cls(RMSNorm(w.dense(f"{prefix}.attn_norm.weight", (hidden,)), eps), attn,
+                   RMSNorm(w.dense(f"{prefix}.ffn_norm.weight", (hidden,)), eps), ffn)
+
     def forward(self, x, cache: KVCache, step: StepInfo, rope_cs, tap: Tap) -> torch.Tensor:
         h = x + self.attn(self.attn_norm(x), cache, step, rope_cs, tap)
         tap("ffn_inp", h)
