@@ -26,6 +26,7 @@ class EngineOptions(TierOptions):  # tier options (placement, expert cache, trac
     progress: bool = False  # a progress bar on stderr while loading (the CLI turns it on)
     draft: str = "auto"  # on | off | auto (= on when the model has an MTP layer): speculative decoding
     draft_tokens: int = 2  # tokens the MTP head drafts per verify pass
+    kv_device_budget: str | None = None  # --kv-device SIZE: tier the attention KV (device blocks + host RAM)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineOptions":
@@ -40,6 +41,10 @@ class EngineOptions(TierOptions):  # tier options (placement, expert cache, trac
             raise BadOption("--prefill-chunk must be positive")
         if opts.draft not in ("on", "off", "auto"):
             raise BadOption(f"draft {opts.draft!r} is not one of on, off, auto")
+        if opts.kv_device_budget is not None:  # the size's form now; "one block per layer" once loaded
+            from strata.tiers.sizes import parse_size
+
+            parse_size(opts.kv_device_budget, "--kv-device")
         if not 1 <= opts.draft_tokens <= 16:
             raise BadOption(f"--draft-tokens must be in 1..16, not {opts.draft_tokens}")
         return opts
@@ -62,6 +67,12 @@ class Engine:
             from strata.tiers.runtime import install
 
             self.tiers = install(loaded, self.options)
+        self.kv_tier = None
+        if self.options.kv_device_budget is not None:  # after the tiers: they may move attention layers
+            from strata.models import kv_tiers
+
+            self.kv_tier = kv_tiers.install(self.model, self.options.kv_device_budget,
+                                            getattr(torch, self.options.dtype))
         # speculative decoding with the model's MTP head (single requests; batches run without)
         self.drafter = getattr(self.model, "mtp", None)
         if self.options.draft == "on" and self.drafter is None:

@@ -20,13 +20,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="auto", choices=["on", "off", "auto"],
                    help="speculative decoding with the model's MTP layer (auto: on when it has one)")
     p.add_argument("--draft-tokens", type=int, default=2, help="tokens the MTP layer drafts per step")
+    p.add_argument("--kv-device", metavar="SIZE", default=None,
+                   help="tier the attention KV: at most SIZE (e.g. 64M) of KV blocks on the device, "
+                        "the rest in host RAM")
     add_tier_args(p)
 
 
 def engine_options(args) -> dict:
     return dict(ctx_size=args.ctx_size, prefill_chunk=args.prefill_chunk,
                 cpu_threads=args.cpu_threads, dtype=args.dtype, draft=args.draft,
-                draft_tokens=args.draft_tokens, **tier_options(args))
+                draft_tokens=args.draft_tokens, kv_device_budget=getattr(args, "kv_device", None),
+                **tier_options(args))
 
 
 def parser() -> argparse.ArgumentParser:
