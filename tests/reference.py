@@ -6,6 +6,8 @@ norm handling), and every comparison is against transformers' own class.
 
 from __future__ import annotations
 
+import functools
+
 from pathlib import Path
 
 import torch
@@ -80,3 +82,17 @@ def check_merge_and_leave(model, prompts: list[list[int]], inspect=lambda merged
     merged.select(torch.tensor([1]))
     rest, _ = greedy_decode(model, merged, last[1:], 3)
     assert [s[0] for s in rest] == alone[1][3:]
+
+
+@functools.cache
+def cached_hf_greedy(model, ids: tuple[int, ...], n: int) -> list[int]:
+    """transformers' greedy continuation, computed once per (model, prompt, length) in a session."""
+    return hf_greedy(model, list(ids), n)
+
+
+@functools.cache
+def cached_engine(path, **options):
+    """One Strata engine per (path, options) in a session: loading is the slow part of these tests."""
+    import strata
+
+    return strata.load(path, **options)

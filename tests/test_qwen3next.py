@@ -8,7 +8,6 @@ Three files hold the same weights: the safetensors checkpoint, our converter's G
 
 from __future__ import annotations
 
-import functools
 
 import gguf
 import pytest
@@ -16,7 +15,7 @@ import torch
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 import strata
-from reference import check_merge_and_leave, hf_greedy, hf_logits, prompt, randomise, save_hf
+from reference import cached_engine, cached_hf_greedy, check_merge_and_leave, hf_logits, prompt, randomise, save_hf
 from strata.gguf.convert import convert_hf_to_gguf
 from strata.gguf.reader import GGUFFile
 from strata.gguf.source import GGUFSource
@@ -79,14 +78,8 @@ def checkpoint(tmp_path_factory):
     return model, {"safetensors": d / "hf", "gguf": d / "model.gguf", "gguf-split": d / "split.gguf"}
 
 
-@functools.cache
-def _greedy(model, ids: tuple[int, ...], n: int) -> list[int]:
-    return hf_greedy(model, list(ids), n)
-
-
-@functools.cache
-def _engine(path, **options):
-    return strata.load(path, **options)
+_greedy = cached_hf_greedy
+_engine = cached_engine
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

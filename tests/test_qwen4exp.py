@@ -10,7 +10,6 @@ Two files hold the same weights: the safetensors checkpoint and our converter's 
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 
@@ -24,7 +23,7 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import (Qwen4ExpTextRMSNor
                                                               _find_nth_prime_after)
 
 import strata
-from reference import check_merge_and_leave, hf_greedy, hf_logits, prompt, randomise, save_hf
+from reference import cached_engine, cached_hf_greedy, check_merge_and_leave, hf_logits, prompt, randomise, save_hf
 from strata.errors import BadModelFile
 from strata.gguf.convert import convert_hf_to_gguf
 from strata.gguf.reader import GGUFFile
@@ -88,14 +87,8 @@ def checkpoint(tmp_path_factory):
     return model, {"safetensors": d / "hf", "gguf": d / "model.gguf"}
 
 
-@functools.cache
-def _greedy(model, ids: tuple[int, ...], n: int) -> list[int]:
-    return hf_greedy(model, list(ids), n)
-
-
-@functools.cache
-def _engine(path, **options):
-    return strata.load(path, **options)
+_greedy = cached_hf_greedy
+_engine = cached_engine
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

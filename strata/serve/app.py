@@ -148,29 +148,25 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_concurre
             raise p.bad(str(e), param) from None
         return gen, handle
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        gen, handle = await start(request, p.parse_chat, "messages")
-        rid = p.new_id("chatcmpl")
+    async def endpoint(request: Request, parse, param: str, prefix: str, events, respond):
+        """The shape both endpoints share: parse, submit, then stream events or one response."""
+        gen, handle = await start(request, parse, param)
+        rid = p.new_id(prefix)
         if gen.stream:
-            return _EventStream(_chat_events(handle, gen, rid, model_name), handle)
+            return _EventStream(events(handle, gen, rid, model_name), handle)
         text = await _collect(request, handle)
         if text is None:
             return Response(status_code=499)
-        return p.chat_response(rid, model_name, text, handle.finish_reason, handle.prompt_tokens,
-                               handle.completion_tokens)
+        return respond(rid, model_name, text, handle.finish_reason, handle.prompt_tokens, handle.completion_tokens)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await endpoint(request, p.parse_chat, "messages", "chatcmpl", _chat_events, p.chat_response)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        gen, handle = await start(request, p.parse_completion, "prompt")
-        rid = p.new_id("cmpl")
-        if gen.stream:
-            return _EventStream(_completion_events(handle, gen, rid, model_name), handle)
-        text = await _collect(request, handle)
-        if text is None:
-            return Response(status_code=499)
-        return p.completion_response(rid, model_name, text, handle.finish_reason, handle.prompt_tokens,
-                                     handle.completion_tokens)
+        return await endpoint(request, p.parse_completion, "prompt", "cmpl", _completion_events,
+                              p.completion_response)
 
     return app
 
