@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from strata.errors import BadOption
-from strata.models.cache import StepInfo, _pad_seq
+from strata.models.cache import StepInfo
+from strata.models.qsa import concat_rows
 
 DEFAULT_BLOCK = 256
 
@@ -207,12 +208,8 @@ class TieredKVCache:
         keys (causal, and where `allowed` `(B, 1, T, S)` says, as a QSA indexer's choice); returns
         `(B, Hq, T, D)`, zero at padded queries."""
         b, hq, t, d = q.shape
-        self._setup(b, k)
+        self._write_step(k, v, step)
         starts, n_new = step.start.tolist(), step.n_new.tolist()
-        for r, row in enumerate(self.rows):
-            if n_new[r] > 0:
-                self._write(row, k[r, :, :n_new[r]], v[r, :, :n_new[r]], starts[r])
-            row.n = starts[r] + n_new[r]
         needed = []
         for r, row in enumerate(self.rows):
             needed.append(self._needed(row, starts[r], n_new[r], allowed, r, q.device))
@@ -285,17 +282,21 @@ class TieredKVCache:
                 stage(n_staged)  # one staging slot: the next copy waits for this block
         return out.view(h, g, n, d).reshape(hq, n, d).to(q.dtype)
 
-    # ---- the KVCache interface ----------------------------------------------------------------
-    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor, step: StepInfo):
-        """As `KVCache.update_and_fetch`: write, then return every key and value `(B, H, S, D)`,
-        gathered from host memory (outside the device budget; `attend` is the bounded path)."""
-        b, h, t, d = k.shape
-        self._setup(b, k)
+    def _write_step(self, k: torch.Tensor, v: torch.Tensor, step: StepInfo) -> None:
+        """Write each row's real new keys/values `(B, H, T, D)` through to host memory."""
+        self._setup(k.shape[0], k)
         starts, n_new = step.start.tolist(), step.n_new.tolist()
         for r, row in enumerate(self.rows):
             if n_new[r] > 0:
                 self._write(row, k[r, :, :n_new[r]], v[r, :, :n_new[r]], starts[r])
             row.n = starts[r] + n_new[r]
+
+    # ---- the KVCache interface ----------------------------------------------------------------
+    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor, step: StepInfo):
+        """As `KVCache.update_and_fetch`: write, then return every key and value `(B, H, S, D)`,
+        gathered from host memory (outside the device budget; `attend` is the bounded path)."""
+        b, h, t, d = k.shape
+        self._write_step(k, v, step)
         end = int((step.start + t).max())
         keys, values = k.new_zeros(b, h, end, d), v.new_zeros(b, h, end, d)
         for r, row in enumerate(self.rows):
@@ -367,11 +368,7 @@ class TieredQSACache(TieredKVCache):
             return
         mine = self.ik
         super().extend(other)
-        if mine is None:
-            self.ik = other.ik
-            return
-        cap = max(mine.shape[1], other.ik.shape[1])
-        self.ik = torch.cat([_pad_seq(mine[:, None], cap)[:, 0], _pad_seq(other.ik[:, None], cap)[:, 0]])
+        self.ik = concat_rows(mine, other.ik)
 
     @property
     def nbytes(self) -> int:

@@ -68,19 +68,19 @@ class QSACache(KVCache):
             return
         mine = self.ik
         super().extend(other)
-        if mine is None:
-            self.ik = other.ik
-            return
-        cap = max(mine.shape[1], other.ik.shape[1])
-        self.ik = torch.cat([_pad_rows(mine, cap), _pad_rows(other.ik, cap)])
+        self.ik = concat_rows(mine, other.ik)
 
     @property
     def nbytes(self) -> int:
         return super().nbytes + (0 if self.ik is None else self.ik.nbytes)
 
 
-def _pad_rows(t: torch.Tensor, cap: int) -> torch.Tensor:
-    return _pad_seq(t[:, None], cap)[:, 0]
+def concat_rows(mine: torch.Tensor | None, theirs: torch.Tensor) -> torch.Tensor:
+    """Indexer keys `(B, S, D)` of two batches as one, the shorter zero-padded along S."""
+    if mine is None:
+        return theirs
+    cap = max(mine.shape[1], theirs.shape[1])
+    return torch.cat([_pad_seq(mine[:, None], cap)[:, 0], _pad_seq(theirs[:, None], cap)[:, 0]])
 
 
 class QSAIndexer(nn.Module):
