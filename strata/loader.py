@@ -36,7 +36,7 @@ def open_config(path: str | Path):
         source = hf.HFSource(path, getattr(arch, "HF_TENSOR_NAMES", ()),
                              getattr(arch, "sanitize_hf", None), config)
         if hasattr(arch, "config_with_weights"):  # what config.json leaves out (an MTP layer)
-            config = source._config = arch.config_with_weights(config, source.names())
+            config = source.config = arch.config_with_weights(config, source.names())
         return arch, config, source, cfg
     file = GGUFFile(path)
     arch = registry.by_arch(file.arch)

@@ -69,11 +69,12 @@ class HFSource:
         self.path = Path(path)
         self.description = str(path)
         self._files = _shard_files(self.path)
+        # one memory-mapped handle per shard, opened once; tensors are read from them on demand
+        self._handles = {file: safe_open(file, "pt") for file in self._files}
         self._where: dict[str, str] = {}  # HF name -> file
-        for file in self._files:
-            with safe_open(file, "pt") as f:
-                for key in f.keys():
-                    self._where[key] = file
+        for file, f in self._handles.items():
+            for key in f.keys():
+                self._where[key] = file
         table = [(re.compile(p), t) for p, t in list(extra_names) + COMMON_TENSOR_NAMES]
         self._parts: dict[str, list[tuple[int, str]]] = {}  # GGUF name -> [(expert, HF name)]
         self._cat: dict[str, list[tuple[tuple, str]]] = {}  # GGUF name -> [(order, HF name)], joined on axis 0
@@ -95,7 +96,7 @@ class HFSource:
             else:
                 self.unmapped.append(key)
         self._sanitize = sanitize
-        self._config = config
+        self.config = config  # the hyper-parameters `sanitize` needs; the loader may refine it
 
     def names(self) -> list[str]:
         return list(self._parts) + [f"hf:{k}" for k in self.unmapped]
@@ -108,23 +109,21 @@ class HFSource:
             tensors = [self._read(key) for _, key in parts]
             t = torch.stack(tensors) if parts[0][0] >= 0 else tensors[0]
         if self._sanitize is not None:
-            t = self._sanitize(name, t, self._config)
+            t = self._sanitize(name, t, self.config)
         return QTensor.from_float(t)
 
     def info(self, name: str) -> tuple[str, tuple[int, ...], int]:
         """Stored dtype, logical shape and bytes, from the safetensors headers only."""
         parts = self._parts[name]
-        with safe_open(self._where[parts[0][1]], "pt") as f:
-            sl = f.get_slice(parts[0][1])
-            shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+        sl = self._handles[self._where[parts[0][1]]].get_slice(parts[0][1])
+        shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
         size = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1}.get(dtype, 4)
         n = len(parts) if parts[0][0] >= 0 else 1
         full = (n, *shape) if parts[0][0] >= 0 else shape
         if name in self._cat:
             rows = 0
             for file, key in self.locate(name):
-                with safe_open(file, "pt") as f:
-                    rows += f.get_slice(key).get_shape()[0]
+                rows += self._handles[file].get_slice(key).get_shape()[0]
             full = (rows, *shape[1:])
         count = 1
         for d in full:
@@ -132,8 +131,7 @@ class HFSource:
         return dtype, full, count * size
 
     def _read(self, key: str) -> torch.Tensor:
-        with safe_open(self._where[key], "pt") as f:
-            return f.get_tensor(key)
+        return self._handles[self._where[key]].get_tensor(key)
 
     def locate(self, name: str) -> list[tuple[str, str]]:
         """(file, HF name) of each part of a GGUF name, in join order; nothing is read."""

@@ -24,3 +24,17 @@ def decoder_from_hf(cfg: dict, default_eps: float = 1e-5, default_ctx: int = 409
                 head_dim=cfg.get("head_dim") or hidden // n_heads,
                 rms_eps=cfg.get("rms_norm_eps", default_eps),
                 context_length=cfg.get("max_position_embeddings", default_ctx))
+
+
+def gated_deltanet_from_gguf(meta: dict, arch: str) -> dict:
+    """The Gated DeltaNet fields qwen3next and qwen4exp share (llama.cpp's `ssm.*` keys)."""
+    v_heads = meta[f"{arch}.ssm.time_step_rank"]
+    return dict(conv_kernel=meta[f"{arch}.ssm.conv_kernel"], linear_k_heads=meta[f"{arch}.ssm.group_count"],
+                linear_v_heads=v_heads, linear_k_dim=meta[f"{arch}.ssm.state_size"],
+                linear_v_dim=meta[f"{arch}.ssm.inner_size"] // v_heads)
+
+
+def gated_deltanet_from_hf(cfg: dict) -> dict:
+    return dict(conv_kernel=cfg.get("linear_conv_kernel_dim", 4), linear_k_heads=cfg["linear_num_key_heads"],
+                linear_v_heads=cfg["linear_num_value_heads"], linear_k_dim=cfg["linear_key_head_dim"],
+                linear_v_dim=cfg["linear_value_head_dim"])

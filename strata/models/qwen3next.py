@@ -54,6 +54,7 @@ import torch
 from strata.errors import StrataError
 from strata.formats.hf import COMMON_TENSOR_NAMES, L
 from strata.gguf.writer import decoder_metadata
+from strata.models.hparams import decoder_from_gguf, decoder_from_hf, gated_deltanet_from_gguf, gated_deltanet_from_hf
 from strata.models.gated_deltanet import GatedDeltaNet
 from strata.models.layers import Attention, DenseFFN, Experts, RMSNorm, SharedExpert, softmax_topk
 from strata.models.mtp import load_mtp, mtp_prefix
@@ -125,37 +126,25 @@ class Config:
     @classmethod
     def from_gguf(cls, meta: dict) -> "Config":
         a = ARCH
-        hidden = meta[f"{a}.embedding_length"]
-        n_heads = meta[f"{a}.attention.head_count"]
-        head_dim = meta.get(f"{a}.attention.key_length", hidden // n_heads)
+        base = decoder_from_gguf(meta, a, default_eps=1e-6, default_ctx=262144)
         mtp_layers = meta.get(f"{a}.nextn_predict_layers", 0)
-        n_layers = meta[f"{a}.block_count"] - mtp_layers  # llama.cpp counts the MTP block
+        n_layers = base["n_layers"] = base["n_layers"] - mtp_layers  # llama.cpp counts the MTP block
         interval = meta.get(f"{a}.full_attention_interval", 4)
-        v_heads = meta[f"{a}.ssm.time_step_rank"]
-        return cls(vocab_size=meta.get(f"{a}.vocab_size") or len(meta["tokenizer.ggml.tokens"]),
-                   hidden_size=hidden, n_layers=n_layers, n_heads=n_heads,
-                   n_kv_heads=meta.get(f"{a}.attention.head_count_kv", n_heads), head_dim=head_dim,
+        return cls(**base, **gated_deltanet_from_gguf(meta, a),
                    ffn_size=meta.get(f"{a}.feed_forward_length", 0),
                    expert_ffn_size=meta[f"{a}.expert_feed_forward_length"],
                    shared_ffn_size=meta.get(f"{a}.expert_shared_feed_forward_length", 0),
                    n_experts=meta[f"{a}.expert_count"], n_experts_used=meta[f"{a}.expert_used_count"],
                    # llama.cpp always renormalises qwen3next's top-k weights
                    norm_topk_prob=bool(meta.get(f"{a}.expert_weights_norm", True)),
-                   rms_eps=meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
-                   rope=RopeConfig.from_gguf(meta, a, meta.get(f"{a}.rope.dimension_count", head_dim // 4),
+                   rope=RopeConfig.from_gguf(meta, a, meta.get(f"{a}.rope.dimension_count", base["head_dim"] // 4),
                                              interleaved=False),
-                   context_length=meta.get(f"{a}.context_length", 262144),
-                   recurrent=tuple((i + 1) % interval != 0 for i in range(n_layers)),
-                   conv_kernel=meta[f"{a}.ssm.conv_kernel"],
-                   linear_k_heads=meta[f"{a}.ssm.group_count"], linear_v_heads=v_heads,
-                   linear_k_dim=meta[f"{a}.ssm.state_size"],
-                   linear_v_dim=meta[f"{a}.ssm.inner_size"] // v_heads, mtp_layers=mtp_layers)
+                   recurrent=tuple((i + 1) % interval != 0 for i in range(n_layers)), mtp_layers=mtp_layers)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Config":
-        hidden, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or hidden // n_heads
-        n_layers = cfg["num_hidden_layers"]
+        base = decoder_from_hf(cfg, default_eps=1e-6, default_ctx=262144)
+        head_dim, n_layers = base["head_dim"], base["n_layers"]
         types = cfg.get("layer_types")
         if types is None:
             interval = cfg.get("full_attention_interval", 4)
@@ -167,20 +156,13 @@ class Config:
         step = cfg.get("decoder_sparse_step", 1) or 1
         dense = tuple(i for i in range(n_layers)
                       if i in (cfg.get("mlp_only_layers") or []) or not (n_experts > 0 and (i + 1) % step == 0))
-        return cls(vocab_size=cfg["vocab_size"], hidden_size=hidden, n_layers=n_layers, n_heads=n_heads,
-                   n_kv_heads=cfg.get("num_key_value_heads") or n_heads, head_dim=head_dim,
+        return cls(**base, **gated_deltanet_from_hf(cfg),
                    ffn_size=cfg.get("intermediate_size", 0), expert_ffn_size=cfg["moe_intermediate_size"],
                    shared_ffn_size=cfg.get("shared_expert_intermediate_size", 0),
                    n_experts=n_experts, n_experts_used=cfg["num_experts_per_tok"],
                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                   rms_eps=cfg.get("rms_norm_eps", 1e-6),
                    rope=RopeConfig.from_hf(cfg, int(head_dim * partial)),
-                   context_length=cfg.get("max_position_embeddings", 262144),
-                   recurrent=tuple(t == "linear_attention" for t in types),
-                   conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
-                   linear_k_heads=cfg["linear_num_key_heads"], linear_v_heads=cfg["linear_num_value_heads"],
-                   linear_k_dim=cfg["linear_key_head_dim"], linear_v_dim=cfg["linear_value_head_dim"],
-                   dense_layers=dense,
+                   recurrent=tuple(t == "linear_attention" for t in types), dense_layers=dense,
                    # Qwen3-Next's config.json does not say; `config_with_weights` looks at the tensors
                    mtp_layers=min(1, int(cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers") or 0)))
 

@@ -62,6 +62,7 @@ from strata.errors import BadModelFile, StrataError
 from strata.gguf.writer import decoder_metadata
 from strata.models.cache import ModelCache, StepInfo
 from strata.models.gated_deltanet import GatedDeltaNet
+from strata.models.hparams import decoder_from_gguf, decoder_from_hf, gated_deltanet_from_gguf, gated_deltanet_from_hf
 from strata.models.hyper_connections import HyperConnection, grouped_rms_norm
 from strata.models.layers import Experts, SharedExpert, Tap, no_tap, softmax_topk
 from strata.models.ngram_table import TABLE, NgramHash, open_table, padded_rows
@@ -117,9 +118,8 @@ class Config:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Config":
-        hidden, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or hidden // n_heads
-        n_layers = cfg["num_hidden_layers"]
+        base = decoder_from_hf(cfg, default_eps=1e-6, default_ctx=32768)
+        hidden, head_dim, n_layers = base["hidden_size"], base["head_dim"], base["n_layers"]
         types = cfg.get("layer_types") or ["linear_attention" if (i + 1) % cfg.get("full_attention_interval", 4)
                                            else "indexed_attention" for i in range(n_layers)]
         rope_params = cfg.get("rope_parameters") or {}
@@ -134,18 +134,12 @@ class Config:
         ple_hash = NgramHash.from_config(cfg) if ple else None
         row_dim = (cfg.get("ple_embed_dim") or hidden) // ple_hash.n_heads if ple else 0
         expected = padded_rows(ple_hash, cfg.get("make_ngram_vocab_size_divisible_by", 128)) if ple else None
-        return cls(vocab_size=cfg["vocab_size"], hidden_size=hidden, n_layers=n_layers, n_heads=n_heads,
-                   n_kv_heads=cfg.get("num_key_value_heads") or n_heads, head_dim=head_dim,
-                   expert_ffn_size=cfg["moe_intermediate_size"],
+        return cls(**base, **gated_deltanet_from_hf(cfg), expert_ffn_size=cfg["moe_intermediate_size"],
                    shared_ffn_size=cfg.get("shared_expert_intermediate_size", 0),
                    n_experts=cfg["num_experts"], n_experts_used=cfg["num_experts_per_tok"],
-                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), rms_eps=cfg.get("rms_norm_eps", 1e-6),
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
                    rope=RopeConfig.from_hf(cfg, int(head_dim * partial)),
-                   rope_sections=tuple((sections + [0, 0, 0, 0])[:4]),
-                   context_length=cfg.get("max_position_embeddings", 32768), recurrent=recurrent,
-                   conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
-                   linear_k_heads=cfg["linear_num_key_heads"], linear_v_heads=cfg["linear_num_value_heads"],
-                   linear_k_dim=cfg["linear_key_head_dim"], linear_v_dim=cfg["linear_value_head_dim"],
+                   rope_sections=tuple((sections + [0, 0, 0, 0])[:4]), recurrent=recurrent,
                    gate_act=cfg.get("output_gate_type") or cfg.get("hidden_act", "silu"),
                    hc_count=cfg.get("hc_count", 4), hc_rank=cfg.get("hc_lowrank", 320),
                    indexer_heads=cfg.get("indexer_n_heads") or 0, indexer_dim=cfg.get("indexer_head_dim") or 0,
@@ -157,11 +151,9 @@ class Config:
     @classmethod
     def from_gguf(cls, meta: dict) -> "Config":
         a = ARCH
+        base = decoder_from_gguf(meta, a, default_eps=1e-6, default_ctx=32768)
         nextn = meta.get(f"{a}.nextn_predict_layers", 0)
-        n_layers = meta[f"{a}.block_count"] - nextn
-        hidden = meta[f"{a}.embedding_length"]
-        n_heads = meta[f"{a}.attention.head_count"]
-        head_dim = meta.get(f"{a}.attention.key_length", hidden // n_heads)
+        n_layers = base["n_layers"] = base["n_layers"] - nextn  # llama.cpp counts the MTP block
         if f"{a}.attention.recurrent_layers" in meta:
             recurrent = tuple(bool(x) for x in meta[f"{a}.attention.recurrent_layers"][:n_layers])
         else:
@@ -171,26 +163,17 @@ class Config:
         ratios = list(ratios) if isinstance(ratios, list) else [ratios] * n_layers
         ratios = tuple(0 if recurrent[i] else int(ratios[i]) for i in range(n_layers))
         indexed = any(ratios)
-        v_heads = meta[f"{a}.ssm.time_step_rank"]
         ple = tuple(int(i) for i in meta.get(f"{a}.ple.layers", []))
         if len(ple) > 1:
             raise BadModelFile(f"{a}.ple.layers lists {len(ple)} layers, but only one PLE layer is supported")
-        return cls(vocab_size=meta.get(f"{a}.vocab_size") or len(meta["tokenizer.ggml.tokens"]),
-                   hidden_size=hidden, n_layers=n_layers, n_heads=n_heads,
-                   n_kv_heads=meta.get(f"{a}.attention.head_count_kv", n_heads), head_dim=head_dim,
-                   expert_ffn_size=meta[f"{a}.expert_feed_forward_length"],
+        return cls(**base, **gated_deltanet_from_gguf(meta, a), expert_ffn_size=meta[f"{a}.expert_feed_forward_length"],
                    shared_ffn_size=meta.get(f"{a}.expert_shared_feed_forward_length", 0),
                    n_experts=meta[f"{a}.expert_count"], n_experts_used=meta[f"{a}.expert_used_count"],
                    norm_topk_prob=bool(meta.get(f"{a}.expert_weights_norm", True)),
-                   rms_eps=meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
-                   rope=RopeConfig.from_gguf(meta, a, meta.get(f"{a}.rope.dimension_count", head_dim),
+                   rope=RopeConfig.from_gguf(meta, a, meta.get(f"{a}.rope.dimension_count", base["head_dim"]),
                                              interleaved=False),
                    rope_sections=tuple(meta.get(f"{a}.rope.dimension_sections", [11, 11, 10, 0])),
-                   context_length=meta.get(f"{a}.context_length", 32768), recurrent=recurrent,
-                   conv_kernel=meta[f"{a}.ssm.conv_kernel"], linear_k_heads=meta[f"{a}.ssm.group_count"],
-                   linear_v_heads=v_heads, linear_k_dim=meta[f"{a}.ssm.state_size"],
-                   linear_v_dim=meta[f"{a}.ssm.inner_size"] // v_heads,
-                   gate_act=meta.get(f"{a}.ssm.output_gate_type", "sigmoid"),
+                   recurrent=recurrent, gate_act=meta.get(f"{a}.ssm.output_gate_type", "sigmoid"),
                    hc_count=meta[f"{a}.hyper_connection.count"], hc_rank=meta[f"{a}.hyper_connection.low_rank"],
                    indexer_heads=meta[f"{a}.attention.indexer.head_count"] if indexed else 0,
                    indexer_dim=meta[f"{a}.attention.indexer.key_length"] if indexed else 0,

@@ -24,7 +24,6 @@ class TQ1_0(QuantType):
     ggml_type = T.TQ1_0
 
     def dequantize_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
-        n = blocks.shape[0]
         n_qs = (QK_K - 4 * QK_K // 64) // 5  # 48 bytes of 5 trits each
         qs = blocks[:, :n_qs]  # [n, 48]
         qh = blocks[:, n_qs : n_qs + QK_K // 64]  # [n, 4]: 4 trits each

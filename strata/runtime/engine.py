@@ -11,7 +11,7 @@ import torch
 
 from strata.errors import BadOption, StrataError
 from strata.loader import load_model
-from strata.runtime.generate import Response, generate_step, prefill, stream_generate
+from strata.runtime.generate import Response, generate_step, stream_generate
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.speculative import DraftStats, speculative_steps
 from strata.tiers.options import TierOptions, tiers_requested
