@@ -1,0 +1,173 @@
+"""Triton kernels over ggml blocks: `x @ W.T`, and SwiGLU experts for many (token, expert) pairs.
+
+Every kernel reduces rows of W against one row of x with `_dot_rows`, which walks the row in
+BK-value steps, decodes a (BN, BK) tile of weights in registers (`decode`) and never writes
+floats back: an expert is read once, in its stored size. One program computes BN outputs of
+one row of x; a small batch re-reads W from L2, which is what decode-sized batches want.
+
+The grouped expert product takes the pairs' weights where they already are (cache slots, or
+stacked experts on the device): per projection a base uint8 tensor plus one byte offset per
+pair. One launch computes silu(gate x) * (up x) for every pair, a second one the down product
+scaled by the pair's router weight; the caller sums pairs into tokens.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from strata import quant
+from strata.kernels.gpu.decode import decode
+from strata.quant import iquants, mxfp4
+
+BK = 256  # weight values decoded per step: one k-/i-quant super-block, eight 32-value blocks
+
+
+def block_rows() -> int:
+    """Output rows per program: 16 on a GPU; 128 under the interpreter, which runs one program
+    at a time in Python, so fewer, larger programs finish sooner."""
+    return 128 if os.environ.get("TRITON_INTERPRET") == "1" else 16
+
+
+@triton.jit
+def _dot_rows(x_row, w_rows, K, grid, signs, vals,
+              QTYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """float32 (BN,): each of BN weight rows (pointers w_rows, (BN, 1)) dotted with x_row (K values)."""
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        inside = k < K
+        k = tl.minimum(k, K - 1)  # past the end: decode a real value, multiply it by 0
+        xv = tl.load(x_row + k, mask=inside, other=0.0).to(tl.float32)
+        w = decode(w_rows + (k // QK * TS)[None, :], (k % QK)[None, :], grid, signs, vals, QTYPE)  # (BN, BK)
+        acc += tl.sum(tl.where(inside[None, :], w * xv[None, :], 0.0), axis=1)
+    return acc
+
+
+@triton.jit
+def _row_pointers(base, n0, N, row_bytes, BN: tl.constexpr):
+    """(BN, 1) pointers to rows n0.. of a weight; rows past N repeat the last one (stores are masked)."""
+    rows = tl.minimum(n0 + tl.arange(0, BN), N - 1)
+    return base + rows.to(tl.int64)[:, None] * row_bytes
+
+
+@triton.jit
+def _qmv_kernel(x, w, out, tables, N, K, row_bytes, x_stride, out_stride,
+                QTYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """out[b, n] = (W x_b)[n] for this program's row b of x and BN rows n of W."""
+    n0 = tl.program_id(0) * BN
+    b = tl.program_id(1).to(tl.int64)
+    w_rows = _row_pointers(w, n0, N, row_bytes, BN)
+    acc = _dot_rows(x + b * x_stride, w_rows, K, tables, tables + 4096, tables + 6144, QTYPE, QK, TS, BN, BK)
+    rows = n0 + tl.arange(0, BN)
+    tl.store(out + b * out_stride + rows, acc, mask=rows < N)
+
+
+@triton.jit
+def _gate_up_kernel(x, tok, gate, gate_off, up, up_off, h, g_tables, u_tables, F, H, g_row_bytes, u_row_bytes,
+                    x_stride, GT: tl.constexpr, G_QK: tl.constexpr, G_TS: tl.constexpr,
+                    UT: tl.constexpr, U_QK: tl.constexpr, U_TS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """h[p, n] = silu(gate_p x_t) * (up_p x_t) for pair p = (token t, expert), n in this program's rows."""
+    p = tl.program_id(0).to(tl.int64)
+    n0 = tl.program_id(1) * BN
+    x_row = x + tl.load(tok + p) * x_stride
+    g_rows = _row_pointers(gate + tl.load(gate_off + p), n0, F, g_row_bytes, BN)
+    u_rows = _row_pointers(up + tl.load(up_off + p), n0, F, u_row_bytes, BN)
+    g = _dot_rows(x_row, g_rows, H, g_tables, g_tables + 4096, g_tables + 6144, GT, G_QK, G_TS, BN, BK)
+    u = _dot_rows(x_row, u_rows, H, u_tables, u_tables + 4096, u_tables + 6144, UT, U_QK, U_TS, BN, BK)
+    rows = n0 + tl.arange(0, BN)
+    tl.store(h + p * F + rows, g / (1.0 + tl.exp(-g)) * u, mask=rows < F)
+
+
+@triton.jit
+def _down_kernel(h, down, down_off, scale, y, tables, F, H, row_bytes,
+                 QTYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y[p, n] = scale[p] * (down_p h_p)[n]."""
+    p = tl.program_id(0).to(tl.int64)
+    n0 = tl.program_id(1) * BN
+    rows_ptr = _row_pointers(down + tl.load(down_off + p), n0, H, row_bytes, BN)
+    acc = _dot_rows(h + p * F, rows_ptr, F, tables, tables + 4096, tables + 6144, QTYPE, QK, TS, BN, BK)
+    rows = n0 + tl.arange(0, BN)
+    tl.store(y + p * H + rows, acc * tl.load(scale + p), mask=rows < H)
+
+
+# ------------------------------------------------------------------------------ lookup tables
+
+_GRIDS = ("IQ2_XXS", "IQ2_XS", "IQ3_XXS")
+_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def tables(qtype, device: torch.device) -> torch.Tensor:
+    """One float32 buffer per (type, device): grid at 0, sign patterns at 4096, values at 6144.
+
+    The biggest grid (IQ2_XS, 512 x 8) fills the first 4096 entries; the 128 x 8 sign table
+    fits below 6144; the 16 IQ4 or E2M1 values follow. Uploaded once.
+    """
+    q = quant.get(qtype)
+    key = (int(q.ggml_type), device)
+    buf = _TABLES.get(key)
+    if buf is None:
+        buf = torch.zeros(6144 + 16, dtype=torch.float32)
+        if q.name in _GRIDS:
+            g = iquants._grid(q.name, torch.device("cpu")).reshape(-1)
+            buf[:g.numel()] = g
+            buf[4096:4096 + 1024] = iquants._ksigns(torch.device("cpu")).reshape(-1)
+        elif q.name in ("IQ4_NL", "IQ4_XS"):
+            buf[6144:] = iquants._iq4_values(torch.device("cpu"))
+        elif q.name == "MXFP4":
+            buf[6144:] = mxfp4._e2m1(torch.device("cpu"))
+        buf = _TABLES[key] = buf.to(device)
+    return buf
+
+
+def _type_args(qtype) -> tuple[int, int, int]:
+    q = quant.get(qtype)
+    return int(q.ggml_type), q.block_size, q.type_size
+
+
+# ------------------------------------------------------------------------------ launchers
+
+
+def qmatmul(x: torch.Tensor, raw: torch.Tensor, qtype, shape: tuple[int, int], bn: int | None = None) -> torch.Tensor:
+    """float32 (B, N) = x (B, K) @ W.T, W (N, K) stored as ggml blocks in uint8 `raw` (N rows)."""
+    n, k = shape
+    bn = bn or block_rows()
+    qt, qk, ts = _type_args(qtype)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    if x.shape[0] == 0 or n == 0:
+        return out
+    _qmv_kernel[(triton.cdiv(n, bn), x.shape[0])](
+        x, raw, out, tables(qtype, x.device), n, k, k // qk * ts, x.stride(0), out.stride(0),
+        QTYPE=qt, QK=qk, TS=ts, BN=bn, BK=BK)
+    return out
+
+
+def grouped_swiglu(x: torch.Tensor, tok: torch.Tensor, scale: torch.Tensor, sources, parts,
+                   bn: int | None = None) -> torch.Tensor:
+    """float32 (P, H): pair p's expert applied to x[tok[p]], times scale[p].
+
+    sources: per projection (gate, up, down) a (uint8 base tensor, int64 (P,) byte offsets);
+    parts: the layer's three `Part`s (type and [out, in] shape of one expert's projection).
+    """
+    (gate, g_off), (up, u_off), (down, d_off) = sources
+    f, hidden = parts[0].shape
+    bn = bn or block_rows()
+    n_pairs = tok.shape[0]
+    x = x.contiguous()
+    h = torch.empty(n_pairs, f, dtype=torch.float32, device=x.device)
+    y = torch.empty(n_pairs, hidden, dtype=torch.float32, device=x.device)
+    if n_pairs == 0:
+        return y
+    (gt, gqk, gts), (ut, uqk, uts), (dt, dqk, dts) = (_type_args(p.qtype) for p in parts)
+    _gate_up_kernel[(n_pairs, triton.cdiv(f, bn))](
+        x, tok, gate, g_off, up, u_off, h, tables(gt, x.device), tables(ut, x.device), f, hidden,
+        hidden // gqk * gts, hidden // uqk * uts, x.stride(0),
+        GT=gt, G_QK=gqk, G_TS=gts, UT=ut, U_QK=uqk, U_TS=uts, BN=bn, BK=BK)
+    _down_kernel[(n_pairs, triton.cdiv(hidden, bn))](
+        h, down, d_off, scale.to(torch.float32).contiguous(), y, tables(dt, x.device), f, hidden,
+        f // dqk * dts, QTYPE=dt, QK=dqk, TS=dts, BN=bn, BK=BK)
+    return y

@@ -1,0 +1,181 @@
+"""The Triton kernels against the torch reference (dequantize, then matmul; itself bit-exact
+against gguf-py), and the tiers' device path through them.
+
+Without CUDA the kernels run under Triton's interpreter on CPU tensors: TRITON_INTERPRET=1 is
+set for this module before `strata.kernels.gpu` first imports its kernels (the interpreter
+replaces them at decoration), and restored after. With CUDA the same tests run compiled on
+the device. Shapes are tiny because the interpreter runs each program in Python.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+import strata
+from strata import quant
+from strata.kernels import gpu
+from strata.models.layers import run_experts
+from strata.models.weights import QTensor
+from strata.synth import random_blocks
+from strata.tiers.store import expert_format
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+REQUIRED = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", "MXFP4", "IQ2_XXS", "IQ2_XS", "IQ3_XXS")
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DEMO = Path(strata.__file__).parent / "demo" / "strata-demo.gguf"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_mode():
+    """The interpreter where there is no GPU; the kernel module must not be compiled-mode already."""
+    before = os.environ.get("TRITON_INTERPRET")
+    if not CUDA:
+        os.environ["TRITON_INTERPRET"] = "1"
+        from strata.kernels.gpu import kernels
+
+        if not isinstance(kernels._qmv_kernel, __import__("triton").runtime.interpreter.InterpretedFunction):
+            pytest.fail("strata.kernels.gpu.kernels was imported without TRITON_INTERPRET before this module")
+    yield
+    if before is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = before
+
+
+def random_qtensor(qtype, shape, seed: int) -> QTensor:
+    """Valid random blocks (synth's generator), scales of both signs for the f16-scaled types."""
+    q = quant.get(qtype)
+    rng = np.random.default_rng(seed)
+    blocks = random_blocks(qtype, int(np.prod(shape)) // q.block_size, rng)
+    if qtype in (T.Q8_0, T.Q6_K, T.IQ4_XS, T.IQ2_XXS, T.IQ2_XS, T.IQ3_XXS):  # d at byte 0 or 208
+        at = 208 if qtype == T.Q6_K else 0
+        blocks[rng.random(len(blocks)) < 0.5, at + 1] ^= 0x80  # flip the sign bit of half the scales
+    return QTensor(torch.from_numpy(blocks.reshape(*shape[:-1], -1).copy()).to(DEVICE), qtype, tuple(shape))
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
+
+
+def test_required_types_have_kernels():
+    assert set(REQUIRED) <= {t.name for t in gpu.KERNEL_TYPES}
+    assert not gpu.has_kernel(T.IQ1_S)
+
+
+@pytest.mark.parametrize("qtype", [t.name for t in gpu.KERNEL_TYPES])
+def test_qmatmul_matches_reference(qtype):
+    from strata.kernels.gpu import kernels
+
+    qt = T[qtype]
+    cols = 2 * 256 if quant.get(qt).block_size == 256 else 7 * 32  # several blocks; a ragged last step
+    for rows, batch, bn, seed in ((5, 1, 16, 1), (37, 1, 16, 2), (37, 3, None, 3)):  # odd rows, tile edges
+        w = random_qtensor(qt, (rows, cols), seed)
+        x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        ref = x @ w.dequantize().T
+        got = kernels.qmatmul(x, w.raw, qt, w.shape, bn=bn)
+        assert got.shape == (batch, rows)
+        assert rel_err(got, ref) < 1e-3, (qtype, rows, batch)
+
+
+def test_qmatmul_picks_triton_or_reference(monkeypatch):
+    w = random_qtensor(T.Q4_K, (7, 256), 4)
+    x = torch.randn(2, 3, 256, device=DEVICE)  # any leading shape
+    ref = gpu.qmatmul_reference(x, w)
+    assert gpu.applies(x, T.Q4_K)
+    assert rel_err(gpu.qmatmul(x, w), ref) < 1e-3 and gpu.qmatmul(x, w).shape == (2, 3, 7)
+    assert gpu.qmatmul(x.bfloat16(), w).dtype == torch.bfloat16
+    big = torch.randn(gpu.MAX_ROWS + 1, 256, device=DEVICE)  # prefill-sized: dequantize + matmul wins
+    assert not gpu.applies(big, T.Q4_K)
+    assert torch.equal(gpu.qmatmul(big, w), gpu.qmatmul_reference(big, w))
+    assert not gpu.applies(x, T.IQ1_S)  # no decoder: the reference
+    if not CUDA:
+        monkeypatch.delenv("TRITON_INTERPRET")
+        assert not gpu.applies(x, T.Q4_K)  # CPU tensors without the interpreter: the reference
+    with pytest.raises(ValueError, match="cannot multiply"):
+        gpu.qmatmul_triton(torch.randn(1, 128, device=DEVICE), w)
+
+
+def stacked_experts(qtypes, n_experts: int, hidden: int, ffn: int, seed: int):
+    """(gate, up, down) QTensors `[E, out, in]` of the given types."""
+    shapes = ((n_experts, ffn, hidden), (n_experts, ffn, hidden), (n_experts, hidden, ffn))
+    return tuple(random_qtensor(t, s, seed + i) for i, (t, s) in enumerate(zip(qtypes, shapes)))
+
+
+def in_slots(stacked, fmt):
+    """Experts copied into cache-like slots, one flat uint8 row each; parts(e) views slot e."""
+    slots = torch.empty(stacked[0].shape[0], fmt.nbytes, dtype=torch.uint8, device=DEVICE)
+    for e in range(slots.shape[0]):
+        for view, q in zip(fmt.split(slots[e]), stacked):
+            view.copy_(q.raw[e].reshape(-1))
+    return lambda e: fmt.split(slots[e])
+
+
+@pytest.mark.parametrize("qtypes, ffn, layout", [
+    ((T.Q4_K, T.Q4_K, T.Q6_K), 256, "slots"),  # Q4_K_M's expert mix
+    ((T.IQ2_XXS, T.IQ3_XXS, T.Q8_0), 96, "stacked"),
+    ((T.MXFP4, T.MXFP4, T.MXFP4), 64, "slots"),
+], ids=["q4_k-q6_k", "iq2_xxs-iq3_xxs-q8_0", "mxfp4"])
+def test_grouped_product_matches_reference_moe(qtypes, ffn, layout):
+    n_experts, hidden = 6, 256
+    stacked = stacked_experts(qtypes, n_experts, hidden, ffn, seed=10)
+    fmt = expert_format(stacked)
+    parts = in_slots(stacked, fmt) if layout == "slots" else (lambda e: tuple(q.raw[e] for q in stacked))
+    x = torch.randn(3, hidden, device=DEVICE)
+    ids = torch.tensor([[0, 2], [2, 5], [1, 3]], device=DEVICE)  # expert 2 serves two tokens
+    weights = torch.rand(3, 2, device=DEVICE)
+    experts = {0, 2, 3, 5}  # expert 1 is elsewhere (a CPU miss): not in this product
+    dense = [tuple(q.dequantize()[e] for q in stacked) for e in range(n_experts)]
+    ref = run_experts(x, ids, weights, lambda e: dense[e], experts)
+    got = gpu.expert_product(x, ids, weights, experts, fmt, parts)
+    assert rel_err(got, ref) < 1e-3
+    assert got[2].abs().max() > 0  # token 2 still gets expert 3
+
+
+def test_expert_pairs_are_grouped_by_expert():
+    ids = torch.tensor([[4, 1], [1, 7], [4, 0]])
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.9, 0.1]])
+    tok, expert, w = gpu.expert_pairs(ids, weights, {1, 4})
+    assert expert.tolist() == [1, 1, 4, 4]
+    assert tok.tolist() == [0, 1, 0, 2] and w.tolist() == pytest.approx([0.4, 0.7, 0.6, 0.9])
+
+
+def test_tiers_device_path_runs_the_grouped_kernels(monkeypatch):
+    """The whole model through the executor: hits computed by Triton from the cache's slots."""
+    torch.manual_seed(0)
+    calls = []
+    product = gpu.expert_product
+
+    def counting(x, *args):
+        calls.append(x.shape[0])
+        return product(x, *args)
+
+    monkeypatch.setattr(gpu, "expert_product", counting)
+    ids = [318, 288, 727]
+    ref = strata.load(DEMO).logits(ids)
+    engine = strata.load(DEMO, experts_cache="100%", cpu_threads=1)
+    got = engine.logits(ids)
+    engine.close()
+    assert calls, "the device path did not use the Triton kernels"
+    assert rel_err(got, ref) < 1e-4
+    assert got[..., -1, :].argmax() == ref[..., -1, :].argmax()
+
+
+@pytest.mark.skipif(CUDA, reason="compiled on the device by the other tests")
+def test_kernels_compile_for_h200():
+    """Compile to an sm_90 cubin with Triton's own ptxas: what the interpreter cannot check."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-W", "ignore", "-m", "strata.kernels.gpu.compile_check",
+                           "--types", "IQ2_XS"], check=False, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("registers") == 3 and "local 0 B" in done.stdout
