@@ -31,6 +31,7 @@ __all__ = [
     "available",
     "expert_forward",
     "expert_forward_reference",
+    "fast_ok",
     "has_kernel",
     "kernel_types",
     "qmatmul",
@@ -129,7 +130,8 @@ def qmatmul_reference(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     return F.linear(x, w.dequantize(x.dtype))
 
 
-def _fast_ok(x: torch.Tensor, *ws: QTensor) -> bool:
+def fast_ok(x: torch.Tensor, *ws: QTensor) -> bool:
+    """Whether `qmatmul_fast` applies: CPU tensors, at most FAST_BATCH_MAX rows, kernels for ws."""
     if x.device.type != "cpu" or x.numel() // max(x.shape[-1], 1) > FAST_BATCH_MAX:
         return False
     return all(w.raw.device.type == "cpu" and has_kernel(w.qtype) for w in ws)
@@ -137,7 +139,7 @@ def _fast_ok(x: torch.Tensor, *ws: QTensor) -> bool:
 
 def qmatmul(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torch.Tensor:
     """`x @ w.T` in x's dtype: the fast kernel when one applies, else the reference."""
-    if _fast_ok(x, w):
+    if fast_ok(x, w):
         return qmatmul_fast(x, w, threads).to(x.dtype)
     return qmatmul_reference(x, w)
 
@@ -149,7 +151,7 @@ def expert_forward(x: torch.Tensor, gate_q: QTensor, up_q: QTensor, down_q: QTen
     Each of the three products uses the compiled kernel when its type has one and x is a small
     CPU batch; when none applies this is exactly `expert_forward_reference`.
     """
-    fast = [_fast_ok(x, w) for w in (gate_q, up_q, down_q)]
+    fast = [fast_ok(x, w) for w in (gate_q, up_q, down_q)]
     if not any(fast):
         return expert_forward_reference(x, gate_q, up_q, down_q)
 

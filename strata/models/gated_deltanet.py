@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.models.cache import StepInfo
+from strata.models.linear import apply_linear
 from strata.models.weights import WeightLoader
 
 
@@ -141,11 +142,11 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         p = prefix
         if w.has(f"{p}.attn_qkv.weight"):
-            self.wqkv = w.dense(f"{p}.attn_qkv.weight", (self.conv_dim, hidden))
-            self.wz = w.dense(f"{p}.attn_gate.weight", (self.value_dim, hidden))
+            self.wqkv = w.linear(f"{p}.attn_qkv.weight", (self.conv_dim, hidden))
+            self.wz = w.linear(f"{p}.attn_gate.weight", (self.value_dim, hidden))
         else:  # legacy GGUF / HF checkpoints: one fused projection, grouped per key head
-            fused = w.dense(f"{p}.ssm_in.weight", (self.conv_dim + self.value_dim, hidden))
-            self.wqkv, self.wz = split_ssm_in(fused, n_k_heads, n_v_heads, dk, dv)
+            fused = w.linear(f"{p}.ssm_in.weight", (self.conv_dim + self.value_dim, hidden))
+            self.wqkv, self.wz = fused.split_rows(lambda rows: split_ssm_in(rows, n_k_heads, n_v_heads, dk, dv))
         r = n_v_heads // n_k_heads
         if w.has(f"{p}.ssm_beta.weight"):  # Qwen3.5 layout: two tensors, value-head order
             self.wb = w.dense(f"{p}.ssm_beta.weight", (n_v_heads, hidden))
@@ -158,7 +159,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = w.dense(f"{p}.ssm_dt.bias", (n_v_heads,)).float()
         self.a = w.dense(f"{p}.ssm_a", (n_v_heads,)).float()  # -exp(A_log)
         self.norm = w.dense(f"{p}.ssm_norm.weight", (dv,))
-        self.wo = w.dense(f"{p}.ssm_out.weight", (hidden, self.value_dim))
+        self.wo = w.linear(f"{p}.ssm_out.weight", (hidden, self.value_dim))
 
     def new_cache(self) -> GDNCache:
         return GDNCache()
@@ -167,7 +168,7 @@ class GatedDeltaNet(nn.Module):
         b, t, _ = x.shape
         cache.ensure(b, self.kernel, self.conv_dim, self.nv, self.dk, self.dv, x.dtype, x.device)
         real = step.token_mask.to(x.device)  # (B, T)
-        qkv = F.silu(self._conv(F.linear(x, self.wqkv), cache, step.n_new.to(x.device)))
+        qkv = F.silu(self._conv(apply_linear(x, self.wqkv), cache, step.n_new.to(x.device)))
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(b, t, self.nk, self.dk)
         k = k.reshape(b, t, self.nk, self.dk)
@@ -180,11 +181,11 @@ class GatedDeltaNet(nn.Module):
         out, cache.state = gated_delta_rule(q, k, v, g, beta, start, self.chunk, recurrent=cache.tracking)
         if cache.tracking:
             cache.pending = _Undo(start, q, k, v, g, beta, cache.window, step.n_new.to(x.device))
-        z = F.linear(x, self.wz).reshape(b, t, self.nv, self.dv)
+        z = apply_linear(x, self.wz).reshape(b, t, self.nv, self.dv)
         out = gated_rms_norm(out.to(x.dtype), z, self.norm, self.eps, self.gate_act)
         if tap is not None:
             tap("final_output", out)  # llama.cpp's name: gated-normed, before ssm_out
-        return F.linear(out.reshape(b, t, self.value_dim), self.wo)
+        return apply_linear(out.reshape(b, t, self.value_dim), self.wo)
 
     def _conv(self, x: torch.Tensor, cache: GDNCache, n_new: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv of (B, T, C) over [conv state, x]; keeps each row's last K-1

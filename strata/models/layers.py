@@ -51,13 +51,14 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
         self.gated = gated
         q_rows = n_heads * head_dim * (2 if gated else 1)
-        self.wq = w.dense(f"{prefix}.attn_q.weight", (q_rows, hidden))
-        self.wk = w.dense(f"{prefix}.attn_k.weight", (n_kv * head_dim, hidden))
-        self.wv = w.dense(f"{prefix}.attn_v.weight", (n_kv * head_dim, hidden))
-        self.wo = w.dense(f"{prefix}.attn_output.weight", (hidden, n_heads * head_dim))
-        self.bq = w.optional(f"{prefix}.attn_q.bias", (q_rows,)) if bias else None
-        self.bk = w.optional(f"{prefix}.attn_k.bias", (n_kv * head_dim,)) if bias else None
-        self.bv = w.optional(f"{prefix}.attn_v.bias", (n_kv * head_dim,)) if bias else None
+
+        def proj(name: str, rows: int, cols: int, with_bias: bool = False):
+            return w.linear(f"{prefix}.{name}.weight", (rows, cols), f"{prefix}.{name}.bias" if with_bias else None)
+
+        self.wq = proj("attn_q", q_rows, hidden, bias)
+        self.wk = proj("attn_k", n_kv * head_dim, hidden, bias)
+        self.wv = proj("attn_v", n_kv * head_dim, hidden, bias)
+        self.wo = proj("attn_output", hidden, n_heads * head_dim)
         self.q_norm = RMSNorm(w.dense(f"{prefix}.attn_q_norm.weight", (head_dim,)), eps) if qk_norm else None
         self.k_norm = RMSNorm(w.dense(f"{prefix}.attn_k_norm.weight", (head_dim,)), eps) if qk_norm else None
         self.rope = rope
@@ -73,14 +74,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cache: KVCache, step: StepInfo, rope_cs, tap: Tap = no_tap):
         b, t, _ = x.shape
-        q = F.linear(x, self.wq, self.bq)
+        q = self.wq(x)
         gate = None
         if self.gated:  # per head: [query | gate]
             q, gate = q.view(b, t, self.n_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
             gate = gate.reshape(b, t, self.n_heads * self.head_dim)
         q = q.reshape(b, t, self.n_heads, self.head_dim)  # (B, T, H, D)
-        k = F.linear(x, self.wk, self.bk).view(b, t, self.n_kv, self.head_dim)
-        v = F.linear(x, self.wv, self.bv).view(b, t, self.n_kv, self.head_dim)
+        k = self.wk(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.wv(x).view(b, t, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope.apply(q, *rope_cs), self.rope.apply(k, *rope_cs)
@@ -97,7 +98,7 @@ class Attention(nn.Module):
         if gate is not None:
             out = out * torch.sigmoid(gate)
         tap("kqv_out", out)
-        return F.linear(out, self.wo)
+        return self.wo(out)
 
 
 class DenseFFN(nn.Module):
@@ -105,12 +106,12 @@ class DenseFFN(nn.Module):
 
     def __init__(self, w: WeightLoader, prefix: str, hidden: int, ffn: int, suffix: str = ""):
         super().__init__()
-        self.gate = w.dense(f"{prefix}.ffn_gate{suffix}.weight", (ffn, hidden))
-        self.up = w.dense(f"{prefix}.ffn_up{suffix}.weight", (ffn, hidden))
-        self.down = w.dense(f"{prefix}.ffn_down{suffix}.weight", (hidden, ffn))
+        self.gate = w.linear(f"{prefix}.ffn_gate{suffix}.weight", (ffn, hidden))
+        self.up = w.linear(f"{prefix}.ffn_up{suffix}.weight", (ffn, hidden))
+        self.down = w.linear(f"{prefix}.ffn_down{suffix}.weight", (hidden, ffn))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+        return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class SharedExpert(nn.Module):

@@ -91,8 +91,8 @@ class QSAIndexer(nn.Module):
             raise ValueError(f"the indexer budget {budget} is not a multiple of its block size {ratio}")
         self.n_heads, self.dim, self.ratio = n_heads, dim, ratio
         self.top_blocks = budget // ratio
-        self.wq = w.dense(f"{prefix}.indexer.q_proj.weight", (n_heads * dim, hidden))
-        self.wk = w.dense(f"{prefix}.indexer.k_proj.weight", (dim, hidden))
+        self.wq = w.linear(f"{prefix}.indexer.q_proj.weight", (n_heads * dim, hidden))
+        self.wk = w.linear(f"{prefix}.indexer.k_proj.weight", (dim, hidden))
         self.q_norm = RMSNorm(w.dense(f"{prefix}.indexer.q_norm.weight", (dim,)), eps)
         self.k_norm = RMSNorm(w.dense(f"{prefix}.indexer.k_norm.weight", (dim,)), eps)
         self.rope = rope
@@ -100,12 +100,12 @@ class QSAIndexer(nn.Module):
     def forward(self, x: torch.Tensor, cache: QSACache, step: StepInfo, rope_cs) -> torch.Tensor | None:
         """(B, 1, T, S) keys each query may attend to (before the causal mask), or None for all."""
         b, t, _ = x.shape
-        keys = cache.update_index_keys(F.linear(x, self.wk), step)  # raw: (B, S, d)
+        keys = cache.update_index_keys(self.wk(x), step)  # raw: (B, S, d)
         positions = step.positions.to(x.device)
         complete = (positions + 1) // self.ratio  # (B, T) complete blocks each query sees
         if not bool((complete > self.top_blocks).any()):
             return None  # within budget everywhere: dense
-        q = self.q_norm(F.linear(x, self.wq).view(b, t, self.n_heads, self.dim))
+        q = self.q_norm(self.wq(x).view(b, t, self.n_heads, self.dim))
         q = self.rope.apply(q, *rope_cs)
         n_blocks = int(complete.max())
         r = self.ratio
@@ -149,10 +149,10 @@ class QSAAttention(Attention):
 
     def forward(self, x, cache: QSACache, step: StepInfo, rope_cs, tap: Tap = no_tap):
         b, t, _ = x.shape
-        q, gate = F.linear(x, self.wq).view(b, t, self.n_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+        q, gate = self.wq(x).view(b, t, self.n_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
         gate = gate.reshape(b, t, self.n_heads * self.head_dim)
-        k = F.linear(x, self.wk).view(b, t, self.n_kv, self.head_dim)
-        v = F.linear(x, self.wv).view(b, t, self.n_kv, self.head_dim)
+        k = self.wk(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.wv(x).view(b, t, self.n_kv, self.head_dim)
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope.apply(q, *rope_cs), self.rope.apply(k, *rope_cs)
         tap("Qcur", q)
@@ -171,4 +171,4 @@ class QSAAttention(Attention):
                                                  enable_gqa=self.n_kv != self.n_heads)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim) * torch.sigmoid(gate)
         tap("kqv_out", out)
-        return F.linear(out, self.wo)
+        return self.wo(out)

@@ -374,6 +374,7 @@ class TiledGatedDeltaNet(GatedDeltaNet):
         super().__init__(w, prefix, c.hidden_size, c.linear_k_heads, c.linear_v_heads, c.linear_k_dim,
                          c.linear_v_dim, c.conv_kernel, c.rms_eps, gate_act=c.gate_act)
         key_dim, dv = self.key_dim, c.linear_v_dim
+        self.wqkv, self.wz, self.wo = (lin.dense(w.dtype) for lin in (self.wqkv, self.wz, self.wo))  # regrouped as floats
         self.wqkv = torch.cat([self.wqkv[:2 * key_dim], untile_value_heads(self.wqkv[2 * key_dim:], 0, c, dv)])
         self.conv_w = torch.cat([self.conv_w[:2 * key_dim], untile_value_heads(self.conv_w[2 * key_dim:], 0, c, dv)])
         self.wz = untile_value_heads(self.wz, 0, c, dv)

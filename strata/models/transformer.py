@@ -12,6 +12,7 @@ from torch import nn
 
 from strata.models.cache import KVCache, ModelCache, StepInfo
 from strata.models.layers import Attention, RMSNorm, Tap, no_tap
+from strata.models.linear import Linear
 from strata.models.rope import Rope
 from strata.models.weights import WeightLoader
 
@@ -79,13 +80,13 @@ class DecoderLM(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        self.tok_embd = w.dense("token_embd.weight", (c.vocab_size, c.hidden_size))
+        self.tok_embd = w.embedding("token_embd.weight", (c.vocab_size, c.hidden_size))
         self.blocks = nn.ModuleList(blocks)
         self.output_norm = RMSNorm(w.dense("output_norm.weight", (c.hidden_size,)), eps)
         if w.has("output.weight"):
-            self.output = w.dense("output.weight", (c.vocab_size, c.hidden_size))
-        else:  # tied embeddings
-            self.output = self.tok_embd
+            self.output = w.linear("output.weight", (c.vocab_size, c.hidden_size))
+        else:  # tied embeddings: the same table, blocks or floats
+            self.output = Linear(self.tok_embd.weight)
         self.rope = rope
 
     def new_cache(self, batch: int = 1) -> ModelCache:
@@ -99,7 +100,7 @@ class DecoderLM(nn.Module):
         state after the final norm (what the output head reads; an MTP draft head's input),
         whatever `last_only` says of the logits."""
         step = cache.step(tokens.shape[1], n_new)
-        x = F.embedding(tokens, self.tok_embd)  # (B, T, hidden)
+        x = self.tok_embd(tokens)  # (B, T, hidden)
         rope_cs = self.rope.cos_sin(step.positions)
         for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
             if self.before_block is not None:
@@ -110,11 +111,11 @@ class DecoderLM(nn.Module):
         if hidden:
             h = self.output_norm(x)
             last = h[torch.arange(x.shape[0]), (step.n_new - 1).clamp(min=0)][:, None] if last_only else h
-            return F.linear(last, self.output), h
+            return self.output(last), h
         if last_only:  # decode and sampling need only each row's last real position
             x = x[torch.arange(x.shape[0]), (step.n_new - 1).clamp(min=0)][:, None]
         x = self.output_norm(x)
-        return F.linear(x, self.output)
+        return self.output(x)
 
 
 def _prefixed(tap: Tap, layer: int) -> Tap:

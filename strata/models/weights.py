@@ -2,8 +2,9 @@
 
 A `QTensor` keeps a tensor in its stored ggml type (quantized bytes, never copied), so
 expert tiers can move and multiply experts exactly as the file holds them. Dense weights
-are dequantized once at load. `WeightLoader` checks names and shapes so a wrong file
-fails loudly at load time, naming the tensor.
+are `Linear`/`Embedding` layers (strata/models/linear.py) that keep a quantized weight in its
+blocks when a CPU kernel multiplies it, and hold float tensors otherwise. `WeightLoader`
+checks names and shapes so a wrong file fails loudly at load time, naming the tensor.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class QTensor:
     @property
     def nbytes(self) -> int:
         return self.raw.numel()
+
+    def to(self, device) -> "QTensor":
+        """The same blocks on another device (self when already there)."""
+        return QTensor(self.raw.to(device), self.qtype, self.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         dense = FLOAT_TYPES.get(self.qtype)
@@ -96,6 +101,28 @@ class WeightLoader:
 
     def optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         return self.dense(name, shape) if name in self._available else None
+
+    def _kept(self, name: str, shape: tuple[int, ...]):
+        """The stored tensor when it stays quantized (see `linear.keeps_quantized`), else floats."""
+        from strata.models.linear import keeps_quantized
+
+        t = self.quantized(name, shape)
+        return t if keeps_quantized(t) else t.dequantize(self.dtype)
+
+    def linear(self, name: str, shape: tuple[int, ...], bias: str | None = None):
+        """A `Linear` for weight `name` (out, in), with the optional bias tensor `bias` when present."""
+        from strata.models.linear import Linear
+
+        b = self.optional(bias, (shape[0],)) if bias is not None else None
+        return Linear(self._kept(name, shape), b)
+
+    def optional_linear(self, name: str, shape: tuple[int, ...]):
+        return self.linear(name, shape) if name in self._available else None
+
+    def embedding(self, name: str, shape: tuple[int, ...]):
+        from strata.models.linear import Embedding
+
+        return Embedding(self._kept(name, shape), self.dtype)
 
     def finish(self, ignore: tuple[str, ...] = ()) -> None:
         extra = sorted(n for n in self._available - self._used

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from strata.models.cache import StepInfo
+from strata.models.linear import Embedding, Linear
 
 
 class DeviceStep(StepInfo):
@@ -53,13 +54,16 @@ def _experts_of(block) -> set[int]:
 
 
 def move_tensors(module: nn.Module, device: torch.device, skip: set[int] = frozenset()) -> None:
-    """Parameters and plain tensor attributes (the engine keeps weights as both) of every submodule."""
+    """Parameters, plain tensor attributes and `Linear`/`Embedding` weights (the engine keeps
+    weights as all three) of every submodule."""
     for m in module.modules():
         if id(m) in skip:
             continue
         for name, value in list(vars(m).items()):
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
                 setattr(m, name, value.to(device))
+            elif isinstance(value, (Linear, Embedding)):  # a quantized weight moves as its blocks
+                value.to_device(device)
         for name, p in list(m.named_parameters(recurse=False)):
             setattr(m, name, nn.Parameter(p.data.to(device), requires_grad=False))
 

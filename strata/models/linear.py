@@ -1,0 +1,170 @@
+"""Dense layers whose weights stay in the file's type: `Linear` (y = x W^T + b) and `Embedding`.
+
+A quantized weight (Q4_K, Q6_K, IQ2_XS, ...) is kept as its blocks, 4-8x smaller than float32,
+and multiplied by the compiled kernels (`kernels.qmatmul`) for the few rows of a decode step;
+a large batch (prefill) dequantizes it once per call and uses BLAS. An embedding dequantizes only
+the rows it looks up. Float weights (F32/F16/BF16) are plain torch tensors, as before, and
+`kernels.USE_KERNELS = False` sends quantized ones down the reference path (dequantize, then
+`F.linear`), so tests can compare the two.
+
+Both also answer `F.linear(x, layer)` / `F.embedding(ids, layer)` (torch's `__torch_function__`
+protocol), so code that treats a weight as a tensor, such as a draft head sharing the model's
+output projection, keeps working unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from strata import quant
+from strata.models.weights import FLOAT_TYPES, QTensor
+
+Weight = torch.Tensor | QTensor
+
+
+def keeps_quantized(t: QTensor) -> bool:
+    """Whether a stored tensor is worth keeping in its blocks: quantized and with a CPU kernel.
+
+    Types without a kernel (and every type when the kernels did not build) would be dequantized
+    on every call, far slower than once at load, so they are dequantized at load as before.
+    """
+    from strata import kernels
+
+    return t.qtype not in FLOAT_TYPES and kernels.has_kernel(t.qtype)
+
+
+def _fast(x: torch.Tensor, w: QTensor) -> bool:
+    from strata import kernels
+
+    return kernels.USE_KERNELS and kernels.fast_ok(x, w)
+
+
+def apply_linear(x: torch.Tensor, w: Linear | torch.Tensor) -> torch.Tensor:
+    """x W^T for a `Linear` or a plain weight tensor (a layer whose weights a subclass regroups
+    as floats at load holds either)."""
+    return w(x) if isinstance(w, Linear) else F.linear(x, w)
+
+
+class Linear:
+    """y = x W^T (+ b); W a float tensor or a `QTensor` kept as the file stores it.
+
+    A plain callable, not an `nn.Module`: a weight, like the tensors it replaces (a subclass may
+    assign a tensor in its place), and one Python call cheaper per use on the decode path.
+    """
+
+    __slots__ = ("bias", "weight")
+
+    def __init__(self, weight: Weight, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.weight, QTensor)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.raw.device if self.quantized else self.weight.device
+
+    @property
+    def nbytes(self) -> int:
+        b = 0 if self.bias is None else self.bias.nbytes
+        return self.weight.nbytes + b
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W as a float tensor (a dequantized copy when it is quantized)."""
+        return self.weight.dequantize(dtype) if self.quantized else self.weight.to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if not isinstance(w, QTensor):
+            return F.linear(x, w, self.bias)
+        if _fast(x, w):
+            from strata import kernels
+
+            y = kernels.qmatmul_fast(x, w).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, w.dequantize(x.dtype), self.bias)  # prefill, another device, or the reference
+
+    def split_rows(self, regroup) -> list[Linear]:
+        """Linears over row groups of W: `regroup(rows)` reorders or splits a (rows, ...) tensor
+        along its first dimension only, so it applies to the blocks of a quantized W as well."""
+        if self.bias is not None:
+            raise ValueError("split_rows does not split a bias")
+        w = self.weight
+        if not self.quantized:
+            return [Linear(t) for t in regroup(w)]
+        return [Linear(QTensor(t.contiguous(), w.qtype, (t.shape[0], w.shape[-1]))) for t in regroup(w.raw)]
+
+    def to_device(self, device: torch.device) -> Linear:
+        """Move the weight (its blocks, not floats) and bias in place; returns self."""
+        self.weight = self.weight.to(device)
+        if self.bias is not None:
+            self.bias = self.bias.to(device)
+        return self
+
+    def __repr__(self) -> str:
+        kind = self.weight.qtype.name if self.quantized else str(self.weight.dtype)
+        return f"Linear({tuple(self.weight.shape)}, {kind}, bias={self.bias is not None})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, layer, *rest = args
+            bias = rest[0] if rest else kwargs.get("bias")
+            if bias is not None and layer.bias is not None:
+                raise ValueError("F.linear got a bias for a Linear that already has one")
+            y = layer(x)
+            return y if bias is None else y + bias
+        if func is F.embedding and isinstance(args[1], cls):
+            return Embedding(args[1].weight)(args[0])
+        return NotImplemented
+
+
+class Embedding:
+    """Rows of a (vocab, hidden) table by token id; a quantized table decodes only those rows."""
+
+    __slots__ = ("dtype", "weight")
+
+    def __init__(self, weight: Weight, dtype: torch.dtype = torch.float32):
+        self.weight = weight
+        self.dtype = dtype  # of the rows handed out when the table is quantized
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.weight, QTensor)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if not isinstance(w, QTensor):
+            return F.embedding(ids, w)
+        hidden = w.shape[-1]
+        rows = w.raw[ids.reshape(-1).to(w.raw.device)]  # (N, row_bytes)
+        out = quant.dequantize(rows, w.qtype, (rows.shape[0], hidden)).to(self.dtype)
+        return out.reshape(*ids.shape, hidden)
+
+    def to_device(self, device: torch.device) -> Embedding:
+        self.weight = self.weight.to(device)
+        return self
+
+    def __repr__(self) -> str:
+        kind = self.weight.qtype.name if self.quantized else str(self.weight.dtype)
+        return f"Embedding({tuple(self.weight.shape)}, {kind})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is F.embedding:
+            return args[1](args[0])
+        if func is F.linear:  # a tied output projection
+            return Linear(args[1].weight)(args[0])
+        return NotImplemented
