@@ -18,7 +18,8 @@ from strata.tiers.trace import TraceRecorder, load_trace
 
 def run(policy, requests):
     """Replay single-layer requests (lists of experts); return the hit count."""
-    return sum(replay([(0, r)], policy, 1000).hits.get(0, 0) for r in requests)
+    result = replay([(0, r) for r in requests], policy, 1000)
+    return result.stats.layers[0].hits if requests else 0
 
 
 def test_lru_evicts_the_least_recent_and_never_a_key_in_use():
@@ -57,7 +58,7 @@ def test_static_never_changes_after_filling():
 def optimal_hits(requests: list[int], capacity: int, bypass: bool = False) -> int:
     """Exhaustive search over every eviction choice (and, with bypass, not caching at all)."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(i: int, cache: frozenset) -> int:
         if i == len(requests):
             return 0

@@ -16,7 +16,8 @@ import sys
 from dataclasses import dataclass, field
 
 from strata.errors import BadOption
-from strata.tiers.policy import Policy, half_life_tokens, make_policy
+from strata.tiers.policy import Policy, SlotMap, half_life_tokens, make_policy, regions
+from strata.tiers.stats import TierStats
 from strata.tiers.trace import Trace, load_trace
 
 ALL_POLICIES = ("lru", "lfu", "adaptive", "static")
@@ -85,54 +86,95 @@ def _next_uses(requests: list[list[int]]) -> list[dict[int, float]]:
 
 @dataclass(slots=True)
 class SimResult:
-    hits: dict[int, int] = field(default_factory=dict)  # layer -> hits
-    requests: dict[int, int] = field(default_factory=dict)  # layer -> requests
+    """The runtime's own counters (`TierStats`), filled by a replay instead of a model."""
+
+    stats: TierStats = field(default_factory=TierStats)
 
     @property
     def hit_rate(self) -> float:
-        n = sum(self.requests.values())
-        return sum(self.hits.values()) / n if n else 0.0
+        return self.total()["hit_rate"]
 
     def layer_rate(self, layer: int) -> float:
-        n = self.requests.get(layer, 0)
-        return self.hits.get(layer, 0) / n if n else 0.0
+        c = self.stats.layers.get(layer)
+        return c.hits / (c.hits + c.misses) if c and c.hits + c.misses else 0.0
+
+    def total(self) -> dict:
+        return self.stats.as_dict({})["total"]
 
 
-def replay(requests: list[tuple[int, list[int]]], policy: Policy, n_experts: int) -> SimResult:
-    """Drive `policy` through the requests as the runtime does; count hits per layer."""
+def replay(requests: list[tuple[int, list[int]]], policy: Policy, n_experts: int, prefill: list[bool] | None = None,
+           predictions: dict | None = None, reserve: int = 0, expert_bytes=None) -> SimResult:
+    """Drive `policy` through the requests as the runtime does, through the runtime's `SlotMap`.
+
+    `predictions` (record index -> [(layer, experts)]) are the prefetcher's guesses, issued
+    before that record as the runtime issues them; `reserve` slots form the prefill region."""
     result = SimResult()
-    if getattr(policy, "preload", None):
-        policy.place(list(policy.preload), set())
-    for layer, experts in requests:
+    slots = SlotMap(regions(policy, reserve), n_experts)
+    slots.preload()
+    predictions = predictions or {}
+    for i, (layer, experts) in enumerate(requests):
+        for p_layer, p_experts in predictions.get(i, ()):
+            keys = [p_layer * n_experts + e for e in p_experts]
+            result.stats.predicted(p_layer, set(keys))
+            result.stats.prefetched(p_layer, [k for k, _ in slots.prefetch(keys)], _nbytes(expert_bytes, p_layer))
         keys = [layer * n_experts + e for e in experts]
-        hits = sum(k in policy.resident for k in keys)
-        policy.access(keys)
-        policy.place([k for k in keys if k not in policy.resident], set(keys))
-        result.hits[layer] = result.hits.get(layer, 0) + hits
-        result.requests[layer] = result.requests.get(layer, 0) + len(keys)
+        hits, copies, cpu = slots.request(keys, bool(prefill[i]) if prefill else False)
+        result.stats.step(layer, keys, hits, [k for k, _ in copies], cpu, _nbytes(expert_bytes, layer))
     return result
 
 
-def simulate(trace: Trace, policies, fractions) -> dict:
-    """Hit rates of every policy and MIN at each cache size (a fraction of all experts)."""
+def _nbytes(expert_bytes, layer: int) -> int:
+    """Bytes of one expert of `layer`; 1 when the trace does not say (bytes then count copies)."""
+    return int(expert_bytes[layer]) if expert_bytes is not None and layer < len(expert_bytes) else 1
+
+
+def simulate(trace: Trace, policies, fractions, prefetch: bool = True) -> dict:
+    """Hit rates of every policy and MIN at each cache size (a fraction of all experts).
+
+    `hit_rate`: demand paging (a miss is copied in, or left to the CPU, when it is used).
+    `prefetch`: the same policies with the trace's next-layer predictions copied in ahead
+    of use, as the runtime does with prefetch on (only for traces that recorded them).
+    MIN and opt are demand-paging optima: prefetch can beat them."""
     requests = trace.requests()
     layers = trace.layers
     n_keys = (max(layers) + 1) * trace.n_experts if layers else 0
     total = len(layers) * trace.n_experts
     keyed = [[layer * trace.n_experts + e for e in ex] for layer, ex in requests]
     ranking = _ranking(keyed)
+    flags, predicted = trace.prefill_flags(), trace.predictions_by_record()
+    prefetch = prefetch and trace.has_predictions
+    n_tokens = int(trace.tokens.sum()) // max(len(layers), 1)
     rows = []
     for frac in fractions:
-        slots = max(int(round(frac * total)), 0)
-        results = {name: replay(requests, _policy(name, slots, n_keys, trace, ranking), trace.n_experts)
-                   for name in policies}
+        slots = max(round(frac * total), 0)
+
+        def run(name, predictions=None, slots=slots):
+            return replay(requests, _policy(name, slots, n_keys, trace, ranking), trace.n_experts, flags,
+                          predictions, expert_bytes=trace.expert_bytes)
+
+        results = {name: run(name) for name in policies}
         results["min"] = replay(requests, Belady(slots, keyed), trace.n_experts)
         results["opt"] = replay(requests, Belady(slots, keyed, bypass=True), trace.n_experts)
-        rows.append({"fraction": frac, "slots": slots,
-                     "hit_rate": {n: r.hit_rate for n, r in results.items()},
-                     "per_layer": {n: {layer: r.layer_rate(layer) for layer in layers} for n, r in results.items()}})
+        row = {"fraction": frac, "slots": slots,
+               "hit_rate": {n: r.hit_rate for n, r in results.items()},
+               "per_layer": {n: {layer: r.layer_rate(layer) for layer in layers} for n, r in results.items()}}
+        if prefetch:
+            row["prefetch"] = {name: _prefetch_row(run(name, predicted), results[name], n_tokens)
+                               for name in policies}
+        rows.append(row)
     return {"requests": len(requests), "layers": layers, "n_experts": trace.n_experts,
-            "tokens": int(trace.tokens.sum()), "sizes": rows}
+            "tokens": int(trace.tokens.sum()), "decode_tokens": n_tokens, "trace_version": trace.version,
+            "expert_bytes": trace.expert_bytes is not None, "sizes": rows}
+
+
+def _prefetch_row(with_prefetch: SimResult, demand: SimResult, n_tokens: int) -> dict:
+    """With-prefetch figures, and what prefetch costs beside demand paging."""
+    t, d = with_prefetch.total(), demand.total()
+    return {"hit_rate": t["hit_rate"], "accuracy": t["prefetch_accuracy"], "precision": t["prefetch_precision"],
+            "prefetched": t["prefetched"], "prefetch_used": t["prefetch_hits"],
+            "copies_per_token": (t["copied"] + t["prefetched"]) / max(n_tokens, 1),
+            "demand_copies_per_token": d["copied"] / max(n_tokens, 1),
+            "extra_bytes_per_token": (t["bytes_copied"] - d["bytes_copied"]) / max(n_tokens, 1)}
 
 
 def _policy(name: str, slots: int, n_keys: int, trace: Trace, ranking: list[int]) -> Policy:
@@ -178,27 +220,54 @@ def parse_policies(text: str) -> list[str]:
 def table(result: dict, policies: list[str], per_layer: bool = True) -> str:
     cols = policies + ["min", "opt"]
     head = f"{'size':>6} {'slots':>7} " + " ".join(f"{c:>9}" for c in cols)
-    lines = [f"{result['requests']} requests, {result['tokens']} token-routings, "
-             f"{len(result['layers'])} layers x {result['n_experts']} experts",
-             "static: the trace's most used experts, preloaded (hindsight); min: Belady, every miss "
-             "copied in; opt: Belady free to leave a miss on the CPU",
-             "", "overall hit rate", head]
+    lines = [(f"{result['requests']} requests, {result['tokens']} token-routings, "
+             f"{len(result['layers'])} layers x {result['n_experts']} experts (trace format v{result['trace_version']})"),
+             ("static: the trace's most used experts, preloaded (hindsight); min: Belady, every miss "
+             "copied in; opt: Belady free to leave a miss on the CPU; both are demand-paging optima"),
+             "", "demand paging (no prefetch): overall hit rate", head]
     for row in result["sizes"]:
         rates = " ".join(f"{row['hit_rate'][c]:>9.1%}" for c in cols)
         lines.append(f"{row['fraction']:>6.0%} {row['slots']:>7} {rates}")
     if "adaptive" in policies:
-        lines += ["", "adaptive / MIN: " + ", ".join(
-            f"{row['fraction']:.0%}: {_ratio(row['hit_rate'])}" for row in result["sizes"])]
+        lines += ["", "demand paging, adaptive / MIN: " + ", ".join(
+            f"{row['fraction']:.0%}: {_ratio(row['hit_rate']['adaptive'], row['hit_rate'])}" for row in result["sizes"])]
+    lines += _prefetch_lines(result, policies)
     for row in result["sizes"] if per_layer else []:
-        lines += ["", f"per layer at {row['fraction']:.0%} ({row['slots']} slots)",
+        lines += ["", f"demand paging, per layer at {row['fraction']:.0%} ({row['slots']} slots)",
                   f"{'layer':>6} {'':>7} " + " ".join(f"{c:>9}" for c in cols)]
         for layer in result["layers"]:
             lines.append(f"{layer:>6} {'':>7} " + " ".join(f"{row['per_layer'][c][layer]:>9.1%}" for c in cols))
     return "\n".join(lines)
 
 
-def _ratio(rates: dict) -> str:
-    return f"{rates['adaptive'] / rates['min']:.1%}" if rates["min"] else "n/a"
+def _prefetch_lines(result: dict, policies: list[str]) -> list[str]:
+    """The with-prefetch table: hit rate and its ratio to MIN (demand paging), then prefetch's cost."""
+    rows = [row for row in result["sizes"] if "prefetch" in row]
+    if not rows:
+        return ["", "with prefetch: n/a (this trace has no recorded predictions; record one with this Strata)"]
+    unit = "MiB" if result["expert_bytes"] else "experts"
+    scale = 2**20 if result["expert_bytes"] else 1
+    lines = ["", ("with prefetch (next layer's router on the current hidden state, predicted misses copied in "
+             "ahead of use): hit rate (/ MIN's demand-paging hit rate)"),
+             f"{'size':>6} {'slots':>7} " + " ".join(f"{c:>16}" for c in policies) + f" {'min':>9}"]
+    for row in rows:
+        cells = " ".join(f"{row['prefetch'][c]['hit_rate']:>8.1%} ({_ratio(row['prefetch'][c]['hit_rate'], row['hit_rate'])})"
+                         .rjust(16) for c in policies)
+        lines.append(f"{row['fraction']:>6.0%} {row['slots']:>7} {cells} {row['hit_rate']['min']:>9.1%}")
+    lines += ["", (f"prefetch cost per token ({result['decode_tokens']} tokens): prediction accuracy (used experts "
+              f"predicted), copies per token demand -> with prefetch, extra {unit} copied per token"),
+              f"{'size':>6} {'policy':>9} {'accuracy':>9} {'precision':>9} {'copies':>14} {'extra':>9}"]
+    for row in rows:
+        for c in policies:
+            p = row["prefetch"][c]
+            copies = f"{p['demand_copies_per_token']:.2f} -> {p['copies_per_token']:.2f}"
+            lines.append(f"{row['fraction']:>6.0%} {c:>9} {p['accuracy']:>9.1%} {p['precision']:>9.1%} "
+                         f"{copies:>14} {p['extra_bytes_per_token'] / scale:>9.3f}")
+    return lines
+
+
+def _ratio(rate: float, rates: dict) -> str:
+    return f"{rate / rates['min']:.1%}" if rates["min"] else "n/a"
 
 
 def plot(result: dict, policies: list[str], path: str, title: str = "") -> None:
@@ -208,16 +277,20 @@ def plot(result: dict, policies: list[str], path: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     xs = [row["fraction"] * 100 for row in result["sizes"]]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    labels = {"min": ("MIN (Belady)", "--"), "opt": ("MIN, misses may stay on CPU", ":")}
-    for name in policies + ["min", "opt"]:
-        label, style = labels.get(name, (name, "-"))
-        ax.plot(xs, [row["hit_rate"][name] * 100 for row in result["sizes"]], marker="o", linestyle=style, label=label)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    labels = {"min": ("MIN (Belady, demand paging)", "--"), "opt": ("MIN, misses may stay on CPU", ":")}
+    for i, name in enumerate(policies + ["min", "opt"]):
+        label, style = labels.get(name, (f"{name} (demand)", "-"))
+        line, = ax.plot(xs, [row["hit_rate"][name] * 100 for row in result["sizes"]], marker="o",
+                        linestyle=style, label=label)
+        if name in policies and all("prefetch" in row for row in result["sizes"]):
+            ax.plot(xs, [row["prefetch"][name]["hit_rate"] * 100 for row in result["sizes"]], marker="^",
+                    linestyle="-.", color=line.get_color(), label=f"{name} + prefetch")
     ax.set_xlabel("cache size (% of all experts)")
     ax.set_ylabel("hit rate (%)")
     ax.set_title(title or "expert cache hit rate")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -8,11 +8,10 @@ stream, so the tests run the very code the GPU runs. Keys are `layer * n_experts
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
-from strata.tiers.policy import Policy
+from strata.tiers.policy import Region, SlotMap
 from strata.tiers.store import ExpertFormat
 
 
@@ -72,59 +71,40 @@ class Copier:
         self.pool.shutdown(wait=True)
 
 
-@dataclass(slots=True)
-class Region:
-    """Slots under one policy: `main` for decode, `prefill` for the slots kept for prefill."""
-
-    name: str
-    policy: Policy
-    free: list[int] = field(default_factory=list)
-
-
 class DeviceCache:
-    """Key -> slot map over regions; `request` splits a step's experts into device and CPU work."""
+    """Slots in device memory, filled as `SlotMap` decides; `request` splits a step's experts."""
 
     def __init__(self, memory: SlotMemory, copier: Copier, regions: list[Region], n_experts: int):
-        self.memory, self.copier, self.regions = memory, copier, regions
+        self.memory, self.copier = memory, copier
+        self.slots = SlotMap(regions, n_experts)
         self.n_experts = n_experts
-        self.where: dict[int, int] = {}
+
+    @property
+    def where(self) -> dict[int, int]:
+        return self.slots.where
+
+    @property
+    def regions(self) -> list[Region]:
+        return self.slots.regions
 
     def request(self, keys: list[int], prefill: bool) -> tuple[list[int], list[int], list[int]]:
         """(hits, copied in, left to the CPU) for one step's experts."""
-        hits = [k for k in keys if k in self.where]
-        misses = [k for k in keys if k not in self.where]
-        for region in self.regions:
-            region.policy.access(keys)
-        region = self._region(prefill)
-        admitted, rejected = region.policy.place(misses, set(keys)) if region else ([], misses)
-        self._copy_in(region, admitted)
-        return hits, [k for k, _ in admitted], rejected
+        hits, copies, rejected = self.slots.request(keys, prefill)
+        self._copy_in(copies)
+        return hits, [k for k, _ in copies], rejected
 
     def prefetch(self, keys: list[int]) -> list[int]:
         """Copy predicted experts in ahead of use, if the decode policy admits them."""
-        region = self._region(prefill=False)
-        misses = [k for k in keys if k not in self.where]
-        if region is None or not misses:
-            return []
-        admitted, _ = region.policy.place(misses, set(keys))
-        self._copy_in(region, admitted)
-        return [k for k, _ in admitted]
+        copies = self.slots.prefetch(keys)
+        self._copy_in(copies)
+        return [k for k, _ in copies]
 
     def preload(self) -> None:
         """Static hot sets known up front are copied in at start."""
-        for region in self.regions:
-            keys = getattr(region.policy, "preload", [])
-            admitted, _ = region.policy.place([k for k in keys if k not in self.where], set())
-            self._copy_in(region, admitted)
+        self._copy_in(self.slots.preload())
 
-    def _region(self, prefill: bool) -> Region | None:
-        by_name = {r.name: r for r in self.regions if r.policy.capacity > 0}
-        return by_name.get("prefill") if prefill and "prefill" in by_name else by_name.get("main")
-
-    def _copy_in(self, region: Region, admitted) -> None:
-        for key, victim in admitted:
-            slot = self.where.pop(victim) if victim is not None else region.free.pop()
-            self.where[key] = slot
+    def _copy_in(self, copies) -> None:
+        for key, slot in copies:
             self.copier.submit(slot, *divmod(key, self.n_experts))
 
     def parts(self, key: int, fmt: ExpertFormat):

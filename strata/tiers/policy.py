@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -51,7 +52,8 @@ class Policy:
     def admit(self, key: int, victim: int) -> bool:
         return self.admit_all
 
-    def place(self, misses: list[int], protected: set[int]) -> Placement:
+    def place(self, misses: list[int], protected: set[int], force: bool = False) -> Placement:
+        """Per miss: copy in (evicting the victim) or reject; `force` skips admission (prefetch)."""
         admitted, rejected = [], []
         for key in misses:
             if len(self.resident) < self.capacity:
@@ -59,7 +61,7 @@ class Policy:
                 self._insert(key)
                 continue
             victim = self.victim(protected)
-            if victim is None or not self.admit(key, victim):
+            if victim is None or not (force or self.admit(key, victim)):
                 rejected.append(key)
                 continue
             self._remove(victim)
@@ -184,6 +186,96 @@ class Static(Policy):
 
     def victim(self, protected):
         return None
+
+
+@dataclass(slots=True)
+class Region:
+    """Slots under one policy: `main` for decode, `prefill` for the slots kept for prefill."""
+
+    name: str
+    policy: Policy
+    free: list[int] = field(default_factory=list)
+
+
+Copies = list[tuple[int, int]]  # (key, slot) to copy in
+
+
+class SlotMap:
+    """Which key sits in which slot, over regions: the device cache's decisions, without its bytes.
+
+    The runtime's `DeviceCache` and the simulator's replay both call this, so a simulated
+    hit rate is the runtime's. Prefill misses go to the `prefill` region when there is one;
+    decode misses and prefetches to `main`. A prefill's uses do not count towards the main
+    policy's recency or frequency when prefill has its own region, so a long prompt neither
+    evicts the decode hot set nor outweighs it in later admissions.
+
+    A prefetch skips admission (admission weighs a demand miss against computing it on the
+    CPU; a prediction says the expert is about to be used) and the copied expert is pinned
+    until its layer has run, so the next layer's prefetch cannot evict it unused. A
+    prediction is not a use: it changes no recency or frequency.
+    """
+
+    def __init__(self, regions: list[Region], n_experts: int):
+        self.regions = regions
+        self.n_experts = n_experts  # keys are layer * n_experts + expert
+        self.where: dict[int, int] = {}  # key -> slot
+        self.pinned: set[int] = set()  # prefetched for a layer that has not run yet
+
+    def request(self, keys: list[int], prefill: bool) -> tuple[list[int], Copies, list[int]]:
+        """(hits, misses copied in with their slots, misses left to the CPU) for one step's keys."""
+        hits = [k for k in keys if k in self.where]
+        misses = [k for k in keys if k not in self.where]
+        region = self.region(prefill)
+        for r in self.regions:
+            if not (prefill and r.name == "main" and region is not None and region.name == "prefill"):
+                r.policy.access(keys)
+        if keys and self.pinned:
+            layer = keys[0] // self.n_experts
+            self.pinned = {k for k in self.pinned if k // self.n_experts != layer}
+        if region is None:
+            return hits, [], misses
+        admitted, rejected = region.policy.place(misses, set(keys) | self.pinned)
+        return hits, self._assign(region, admitted), rejected
+
+    def prefetch(self, keys: list[int]) -> Copies:
+        """Predicted keys copied in ahead of use into the decode region, pinned until their layer runs."""
+        region = self.region(prefill=False)
+        misses = [k for k in keys if k not in self.where]
+        if region is None or not misses:
+            return []
+        admitted, _ = region.policy.place(misses, set(keys) | self.pinned, force=True)
+        copies = self._assign(region, admitted)
+        self.pinned.update(k for k, _ in copies)
+        return copies
+
+    def preload(self) -> Copies:
+        """A static hot set known up front, placed before any request."""
+        out = []
+        for region in self.regions:
+            keys = [k for k in getattr(region.policy, "preload", []) if k not in self.where]
+            out += self._assign(region, region.policy.place(keys, set())[0])
+        return out
+
+    def region(self, prefill: bool) -> Region | None:
+        by_name = {r.name: r for r in self.regions if r.policy.capacity > 0}
+        return by_name.get("prefill") if prefill and "prefill" in by_name else by_name.get("main")
+
+    def _assign(self, region: Region, admitted) -> Copies:
+        out = []
+        for key, victim in admitted:
+            slot = self.where.pop(victim) if victim is not None else region.free.pop()
+            self.where[key] = slot
+            out.append((key, slot))
+        return out
+
+
+def regions(policy: Policy, reserve: int = 0) -> list[Region]:
+    """The main region (slots 0..) and, with a reserve, an LRU prefill region after it."""
+    main = policy.capacity
+    out = [Region("main", policy, list(range(main - 1, -1, -1)))]
+    if reserve:
+        out.append(Region("prefill", LRU(reserve), list(range(main + reserve - 1, main - 1, -1))))
+    return out
 
 
 def make_policy(name: str, capacity: int, n_keys: int, admission: str = "auto", n_layers: int = 1,

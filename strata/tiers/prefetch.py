@@ -17,9 +17,10 @@ from strata.tiers.stats import TierStats
 
 class Prefetcher:
     def __init__(self, predictors: dict[int, Callable], cache, stats: TierStats, n_experts: int,
-                 nbytes: dict[int, int], cached_layers: set[int]):
+                 nbytes: dict[int, int], cached_layers: set[int], tracer=None):
         self.predictors, self.cache, self.stats = predictors, cache, stats
         self.n_experts, self.nbytes, self.cached_layers = n_experts, nbytes, cached_layers
+        self.tracer = tracer  # records each prediction, so `strata cache-sim` replays the prefetches
 
     def __call__(self, block: int, x: torch.Tensor, token_mask: torch.Tensor) -> None:
         layer = block + 1
@@ -28,7 +29,10 @@ class Prefetcher:
             return
         with torch.inference_mode():
             ids = predict(x[token_mask])  # (N, k) for the real tokens
-        keys = [layer * self.n_experts + e for e in torch.unique(ids).tolist()]
+        experts = torch.unique(ids).tolist()
+        if self.tracer is not None:
+            self.tracer.predicted(layer, experts)
+        keys = [layer * self.n_experts + e for e in experts]
         self.stats.predicted(layer, set(keys))
         if self.cache is not None and layer in self.cached_layers:
             self.stats.prefetched(layer, self.cache.prefetch(keys), self.nbytes[layer])

@@ -10,11 +10,11 @@ import torch
 
 from strata.models.layers import Experts
 from strata.tiers import hardware
-from strata.tiers.device_cache import Copier, DeviceCache, Region, SlotMemory
+from strata.tiers.device_cache import Copier, DeviceCache, SlotMemory
 from strata.tiers.executor import CpuLane, HybridExecutor, TieredExperts
 from strata.tiers.placement import place_blocks
 from strata.tiers.plan import Plan, make_plan
-from strata.tiers.policy import LRU, half_life_tokens, make_policy
+from strata.tiers.policy import half_life_tokens, make_policy, regions
 from strata.tiers.prefetch import Prefetcher, router_predictors
 from strata.tiers.stats import TierStats
 from strata.tiers.store import DiskHome, FileReader, RamHome, expert_format
@@ -24,18 +24,20 @@ from strata.tiers.trace import TraceRecorder, load_trace
 class TierRuntime:
     """The installed tiers; `stats()` for engine.stats, `close()` writes the trace."""
 
-    def __init__(self, plan: Plan, homes, executor: HybridExecutor, prefetcher, cache, reader, trace_path):
+    def __init__(self, plan: Plan, homes, executor: HybridExecutor, prefetcher, cache, reader, trace_path,
+                 decode_width: int = 1):
         self.plan, self.homes, self.executor = plan, homes, executor
         self.prefetcher, self.cache, self.reader, self.trace_path = prefetcher, cache, reader, trace_path
+        self.decode_width = decode_width  # the widest forward that is still decode (a verify pass)
         self.closed = False
 
     def before_block(self, block: int, x: torch.Tensor, step) -> None:
         """Called by the forward loop before each block: step bookkeeping, then prefetch."""
         if block == 0:
-            self.executor.prefill = step.width > 1
+            self.executor.prefill = step.width > self.decode_width
             self.executor.positions = step.positions[step.token_mask]
             if self.executor.tracer is not None:
-                self.executor.tracer.next_step()
+                self.executor.tracer.next_step(self.executor.prefill)
         if self.prefetcher is not None:
             self.prefetcher(block, x, step.token_mask)
 
@@ -85,16 +87,25 @@ def install(loaded, options) -> TierRuntime:
     reader = FileReader(loaded.source.file.path) if hasattr(loaded.source, "file") and modules else None
     homes = _homes(plan, modules, formats, reader, device)
     cache = _cache(plan, options, loaded.config, homes, formats, n_experts, device, len(modules))
-    tracer = TraceRecorder(n_experts, {"model": str(getattr(loaded.source, "description", ""))}) \
-        if options.trace_experts else None
+    tracer = TraceRecorder(n_experts, {"model": str(getattr(loaded.source, "description", ""))},
+                           {i: f.nbytes for i, f in formats.items()}) if options.trace_experts else None
     lane = CpuLane(getattr(options, "cpu_threads", 0) or 1, homes, formats)
     executor = HybridExecutor(homes, formats, cache, lane, TierStats(), n_experts, device.torch_device, tracer)
     for layer, m in modules.items():
         m.backend = TieredExperts(executor, layer)
     prefetcher = _prefetcher(loaded.model, options, cache, executor, formats, plan) if modules else None
-    runtime = TierRuntime(plan, homes, executor, prefetcher, cache, reader, options.trace_experts)
+    runtime = TierRuntime(plan, homes, executor, prefetcher, cache, reader, options.trace_experts,
+                          _decode_width(loaded.model, options))
     loaded.model.before_block = runtime.before_block
     return runtime
+
+
+def _decode_width(model, options) -> int:
+    """Forwards up to this wide are decode: 1 token, or a speculative verify pass (the last token
+    and its drafts) when the model drafts. Wider ones are prefill chunks, served by the
+    `--prefill-reserve` slots so they leave the decode hot set alone."""
+    drafts = getattr(model, "mtp", None) is not None and getattr(options, "draft", "off") != "off"
+    return 1 + (getattr(options, "draft_tokens", 0) if drafts else 0)
 
 
 def _formats(modules, plan: Plan, source) -> dict:
@@ -136,11 +147,8 @@ def _cache(plan: Plan, options, config, homes, formats, n_experts: int, device, 
     k = getattr(config, "n_experts_used", 0) or 1
     policy = make_policy(options.cache_policy, main, n_keys, options.admission, n_moe_layers, ranking,
                          half_life_tokens(n_experts, k))
-    regions = [Region("main", policy, list(range(main - 1, -1, -1)))]
-    if plan.prefill_reserve:
-        regions.append(Region("prefill", LRU(plan.prefill_reserve), list(range(plan.slots - 1, main - 1, -1))))
     memory = SlotMemory(plan.slots, plan.slot_bytes, device.torch_device)
-    cache = DeviceCache(memory, Copier(memory, homes, formats), regions, n_experts)
+    cache = DeviceCache(memory, Copier(memory, homes, formats), regions(policy, plan.prefill_reserve), n_experts)
     cache.preload()
     return cache
 
@@ -163,5 +171,5 @@ def _prefetcher(model, options, cache, executor: HybridExecutor, formats, plan: 
         return None
     cached = {layer.layer for layer in plan.experts if layer.home != "gpu"}
     return Prefetcher(router_predictors(model), cache, executor.stats, executor.n_experts,
-                      {i: f.nbytes for i, f in formats.items()}, cached)
+                      {i: f.nbytes for i, f in formats.items()}, cached, executor.tracer)
 
