@@ -2,9 +2,10 @@
 
 Per layer the router's experts split into those on the device (cache hits, misses the
 policy copies in, layers pinned to the device) and those computed on the CPU from their
-home. Both halves are the reference grouped product (`run_experts`) over the same
-dequantized bytes; their sum, in the router's weights, equals the all-resident output
-within floating-point rounding, whatever the cache holds.
+home. Both halves multiply by the same stored bytes (on CUDA the device half by the Triton
+kernels of `strata.kernels.gpu`, on the CPU by `strata.kernels`, else the reference grouped
+product); their sum, in the router's weights, equals the all-resident output within
+floating-point rounding, whatever the cache holds.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from strata.kernels import gpu as gpu_kernels
 from strata.models.layers import run_experts
 from strata.tiers.device_cache import DeviceCache
 from strata.tiers.stats import TierStats
@@ -115,8 +117,10 @@ class HybridExecutor:
             parts = lambda e: home.parts(layer, e)  # noqa: E731
         else:
             parts = lambda e: self.cache.parts(base + e, fmt)  # noqa: E731
-        d = self.device
-        return expert_product(x.to(d), ids.to(d), weights.to(d), experts, fmt, parts)
+        x, ids, weights = x.to(self.device), ids.to(self.device), weights.to(self.device)
+        if gpu_kernels.applies(x, *(p.qtype for p in fmt.parts)):  # Triton, from the slots' blocks
+            return gpu_kernels.expert_product(x, ids, weights, experts, fmt, parts)
+        return expert_product(x, ids, weights, experts, fmt, parts)
 
 
 class TieredExperts:
