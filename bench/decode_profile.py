@@ -1,0 +1,173 @@
+"""Where one decode step of a loaded Strata engine goes, and how close it is to memory bandwidth.
+
+Used by bench_vs_llamacpp.py --profile. Three views of the same decode steps:
+  parts    the model's pieces (attention, router, experts, output head, ...) by wall time,
+  kernels  each quantized matrix product, by ggml type and shape, with its GB/s,
+  ops      torch's own operators by self CPU time (what is left between the kernels),
+then the bytes of weights one token reads against a large tensor copy's bandwidth.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from gguf import GGMLQuantizationType as T
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from strata import kernels, quant
+from strata.models.layers import Experts
+from strata.models.linear import Embedding, Linear
+from strata.models.transformer import MoE
+
+
+def memory_bandwidth(mb: int = 512) -> float:
+    """GB/s of a big tensor copy, counting bytes read plus bytes written (best of 10)."""
+    a = torch.ones(mb * 2**20 // 4)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(10):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    return 2 * a.numel() * 4 / best / 1e9
+
+
+def _label_modules(model) -> list:
+    """Wrap the forwards of the model's parts in profiler labels; returns the undo list."""
+    undo = []
+
+    def wrap(module, label):
+        inner = module.forward
+
+        def forward(*args, **kwargs):
+            with record_function(label):
+                return inner(*args, **kwargs)
+
+        module.forward = forward
+        undo.append(module)
+
+    for block in model.blocks:
+        wrap(block.attn_norm, "part: attn_norm")
+        wrap(block.attn, f"part: {type(block.attn).__name__.lower()}")
+        wrap(block.ffn_norm, "part: ffn_norm")
+        ffn = block.ffn
+        if isinstance(ffn, MoE):
+            wrap(ffn, "part: moe (router, top-k, shared, scatter)")
+            if isinstance(ffn.experts, Experts):
+                wrap(ffn.experts, "part: moe experts")
+        else:
+            wrap(ffn, "part: dense ffn")
+    wrap(model.output_norm, "part: output_norm")
+    return undo
+
+
+def _label_kernels():
+    """Label every compiled quantized product by type, shape and batch; returns the original."""
+    original = kernels.qmatmul_fast
+
+    def labelled(x, w, threads=None, out=None):
+        rows, cols = w.shape
+        with record_function(f"qmm {w.qtype.name} {rows}x{cols} b{x.numel() // cols}"):
+            return original(x, w, threads, out)
+
+    kernels.qmatmul_fast = labelled
+    return original
+
+
+def bytes_per_token(model, k: int) -> dict[str, int]:
+    """Bytes of weights one decode token reads, by kind: every dense weight once, one embedding
+    row, and the routed experts (k per MoE layer, each expert's three matrices)."""
+    out: dict[str, int] = defaultdict(int)
+    seen: set[int] = set()
+
+    def count(kind, n, key):
+        if key not in seen:
+            seen.add(key)
+            out[kind] += n
+
+    for m in model.modules():
+        if isinstance(m, Experts):
+            b = m.backend
+            per_expert = b.gate[0].nbytes + b.up[0].nbytes + b.down[0].nbytes
+            out["experts (routed)"] += per_expert * k
+            continue
+        for value in vars(m).values():
+            if isinstance(value, Linear):
+                kind = "dense, quantized" if value.quantized else "dense, float"
+                count(kind, value.nbytes, id(value.weight))
+            elif isinstance(value, Embedding):
+                count("embedding row", value.weight.nbytes // value.shape[0], id(value))
+            elif isinstance(value, torch.Tensor) and value.dim() >= 1 and value.is_floating_point():
+                count("dense, float", value.nbytes, id(value))
+    return dict(out)
+
+
+def print_profile(engine, prompt: list[int], steps: int) -> None:
+    model = engine.model
+    cache = model.new_cache(1)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt]), cache, last_only=True)[:, 0]
+        token = logits.argmax(-1)
+        walls = []
+        for _ in range(3):  # warm
+            token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
+        undo = _label_modules(model)
+        original = _label_kernels()
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    t = time.perf_counter()
+                    with record_function("step"):
+                        token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
+                    walls.append(time.perf_counter() - t)
+        finally:
+            kernels.qmatmul_fast = original
+            for m in undo:
+                del m.forward
+    step_ms = statistics.median(walls) * 1e3
+    events = prof.key_averages()
+    per = {e.key: e for e in events}
+    total_ms = per["step"].cpu_time_total / 1e3 / steps
+
+    print(f"\n  decode step: {step_ms:.2f} ms wall (median of {steps}), {total_ms:.2f} ms under the profiler")
+    print(f"  {'part':<44} {'ms/token':>8} {'share':>6}")
+    for e in sorted((e for e in events if e.key.startswith("part: ")), key=lambda e: -e.cpu_time_total):
+        ms = e.cpu_time_total / 1e3 / steps
+        print(f"  {e.key[6:]:<44} {ms:8.2f} {100 * ms / total_ms:5.1f}%")
+    parts = sum(e.cpu_time_total for e in events if e.key.startswith("part: ") and e.key != "part: moe experts")
+    rest = total_ms - parts / 1e3 / steps
+    print(f"  {'(the rest: embedding, head, loop, argmax)':<44} {rest:8.2f} {100 * rest / total_ms:5.1f}%")
+
+    print(f"\n  {'kernel':<30} {'calls':>5} {'ms/token':>8} {'GB/s':>6}")
+    qmm = sorted((e for e in events if e.key.startswith("qmm ")), key=lambda e: -e.cpu_time_total)
+    kernel_ms = 0.0
+    for e in qmm:
+        _, name, shape, _b = e.key.split()
+        rows, cols = (int(v) for v in shape.split("x"))
+        nbytes = quant.row_bytes(T[name], cols) * rows
+        ms = e.cpu_time_total / 1e3 / steps
+        kernel_ms += ms
+        gbs = nbytes * e.count / (e.cpu_time_total / 1e6) / 1e9
+        print(f"  {e.key[4:]:<30} {e.count // steps:5d} {ms:8.3f} {gbs:6.1f}")
+    print(f"  {'all quantized products':<30} {'':>5} {kernel_ms:8.2f} ({100 * kernel_ms / total_ms:.0f}% of the step)")
+
+    print(f"\n  {'torch operator (self CPU)':<44} {'calls':>5} {'ms/token':>8}")
+    ops = sorted((e for e in events if e.key.startswith("aten::")), key=lambda e: -e.self_cpu_time_total)
+    for e in ops[:12]:
+        print(f"  {e.key:<44} {e.count // steps:5d} {e.self_cpu_time_total / 1e3 / steps:8.3f}")
+    torch_ms = sum(e.self_cpu_time_total for e in ops) / 1e3 / steps
+    print(f"  {'all torch operators':<44} {'':>5} {torch_ms:8.2f}")
+
+    read = bytes_per_token(model, getattr(model.config, "n_experts_used", 0))
+    bw = memory_bandwidth()
+    total = sum(read.values())
+    print("\n  weights read per decode token (KV cache not counted; short context):")
+    for kind, n in sorted(read.items(), key=lambda kv: -kv[1]):
+        print(f"    {kind:<22} {n / 2**20:8.2f} MiB")
+    floor_ms = total / bw / 1e6
+    print(f"    {'total':<22} {total / 2**20:8.2f} MiB; memory bandwidth {bw:.1f} GB/s (copy, read+write) "
+          f"-> floor {floor_ms:.2f} ms/token ({1e3 / floor_ms:.0f} tok/s); measured {step_ms:.2f} ms "
+          f"= {100 * floor_ms / step_ms:.0f}% of bandwidth")
