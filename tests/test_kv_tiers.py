@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import prompt, save_hf
+from tiny import write_tiny_llama
 
 import strata
 from strata.errors import BadOption
 from strata.models import kv_tiers
 from strata.models.kv_tiers import TieredKVCache, TieredQSACache, model_device_bytes
-from reference import prompt, save_hf
-from tiny import write_tiny_llama
 
 BLOCK = 8
 
@@ -25,8 +25,9 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen4exp_paths(tmp_path_factory):
-    from strata.gguf.convert import convert_hf_to_gguf
     from test_qwen4exp import tiny_qwen4exp
+
+    from strata.gguf.convert import convert_hf_to_gguf
 
     torch.manual_seed(0)
     d = tmp_path_factory.mktemp("qwen4exp-kv")
@@ -189,10 +190,10 @@ def test_rollback_then_rewrite_equals_untiered(tiny_llama):
 @pytest.fixture(scope="module")
 def qwen3next_mtp(tmp_path_factory):
     from safetensors.torch import save_file
-
-    from strata.gguf.convert import convert_hf_to_gguf
     from test_qwen3next import tiny_qwen3next
     from test_speculative import tiny_mtp
+
+    from strata.gguf.convert import convert_hf_to_gguf
 
     torch.manual_seed(0)
     model = tiny_qwen3next()
@@ -241,3 +242,54 @@ def test_block_attention_merges_to_full_attention(dtype):
         o, l = _block_attention(q, k[:, lo:lo + 8], v[:, lo:lo + 8], ok[:, lo:lo + 8], grp)
         out, lse = (o, l) if out is None else merge(out, lse, o, l)
     torch.testing.assert_close(out.to(dtype), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qsa", [False, True])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_tiered_attention_equals_one_softmax_over_all_keys(qsa, batch):
+    """Prefill chunks (block by block), decode and verify steps (two parts, pool and host memory,
+    merged by log-sum-exp) and a rollback, rows of different lengths: each step's output equals
+    one softmax over every key its query may see (causal, and an indexer-like random choice)."""
+    from strata.models.cache import ModelCache
+
+    g = torch.Generator().manual_seed(batch + 2 * qsa)
+    hq, h, d, blk = 4, 2, 8, 4
+    cache = TieredKVCache(kv_tiers.KVTierConfig(5 * kv_tiers.block_bytes(h, d, blk, torch.float32), blk),
+                          frequency=qsa)
+    steps = ModelCache([cache], batch)
+    keys, values = torch.zeros(batch, h, 128, d), torch.zeros(batch, h, 128, d)
+    plan = [(24, [24, 13]), (20, [20, 20]), (1, [1, 1]), (3, [3, 2]), ("rollback", 2), (1, [1, 0]),
+            (3, [3, 3])] + [(1, [1, 1])] * 6
+    split_with_both_parts = 0
+    for width, n_new in plan:
+        if width == "rollback":
+            steps.rollback(n_new)
+            continue
+        step = steps.step(width, torch.tensor(n_new[:batch]))
+        q = torch.randn(batch, hq, width, d, generator=g)
+        k, v = torch.randn(batch, h, width, d, generator=g), torch.randn(batch, h, width, d, generator=g)
+        n_keys = int((step.start + width).max())
+        allowed = None
+        if qsa:
+            allowed = torch.rand(batch, 1, width, n_keys, generator=g) > 0.5
+            allowed |= (torch.arange(n_keys)[None, None] == step.positions[:, :, None])[:, None]  # sees itself
+        for r in range(batch):
+            keys[r, :, step.start[r]:step.start[r] + step.n_new[r]] = k[r, :, :step.n_new[r]]
+            values[r, :, step.start[r]:step.start[r] + step.n_new[r]] = v[r, :, :step.n_new[r]]
+        got = cache.attend(q, k, v, step, allowed)
+        if width == 1:
+            row = cache.rows[0]
+            split_with_both_parts += 0 < len(row.resident) < -(-row.n // blk)
+        for r in range(batch):
+            n, end = int(step.n_new[r]), int(step.start[r] + step.n_new[r])
+            mask = step.attention_mask(end)[r, :, :n]  # (1, n, S)
+            if allowed is not None:
+                mask = mask & allowed[r, :, :n, :end]
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q[r:r + 1, :, :n], keys[r:r + 1, :, :end], values[r:r + 1, :, :end], attn_mask=mask[None],
+                enable_gqa=True)[0]
+            torch.testing.assert_close(got[r, :, :n], want, atol=1e-5, rtol=1e-5)
+            assert not got[r, :, n:].any()
+        steps.advance(step)
+        assert cache.device_bytes <= cache.config.budget
+    assert split_with_both_parts > 0
