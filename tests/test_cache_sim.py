@@ -11,8 +11,8 @@ import torch
 
 from strata.cli import main as cli_main
 from strata.errors import BadOption
-from strata.tiers.cache_sim import Belady, parse_sizes, replay, simulate
-from strata.tiers.policy import LRU, make_policy
+from strata.tiers.cache_sim import Belady, parse_sizes, replay, replay_trace, simulate
+from strata.tiers.policy import LRU, SlotMap, make_policy, regions
 from strata.tiers.trace import TraceRecorder, load_trace
 
 
@@ -119,13 +119,13 @@ def test_trace_round_trip(tmp_path):
 
 
 def test_cache_sim_command_prints_and_plots(tmp_path, capsys):
-    path = skewed_trace(tmp_path / "t.npz", n_tokens=100)
+    path = perfectly_predicted_trace(tmp_path / "t.npz", n_tokens=100)
     png = tmp_path / "curves.png"
     assert cli_main(["cache-sim", str(path), "--policy", "lru,adaptive", "--sizes", "10%,50%",
                      "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "overall hit rate" in out and "min" in out and "per layer at 50%" in out
-    assert "adaptive / MIN" in out
+    assert "demand paging (no prefetch): overall hit rate" in out and "per layer at 50%" in out
+    assert "adaptive / MIN" in out and "with prefetch" in out and "prefetch cost per token" in out
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -147,3 +147,62 @@ def test_parse_sizes():
     assert parse_sizes("10%,30, 90%") == [0.1, 0.3, 0.9]
     with pytest.raises(BadOption):
         parse_sizes("")
+
+
+def test_prefetch_skips_admission_and_is_pinned_until_its_layer_runs():
+    slots = SlotMap(regions(make_policy("adaptive", 2, 100)), n_experts=10)
+    slots.request([0, 1], prefill=False)  # layer 0: both copied into the free slots
+    slots.request([0, 1], prefill=False)
+    assert [k for k, _ in slots.prefetch([11])] == [11]  # a never-used expert: admission would reject it
+    assert [k for k, _ in slots.prefetch([21])] == [21]  # evicts layer 0's other expert, not the pinned 11
+    assert slots.prefetch([31]) == [] and set(slots.where) == {11, 21}  # every slot pinned: nothing to evict
+    hits, _, _ = slots.request([11], prefill=False)  # layer 1 runs: its prefetch was a hit, now unpinned
+    assert hits == [11] and slots.pinned == {21}
+
+
+def test_prefill_region_leaves_the_main_policy_alone():
+    main = make_policy("adaptive", 2, 100)
+    slots = SlotMap(regions(main, reserve=2), n_experts=10)
+    slots.request([1, 2], prefill=False)
+    scores = main.score.copy()
+    for e in range(3, 9):
+        slots.request([e], prefill=True)
+        slots.prefetch([e + 1], prefill=True)
+    assert main.resident == {1, 2} and np.array_equal(main.score, scores)
+    assert len(slots.where) == 4
+
+
+def perfectly_predicted_trace(path, n_tokens=200, n_layers=3, n_experts=16, k=2, seed=0):
+    """Random routing with every next-layer prediction exactly right."""
+    g = torch.Generator().manual_seed(seed)
+    rec = TraceRecorder(n_experts)
+    for t in range(n_tokens):
+        ids = [torch.randperm(n_experts, generator=g)[:k][None] for _ in range(n_layers)]
+        rec.next_step()
+        for layer in range(n_layers):
+            if layer + 1 < n_layers:
+                rec.predicted(layer + 1, sorted(ids[layer + 1][0].tolist()))
+            rec.record(layer, torch.tensor([t]), ids[layer], torch.full((1, k), 1.0 / k))
+    return rec.save(path)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "adaptive"])
+def test_exact_predictions_make_every_predicted_layer_hit(tmp_path, policy):
+    trace = load_trace(perfectly_predicted_trace(tmp_path / "p.npz"))
+    demand = replay_trace(trace, policy, slots=5, prefetch=False)
+    prefetched = replay_trace(trace, policy, slots=5)
+    assert prefetched.layer_rate(1) == prefetched.layer_rate(2) == 1.0 > demand.layer_rate(1)
+    total = prefetched.total()
+    assert total["prefetch_accuracy"] == 1.0 and total["prefetched"] > 0
+    assert prefetched.layer_rate(0) <= demand.layer_rate(0) + 0.05  # layer 0 is never predicted
+
+
+def test_version_1_traces_still_replay(tmp_path):
+    new = load_trace(skewed_trace(tmp_path / "t.npz", n_tokens=50))
+    np.savez_compressed(tmp_path / "v1.npz", step=new.step, layer=new.layer, tokens=new.tokens,
+                        position=new.position, ids=new.ids, weights=new.weights, n_experts=np.int64(16),
+                        meta=np.array("{}"))
+    old = load_trace(tmp_path / "v1.npz")
+    assert old.version == 1 and not old.has_predictions and old.prefill_flags() == [False] * 150
+    a, b = simulate(old, ["adaptive"], [0.3]), simulate(new, ["adaptive"], [0.3])
+    assert a["sizes"][0]["hit_rate"] == b["sizes"][0]["hit_rate"] and "prefetch" not in a["sizes"][0]

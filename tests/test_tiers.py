@@ -232,3 +232,48 @@ def test_plain_reference_path_without_kernels(model, monkeypatch):
     engine = strata.load(path, experts_cache="30%", pin_experts="disk")
     check_exact(engine, ids, ref.logits(ids), ref.generate(ids, 6, stop_at_eos=False))
     engine.close()
+
+
+@pytest.mark.parametrize("policy,reserve", [("adaptive", 0), ("lru", 0), ("adaptive", 2), ("lfu", 2)])
+def test_simulator_counts_what_the_runtime_counts(model, tmp_path, policy, reserve):
+    """Replaying the run's own trace (routing, prefill flags, predictions) gives the runtime's counters."""
+    from strata.tiers.cache_sim import replay_trace
+
+    path, ids, _, _, _ = model
+    engine = strata.load(path, experts_cache="30%", cache_policy=policy, prefill_reserve=reserve,
+                         prefill_chunk=8, trace_experts=str(tmp_path / "t.npz"))
+    engine.generate(ids, 10, stop_at_eos=False)
+    engine.generate(prompt(VOCAB, 11, seed=5), 6, stop_at_eos=False)
+    runtime = engine.tiers.executor.stats.as_dict({})["total"]
+    plan = engine.tiers.plan
+    engine.close()
+    trace = load_trace(tmp_path / "t.npz")
+    assert trace.version == 2 and trace.has_predictions and trace.prefill_flags().count(True) == 3 * (3 + 2)
+    sim = replay_trace(trace, policy, plan.slots, plan.prefill_reserve).total()
+    counters = ("hits", "misses", "copied", "cpu_experts", "prefetched", "prefetch_hits", "predicted_used",
+                "bytes_copied")
+    assert {c: sim[c] for c in counters} == {c: runtime[c] for c in counters}
+    assert runtime["prefetched"] > 0 and sim["hit_rate"] == runtime["hit_rate"]
+
+
+def main_resident(engine) -> set[int]:
+    main = next(r for r in engine.tiers.cache.regions if r.name == "main")
+    return set(main.policy.resident)
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "lru"])
+def test_prefill_reserve_keeps_the_decode_set(model, policy):
+    """A long prompt, prefilled in chunks, goes through the reserved slots and leaves decode's alone."""
+    path, ids, _, _, slot = model
+    long_prompt = prompt(VOCAB, 64, seed=7)
+    disturbed = {}
+    for reserve in (0, 4):
+        engine = strata.load(path, experts_cache=str(16 * slot), cache_policy=policy, prefill_reserve=reserve,
+                             prefill_chunk=8)
+        engine.generate(ids[:4], 12, stop_at_eos=False)  # decode steps fill the main region
+        before = main_resident(engine)
+        engine.generate(long_prompt, 1, stop_at_eos=False)  # prefill only: 8 chunks of 8 tokens
+        disturbed[reserve] = main_resident(engine) != before
+        assert len(before) == 16 - reserve
+        engine.close()
+    assert disturbed == {0: True, 4: False}

@@ -113,12 +113,14 @@ def replay(requests: list[tuple[int, list[int]]], policy: Policy, n_experts: int
     slots.preload()
     predictions = predictions or {}
     for i, (layer, experts) in enumerate(requests):
+        in_prefill = bool(prefill[i]) if prefill else False  # a prediction shares its record's forward
         for p_layer, p_experts in predictions.get(i, ()):
             keys = [p_layer * n_experts + e for e in p_experts]
             result.stats.predicted(p_layer, set(keys))
-            result.stats.prefetched(p_layer, [k for k, _ in slots.prefetch(keys)], _nbytes(expert_bytes, p_layer))
+            copies = slots.prefetch(keys, in_prefill)
+            result.stats.prefetched(p_layer, [k for k, _ in copies], _nbytes(expert_bytes, p_layer))
         keys = [layer * n_experts + e for e in experts]
-        hits, copies, cpu = slots.request(keys, bool(prefill[i]) if prefill else False)
+        hits, copies, cpu = slots.request(keys, in_prefill)
         result.stats.step(layer, keys, hits, [k for k, _ in copies], cpu, _nbytes(expert_bytes, layer))
     return result
 
@@ -128,29 +130,43 @@ def _nbytes(expert_bytes, layer: int) -> int:
     return int(expert_bytes[layer]) if expert_bytes is not None and layer < len(expert_bytes) else 1
 
 
-def simulate(trace: Trace, policies, fractions, prefetch: bool = True) -> dict:
+def replay_trace(trace: Trace, policy: str, slots: int, reserve: int = 0, prefetch: bool = True,
+                 ranking: list[int] | None = None) -> SimResult:
+    """What the runtime would count on this trace with `--cache-policy policy`, `slots` cache
+    slots of which `reserve` are kept for prefill, and prefetch on or off."""
+    requests = trace.requests()
+    n_keys = (max(trace.layers) + 1) * trace.n_experts if trace.layers else 0
+    if policy == "static" and ranking is None:
+        ranking = _ranking([[layer * trace.n_experts + e for e in ex] for layer, ex in requests])
+    return replay(requests, _policy(policy, slots - reserve, n_keys, trace, ranking), trace.n_experts,
+                  trace.prefill_flags(), trace.predictions_by_record() if prefetch else None, reserve,
+                  trace.expert_bytes)
+
+
+def simulate(trace: Trace, policies, fractions, prefetch: bool = True, reserve: int = 0) -> dict:
     """Hit rates of every policy and MIN at each cache size (a fraction of all experts).
 
     `hit_rate`: demand paging (a miss is copied in, or left to the CPU, when it is used).
     `prefetch`: the same policies with the trace's next-layer predictions copied in ahead
     of use, as the runtime does with prefetch on (only for traces that recorded them).
-    MIN and opt are demand-paging optima: prefetch can beat them."""
+    MIN and opt are demand-paging optima over all the slots: prefetch can beat them.
+    `reserve` slots of each size are kept for prefill, as `--prefill-reserve` does."""
     requests = trace.requests()
     layers = trace.layers
-    n_keys = (max(layers) + 1) * trace.n_experts if layers else 0
     total = len(layers) * trace.n_experts
     keyed = [[layer * trace.n_experts + e for e in ex] for layer, ex in requests]
     ranking = _ranking(keyed)
-    flags, predicted = trace.prefill_flags(), trace.predictions_by_record()
     prefetch = prefetch and trace.has_predictions
     n_tokens = int(trace.tokens.sum()) // max(len(layers), 1)
     rows = []
     for frac in fractions:
         slots = max(round(frac * total), 0)
+        if reserve > slots:
+            raise BadOption(f"--prefill-reserve {reserve} is more than the {slots} slots of {frac:.0%}",
+                            "use a smaller reserve or larger --sizes")
 
-        def run(name, predictions=None, slots=slots):
-            return replay(requests, _policy(name, slots, n_keys, trace, ranking), trace.n_experts, flags,
-                          predictions, expert_bytes=trace.expert_bytes)
+        def run(name, with_prefetch=False, slots=slots):
+            return replay_trace(trace, name, slots, reserve, with_prefetch, ranking)
 
         results = {name: run(name) for name in policies}
         results["min"] = replay(requests, Belady(slots, keyed), trace.n_experts)
@@ -159,11 +175,11 @@ def simulate(trace: Trace, policies, fractions, prefetch: bool = True) -> dict:
                "hit_rate": {n: r.hit_rate for n, r in results.items()},
                "per_layer": {n: {layer: r.layer_rate(layer) for layer in layers} for n, r in results.items()}}
         if prefetch:
-            row["prefetch"] = {name: _prefetch_row(run(name, predicted), results[name], n_tokens)
+            row["prefetch"] = {name: _prefetch_row(run(name, True), results[name], n_tokens)
                                for name in policies}
         rows.append(row)
     return {"requests": len(requests), "layers": layers, "n_experts": trace.n_experts,
-            "tokens": int(trace.tokens.sum()), "decode_tokens": n_tokens, "trace_version": trace.version,
+            "tokens": int(trace.tokens.sum()), "n_tokens": n_tokens, "reserve": reserve, "trace_version": trace.version,
             "expert_bytes": trace.expert_bytes is not None, "sizes": rows}
 
 
@@ -223,7 +239,8 @@ def table(result: dict, policies: list[str], per_layer: bool = True) -> str:
     lines = [(f"{result['requests']} requests, {result['tokens']} token-routings, "
              f"{len(result['layers'])} layers x {result['n_experts']} experts (trace format v{result['trace_version']})"),
              ("static: the trace's most used experts, preloaded (hindsight); min: Belady, every miss "
-             "copied in; opt: Belady free to leave a miss on the CPU; both are demand-paging optima"),
+             "copied in; opt: Belady free to leave a miss on the CPU; both are demand-paging optima"
+             + (f"; policies keep {result['reserve']} slots for prefill" if result["reserve"] else "")),
              "", "demand paging (no prefetch): overall hit rate", head]
     for row in result["sizes"]:
         rates = " ".join(f"{row['hit_rate'][c]:>9.1%}" for c in cols)
@@ -254,7 +271,7 @@ def _prefetch_lines(result: dict, policies: list[str]) -> list[str]:
         cells = " ".join(f"{row['prefetch'][c]['hit_rate']:>8.1%} ({_ratio(row['prefetch'][c]['hit_rate'], row['hit_rate'])})"
                          .rjust(16) for c in policies)
         lines.append(f"{row['fraction']:>6.0%} {row['slots']:>7} {cells} {row['hit_rate']['min']:>9.1%}")
-    lines += ["", (f"prefetch cost per token ({result['decode_tokens']} tokens): prediction accuracy (used experts "
+    lines += ["", (f"prefetch cost per token ({result['n_tokens']} tokens): prediction accuracy (used experts "
               f"predicted), copies per token demand -> with prefetch, extra {unit} copied per token"),
               f"{'size':>6} {'policy':>9} {'accuracy':>9} {'precision':>9} {'copies':>14} {'extra':>9}"]
     for row in rows:
@@ -301,6 +318,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("trace", help="a trace written by strata run --trace-experts")
     p.add_argument("--policy", default=",".join(ALL_POLICIES), help="comma list of lru,lfu,adaptive,static")
     p.add_argument("--sizes", default="10%,30%,50%,70%,90%", help="cache sizes, %% of all experts (default %(default)s)")
+    p.add_argument("--prefill-reserve", type=int, default=0, metavar="N",
+                   help="slots of each size kept for prefill, as strata run --prefill-reserve")
     p.add_argument("--plot", help="write the hit-rate curves to this image")
     p.add_argument("--summary-only", action="store_true", help="skip the per-layer tables")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -310,7 +329,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     policies, fractions = parse_policies(args.policy), parse_sizes(args.sizes)
-    result = simulate(load_trace(args.trace), policies, fractions)
+    if args.prefill_reserve < 0:
+        raise BadOption(f"--prefill-reserve {args.prefill_reserve} is negative", "give 0 or more slots")
+    result = simulate(load_trace(args.trace), policies, fractions, reserve=args.prefill_reserve)
     if args.json:
         json.dump(result, sys.stdout)
         print()

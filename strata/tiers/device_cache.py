@@ -93,9 +93,9 @@ class DeviceCache:
         self._copy_in(copies)
         return hits, [k for k, _ in copies], rejected
 
-    def prefetch(self, keys: list[int]) -> list[int]:
-        """Copy predicted experts in ahead of use, if the decode policy admits them."""
-        copies = self.slots.prefetch(keys)
+    def prefetch(self, keys: list[int], prefill: bool = False) -> list[int]:
+        """Copy predicted experts in ahead of use."""
+        copies = self.slots.prefetch(keys, prefill)
         self._copy_in(copies)
         return [k for k, _ in copies]
 

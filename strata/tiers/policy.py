@@ -204,14 +204,14 @@ class SlotMap:
     """Which key sits in which slot, over regions: the device cache's decisions, without its bytes.
 
     The runtime's `DeviceCache` and the simulator's replay both call this, so a simulated
-    hit rate is the runtime's. Prefill misses go to the `prefill` region when there is one;
-    decode misses and prefetches to `main`. A prefill's uses do not count towards the main
+    hit rate is the runtime's. Prefill misses and prefetches go to the `prefill` region when
+    there is one; decode misses and prefetches to `main`. A prefill's uses do not count towards the main
     policy's recency or frequency when prefill has its own region, so a long prompt neither
     evicts the decode hot set nor outweighs it in later admissions.
 
     A prefetch skips admission (admission weighs a demand miss against computing it on the
-    CPU; a prediction says the expert is about to be used) and the copied expert is pinned
-    until its layer has run, so the next layer's prefetch cannot evict it unused. A
+    CPU; a prediction says the expert is about to be used), and every predicted expert on
+    the device is pinned until its layer has run, so no other placement evicts it unused. A
     prediction is not a use: it changes no recency or frequency.
     """
 
@@ -237,15 +237,16 @@ class SlotMap:
         admitted, rejected = region.policy.place(misses, set(keys) | self.pinned)
         return hits, self._assign(region, admitted), rejected
 
-    def prefetch(self, keys: list[int]) -> Copies:
-        """Predicted keys copied in ahead of use into the decode region, pinned until their layer runs."""
-        region = self.region(prefill=False)
+    def prefetch(self, keys: list[int], prefill: bool = False) -> Copies:
+        """Predicted keys copied in ahead of use (into the region the step's misses go to), pinned
+        until their layer runs."""
+        region = self.region(prefill)
         misses = [k for k in keys if k not in self.where]
-        if region is None or not misses:
+        if region is None:
             return []
-        admitted, _ = region.policy.place(misses, set(keys) | self.pinned, force=True)
+        admitted, _ = region.policy.place(misses, set(keys) | self.pinned, force=True) if misses else ([], [])
         copies = self._assign(region, admitted)
-        self.pinned.update(k for k, _ in copies)
+        self.pinned.update(k for k in keys if k in self.where)
         return copies
 
     def preload(self) -> Copies:

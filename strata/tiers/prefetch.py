@@ -7,7 +7,7 @@ the copy stream (a thread without CUDA) while layer L's attention and experts co
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ class Prefetcher:
         self.n_experts, self.nbytes, self.cached_layers = n_experts, nbytes, cached_layers
         self.tracer = tracer  # records each prediction, so `strata cache-sim` replays the prefetches
 
-    def __call__(self, block: int, x: torch.Tensor, token_mask: torch.Tensor) -> None:
+    def __call__(self, block: int, x: torch.Tensor, token_mask: torch.Tensor, prefill: bool = False) -> None:
         layer = block + 1
         predict = self.predictors.get(layer)
         if predict is None:
@@ -35,7 +35,7 @@ class Prefetcher:
         keys = [layer * self.n_experts + e for e in experts]
         self.stats.predicted(layer, set(keys))
         if self.cache is not None and layer in self.cached_layers:
-            self.stats.prefetched(layer, self.cache.prefetch(keys), self.nbytes[layer])
+            self.stats.prefetched(layer, self.cache.prefetch(keys, prefill), self.nbytes[layer])
 
 
 def router_predictors(model) -> dict[int, Callable]:

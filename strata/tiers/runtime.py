@@ -39,7 +39,7 @@ class TierRuntime:
             if self.executor.tracer is not None:
                 self.executor.tracer.next_step(self.executor.prefill)
         if self.prefetcher is not None:
-            self.prefetcher(block, x, step.token_mask)
+            self.prefetcher(block, x, step.token_mask, self.executor.prefill)
 
     def stats(self) -> dict:
         from strata.tiers.plan_cli import summary
