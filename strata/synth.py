@@ -3,10 +3,12 @@
     strata synth --like qwen3-30b-a3b --layers 4 --quant Q4_K_M out.gguf
 
 The file is a complete model in llama.cpp's layout (arch qwen3moe for qwen3-30b-a3b, qwen3next
-for qwen3-next-80b): the real hidden size, heads, experts and expert width, fewer layers,
-optionally a smaller vocabulary (--vocab) or fewer experts (--experts, for small test files),
-and a small byte-level BPE tokenizer (tokenizer.ggml.model "gpt2") so llama.cpp accepts it.
-qwen4exp is refused until strata implements it.
+for qwen3-next-80b, qwen4exp for qwen4exp): the real hidden size, heads, experts and expert
+width, fewer layers, optionally a smaller vocabulary (--vocab) or fewer experts (--experts, for
+small test files), and a small byte-level BPE tokenizer (tokenizer.ggml.model "gpt2") so
+llama.cpp accepts it. llama.cpp has no qwen4exp architecture, so only Strata loads those files;
+their n-gram table (`per_layer_token_embd`, layer 1) is small unless --ngram-rows asks for more
+(the real one has 320,001,536 rows of 160 values), and they have no MTP block.
 
 Quantized tensors are written block by block without a quantizer: random bytes for the
 quants, with every scale field overwritten by a finite, positive value sized so that the
@@ -30,7 +32,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from strata import quant
-from strata.errors import BadOption, StrataError, UnsupportedQuantType
+from strata.errors import BadOption, UnsupportedQuantType
 
 WEIGHT_RMS = 0.02
 
@@ -139,6 +141,18 @@ class Like:
     linear_k_dim: int = 0
     linear_v_dim: int = 0
     conv_kernel: int = 0
+    # qwen4exp only
+    hc_count: int = 0  # hyper-connection streams
+    hc_rank: int = 0
+    indexer_heads: int = 0
+    indexer_dim: int = 0
+    indexer_budget: int = 0  # tokens
+    compress_ratio: int = 0  # tokens per QSA block
+    ngram_size: int = 0
+    heads_per_ngram: int = 0
+    ple_row_dim: int = 0  # values per n-gram table row
+    ple_layer: int = 0  # 0-based
+    ngram_rows: int = 0  # the real table's rows
 
 
 LIKE = {
@@ -152,10 +166,18 @@ LIKE = {
                            rope_theta=10_000_000.0, context=262144, shared_ffn=512, rope_dim=64,
                            full_attention_interval=4, linear_k_heads=16, linear_v_heads=32,
                            linear_k_dim=128, linear_v_dim=128, conv_kernel=4),
+    # Qwen3.8-Flash-Next (HF qwen4_exp; the flagship issue's reference facts): 3 Gated DeltaNet
+    # layers, then 1 QSA layer; 4 hyper-connection streams; an n-gram table on layer 1
+    "qwen4exp": Like(arch="qwen4exp", vocab=248320, hidden=2560, layers=48, heads=24, kv_heads=2,
+                     head_dim=256, ffn=0, expert_ffn=640, experts=512, experts_used=10,
+                     rope_theta=10_000_000.0, context=262144, shared_ffn=640, rope_dim=64,
+                     full_attention_interval=4, linear_k_heads=16, linear_v_heads=48,
+                     linear_k_dim=128, linear_v_dim=128, conv_kernel=4, hc_count=4, hc_rank=320,
+                     indexer_heads=4, indexer_dim=128, indexer_budget=2048, compress_ratio=4,
+                     ngram_size=3, heads_per_ngram=8, ple_row_dim=160, ple_layer=1,
+                     ngram_rows=320_001_536),
 }
-NOT_YET = {
-    "qwen4exp": "its architecture is not implemented in strata yet",
-}
+SMALL_NGRAM_ROWS = 65536  # the default table: 16 heads of ~4K rows (5.6 MiB at Q4_0)
 
 # --quant name -> (ggml file_type id, chooser(kind, layer, n_layers) -> type)
 def _more_bits(i: int, n: int) -> bool:
@@ -185,15 +207,33 @@ QUANTS = {
 }
 
 
-def tensor_plan(like: Like, n_layers: int, vocab: int, quant_name: str, experts: int | None = None):
+# Rows whose width is not a multiple of 256 cannot hold K- or i-quant blocks; llama.cpp then
+# falls back to a 32-value type of about the same size (llama_tensor_get_type's fallback).
+_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.IQ4_NL, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0,
+             T.IQ2_XXS: T.IQ4_NL, T.IQ2_XS: T.IQ4_NL, T.IQ2_S: T.IQ4_NL, T.IQ3_XXS: T.IQ4_NL,
+             T.IQ3_S: T.IQ4_NL, T.IQ1_S: T.IQ4_NL, T.IQ4_XS: T.IQ4_NL}
+SMALL_KINDS = ("norm", "router", "conv", "ssm_a", "ssm_dt")  # always F32, as llama.cpp keeps them
+
+
+def _fits(qtype: T, shape) -> T:
+    """qtype, or its fallback when a row of `shape` is not whole blocks of it."""
+    if qtype in (T.F32, T.F16) or shape[-1] % quant.get(qtype).block_size == 0:
+        return qtype
+    return _FALLBACK.get(qtype, T.F16)
+
+
+def tensor_plan(like: Like, n_layers: int, vocab: int, quant_name: str, experts: int | None = None,
+                ngram_rows: int | None = None):
     """[(name, torch-order shape, ggml type, kind)] in file order, as llama.cpp names them."""
+    if like.arch == "qwen4exp":
+        return _qwen4exp_plan(like, n_layers, vocab, quant_name, experts, ngram_rows)
     choose = QUANTS[quant_name][1]
     h, E, f = like.hidden, experts or like.experts, like.expert_ffn
     plan = [("token_embd.weight", (vocab, h), choose("token_embd", 0, n_layers), "token_embd")]
 
     def add(i, name, shape, kind):
-        small = kind in ("norm", "router", "conv", "ssm_a", "ssm_dt")
-        plan.append((f"blk.{i}.{name}", shape, T.F32 if small else choose(kind, i, n_layers), kind))
+        qtype = T.F32 if kind in SMALL_KINDS else _fits(choose(kind, i, n_layers), shape)
+        plan.append((f"blk.{i}.{name}", shape, qtype, kind))
 
     for i in range(n_layers):
         add(i, "attn_norm.weight", (h,), "norm")
@@ -230,8 +270,146 @@ def tensor_plan(like: Like, n_layers: int, vocab: int, quant_name: str, experts:
     return plan
 
 
+def _qwen4exp_plan(like: Like, n_layers: int, vocab: int, quant_name: str, experts: int | None,
+                   ngram_rows: int | None):
+    """qwen4exp's tensors (strata/models/qwen4exp.py lists the layout): hyper-connection mixers
+    around every mixer and MoE (kept F16: their up matrices are 320 wide), Gated DeltaNet or
+    QSA, the n-gram table's projections on the PLE layer, and the table itself last."""
+    choose = QUANTS[quant_name][1]
+    h, E, f, s = like.hidden, experts or like.experts, like.expert_ffn, like.shared_ffn
+    width, rank, hc = like.hc_count * h, like.hc_rank, like.hc_count
+    plan = [("token_embd.weight", (vocab, h), choose("token_embd", 0, n_layers), "token_embd")]
+
+    def add(name, shape, kind, i=0):
+        if kind in SMALL_KINDS:
+            qtype = T.F32
+        elif kind == "hc":
+            qtype = T.F16
+        else:
+            qtype = _fits(choose(kind, i, n_layers), shape)
+        plan.append((name, shape, qtype, kind))
+
+    def mixer(prefix, inject=True):
+        add(f"{prefix}_norm.weight", (width,), "norm")
+        add(f"{prefix}_down.weight", (rank, width), "hc")
+        add(f"{prefix}_up.weight", (width, rank), "hc")
+        if inject:
+            add(f"{prefix}_inject.weight", (hc, width), "hc")
+
+    kd, vd, nv = like.linear_k_heads * like.linear_k_dim, like.linear_v_heads * like.linear_v_dim, like.linear_v_heads
+    for i in range(n_layers):
+        p = f"blk.{i}"
+        mixer(f"{p}.hc_attn")
+        mixer(f"{p}.hc_ffn")
+        if (i + 1) % like.full_attention_interval:  # Gated DeltaNet
+            for name, shape, kind in (("attn_qkv.weight", (2 * kd + vd, h), "attn_qkv"),
+                                      ("attn_gate.weight", (vd, h), "attn_gate"),
+                                      ("ssm_beta.weight", (nv, h), "ssm_beta"),
+                                      ("ssm_alpha.weight", (nv, h), "ssm_alpha"),
+                                      ("ssm_conv1d.weight", (2 * kd + vd, like.conv_kernel), "conv"),
+                                      ("ssm_dt.bias", (nv,), "ssm_dt"), ("ssm_a", (nv,), "ssm_a"),
+                                      ("ssm_norm.weight", (like.linear_v_dim,), "norm"),
+                                      ("ssm_out.weight", (h, vd), "ssm_out")):
+                add(f"{p}.{name}", shape, kind, i)
+        else:  # QSA: gated attention ([query | gate] per head) and its indexer
+            hd, ih, idim = like.head_dim, like.indexer_heads, like.indexer_dim
+            for name, shape, kind in (("attn_q.weight", (2 * like.heads * hd, h), "attn_q"),
+                                      ("attn_k.weight", (like.kv_heads * hd, h), "attn_k"),
+                                      ("attn_v.weight", (like.kv_heads * hd, h), "attn_v"),
+                                      ("attn_output.weight", (h, like.heads * hd), "attn_output"),
+                                      ("attn_q_norm.weight", (hd,), "norm"), ("attn_k_norm.weight", (hd,), "norm"),
+                                      ("indexer.q_proj.weight", (ih * idim, h), "indexer"),
+                                      ("indexer.k_proj.weight", (idim, h), "indexer"),
+                                      ("indexer.q_norm.weight", (idim,), "norm"),
+                                      ("indexer.k_norm.weight", (idim,), "norm")):
+                add(f"{p}.{name}", shape, kind, i)
+        if i == like.ple_layer:
+            e = like.ple_row_dim * _ngram_heads(like)
+            for name, shape, kind in (("ple_key.weight", (width, e), "ple"), ("ple_value.weight", (h, e), "ple"),
+                                      ("ple_norm_key.weight", (width,), "norm"),
+                                      ("ple_norm_query.weight", (width,), "norm"),
+                                      ("ple_norm_conv.weight", (width,), "norm"),
+                                      ("ple_conv1d.weight", (width, like.conv_kernel), "conv")):
+                add(f"{p}.{name}", shape, kind, i)
+        for name, shape, kind in (("ffn_gate_inp.weight", (E, h), "router"),
+                                  ("ffn_gate_exps.weight", (E, f, h), "ffn_gate_exps"),
+                                  ("ffn_up_exps.weight", (E, f, h), "ffn_up_exps"),
+                                  ("ffn_down_exps.weight", (E, h, f), "ffn_down_exps"),
+                                  ("ffn_gate_shexp.weight", (s, h), "ffn_gate_shexp"),
+                                  ("ffn_up_shexp.weight", (s, h), "ffn_up_shexp"),
+                                  ("ffn_down_shexp.weight", (h, s), "ffn_down_exps"),
+                                  ("ffn_gate_inp_shexp.weight", (1, h), "router")):
+            add(f"{p}.{name}", shape, kind, i)
+    mixer("output_hc", inject=False)
+    add("output.weight", (vocab, h), "output")
+    if like.ple_layer < n_layers:
+        from strata.models.ngram_table import padded_rows
+
+        rows = padded_rows(ngram_hash(like, vocab, ngram_rows), 128)
+        plan.append(("per_layer_token_embd.weight", (rows, like.ple_row_dim), _TABLE_TYPES[quant_name], "ngram"))
+    return plan
+
+
+# The n-gram table's type: rows of 160 values take only 32-value blocks. The real table is
+# 28.8 GB for 51.2B values, 4.5 bits each: Q4_0.
+_TABLE_TYPES = {"Q4_K_M": T.Q4_0, "IQ2_XS": T.Q4_0, "Q4_0": T.Q4_0, "Q8_0": T.Q8_0, "F16": T.F16}
+
+
+def _ngram_heads(like: Like) -> int:
+    return (like.ngram_size - 1) * like.heads_per_ngram
+
+
+def ngram_hash(like: Like, vocab: int, rows: int | None = None):
+    """The n-gram hash (transformers' construction) of the largest table of at most `rows` rows.
+
+    Head h hashes into the h-th prime from a base (the real model's ngram_vocab_size_base is
+    20,000,000, which makes 320,001,536 rows padded to 128); the base is the largest whose
+    padded table fits, so the real row count gives back the real hash."""
+    from strata.models.ngram_table import (
+        NgramHash,
+        head_vocab_sizes,
+        layer_multipliers,
+        padded_rows,
+    )
+
+    heads, rows = _ngram_heads(like), rows or SMALL_NGRAM_ROWS
+    mult = tuple(layer_multipliers(vocab, like.ngram_size, 0, 1234))
+
+    def make(base: int) -> NgramHash:
+        sizes = head_vocab_sizes(base, heads, 0)
+        return NgramHash(like.ngram_size, like.heads_per_ngram, mult, tuple(sizes),
+                         tuple(sum(sizes[:k]) for k in range(heads)), eos=vocab - 1)
+
+    lo, hi = 2, max(rows // heads, 2)  # padded_rows(make(lo)) <= rows (checked by the caller)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if padded_rows(make(mid), 128) <= rows else (lo, mid - 1)
+    return make(lo)
+
+
+def _qwen4exp_config(like: Like, n_layers: int, vocab: int, experts: int | None, ngram_rows: int | None):
+    from strata.models import qwen4exp
+    from strata.models.rope import RopeConfig
+
+    E = experts or like.experts
+    recurrent = tuple((i + 1) % like.full_attention_interval != 0 for i in range(n_layers))
+    ple = like.ple_layer < n_layers
+    return qwen4exp.Config(
+        vocab_size=vocab, hidden_size=like.hidden, n_layers=n_layers, n_heads=like.heads, n_kv_heads=like.kv_heads,
+        head_dim=like.head_dim, expert_ffn_size=like.expert_ffn, shared_ffn_size=like.shared_ffn, n_experts=E,
+        n_experts_used=min(like.experts_used, E), norm_topk_prob=True, rms_eps=like.rms_eps,
+        rope=RopeConfig(dim=like.rope_dim, theta=like.rope_theta), rope_sections=(11, 11, 10, 0),
+        context_length=like.context, recurrent=recurrent, conv_kernel=like.conv_kernel,
+        linear_k_heads=like.linear_k_heads, linear_v_heads=like.linear_v_heads, linear_k_dim=like.linear_k_dim,
+        linear_v_dim=like.linear_v_dim, gate_act="sigmoid", hc_count=like.hc_count, hc_rank=like.hc_rank,
+        indexer_heads=like.indexer_heads, indexer_dim=like.indexer_dim, indexer_budget=like.indexer_budget,
+        compress_ratios=tuple(0 if r else like.compress_ratio for r in recurrent),
+        ple_layers=(like.ple_layer,) if ple else (), ple_conv_kernel=like.conv_kernel,
+        ple_row_dim=like.ple_row_dim if ple else 0, ple_hash=ngram_hash(like, vocab, ngram_rows) if ple else None)
+
+
 def metadata(like: Like, n_layers: int, vocab: int, quant_name: str, like_name: str,
-             experts: int | None = None) -> dict:
+             experts: int | None = None, ngram_rows: int | None = None) -> dict:
     from strata.models.rope import RopeConfig
 
     E = experts or like.experts
@@ -240,7 +418,11 @@ def metadata(like: Like, n_layers: int, vocab: int, quant_name: str, like_name: 
                   n_kv_heads=like.kv_heads, head_dim=like.head_dim, ffn_size=like.ffn,
                   expert_ffn_size=like.expert_ffn, n_experts=E, n_experts_used=min(like.experts_used, E),
                   norm_topk_prob=True, rms_eps=like.rms_eps, rope=rope, context_length=like.context)
-    if like.arch == "qwen3next":
+    if like.arch == "qwen4exp":
+        from strata.models import qwen4exp as arch
+
+        c = _qwen4exp_config(like, n_layers, vocab, experts, ngram_rows)
+    elif like.arch == "qwen3next":
         from strata.models import qwen3next as arch
 
         c = arch.Config(**common, shared_ffn_size=like.shared_ffn,
@@ -259,7 +441,7 @@ def metadata(like: Like, n_layers: int, vocab: int, quant_name: str, like_name: 
         "general.quantization_version": 2,
     }
     meta.update(arch.gguf_metadata(c))
-    if like.arch == "qwen3next" and n_layers < like.full_attention_interval:
+    if like.arch in ("qwen3next", "qwen4exp") and n_layers < like.full_attention_interval:
         # gguf_metadata derives the interval from the layer kinds; with no full-attention layer
         # any interval > n_layers fits, so record the real one.
         meta[f"{like.arch}.full_attention_interval"] = like.full_attention_interval
@@ -339,8 +521,12 @@ def _add_kv(writer: gguf.GGUFWriter, key: str, value) -> None:
         writer.add_key_value(key, value, V.FLOAT32)
     elif isinstance(value, str):
         writer.add_key_value(key, value, V.STRING)
+    elif isinstance(value, np.ndarray):  # an explicit element type (qwen4exp's uint64 hash constants)
+        sub = {np.dtype(np.uint64): V.UINT64, np.dtype(np.int64): V.INT64}.get(value.dtype, V.INT32)
+        writer.add_key_value(key, value.tolist(), V.ARRAY, sub_type=sub)
     else:
-        sub = V.STRING if value and isinstance(value[0], str) else V.INT32
+        sub = V.STRING if value and isinstance(value[0], str) else V.BOOL if value and isinstance(value[0], bool) \
+            else V.INT32
         writer.add_key_value(key, list(value), V.ARRAY, sub_type=sub)
 
 
@@ -360,14 +546,31 @@ def _tensor_data(shape, qtype: T, kind: str, rng: np.random.Generator) -> np.nda
     return random_blocks(qtype, n // q.block_size, rng).reshape(*shape[:-1], shape[-1] // q.block_size * q.type_size)
 
 
+class _Streamed:
+    """A tensor's random data produced and written a slice of its outer dimension at a time, so a
+    table of tens of GB never sits in memory (gguf's writer needs only `nbytes` and `tofile`)."""
+
+    CHUNK_BYTES = 64 << 20
+
+    def __init__(self, shape, qtype: T, kind: str, rng: np.random.Generator):
+        self.shape, self.qtype, self.kind, self.rng = tuple(shape), qtype, kind, rng
+        self.nbytes = quant.row_bytes(qtype, shape[-1]) * math.prod(shape[:-1])
+
+    def tofile(self, f) -> None:
+        outer = self.shape[0]
+        step = max(1, outer * self.CHUNK_BYTES // max(self.nbytes, 1))
+        for start in range(0, outer, step):
+            n = min(step, outer - start)
+            _tensor_data((n, *self.shape[1:]), self.qtype, self.kind, self.rng).tofile(f)
+
+
 def write(path, like_name: str = "qwen3-30b-a3b", layers: int = 4, quant_name: str = "Q4_K_M",
-          vocab: int | None = None, seed: int = 0, log=None, experts: int | None = None) -> Path:
-    """Write the synthetic model; returns its path. `experts` shrinks the expert count (tests)."""
-    if like_name in NOT_YET:
-        raise StrataError(f"--like {like_name}: {NOT_YET[like_name]}",
-                          f"use --like {' or '.join(LIKE)}")
+          vocab: int | None = None, seed: int = 0, log=None, experts: int | None = None,
+          ngram_rows: int | None = None) -> Path:
+    """Write the synthetic model; returns its path. `experts` shrinks the expert count (tests);
+    `ngram_rows` sizes qwen4exp's n-gram table (default SMALL_NGRAM_ROWS)."""
     if like_name not in LIKE:
-        raise BadOption(f"unknown --like {like_name!r}", f"known: {', '.join([*LIKE, *NOT_YET])}")
+        raise BadOption(f"unknown --like {like_name!r}", f"known: {', '.join(LIKE)}")
     if quant_name not in QUANTS:
         raise BadOption(f"unknown --quant {quant_name!r}", f"known: {', '.join(QUANTS)}")
     like = LIKE[like_name]
@@ -378,9 +581,12 @@ def write(path, like_name: str = "qwen3-30b-a3b", layers: int = 4, quant_name: s
     rng = np.random.default_rng(seed)
     if experts is not None and not 1 <= experts <= like.experts:
         raise BadOption(f"--experts must be between 1 and {like.experts}")
-    plan = tensor_plan(like, layers, vocab, quant_name, experts)
+    if ngram_rows is not None and (like.arch != "qwen4exp" or ngram_rows < 256):
+        raise BadOption(f"--ngram-rows {ngram_rows}: only qwen4exp has an n-gram table"
+                        if like.arch != "qwen4exp" else "--ngram-rows must be at least 1024")
+    plan = tensor_plan(like, layers, vocab, quant_name, experts, ngram_rows)
     writer = gguf.GGUFWriter(str(path), like.arch)
-    for key, value in metadata(like, layers, vocab, quant_name, like_name, experts).items():
+    for key, value in metadata(like, layers, vocab, quant_name, like_name, experts, ngram_rows).items():
         _add_kv(writer, key, value)
     for name, shape, qtype, _ in plan:
         if qtype in (T.F32, T.F16):
@@ -393,8 +599,8 @@ def write(path, like_name: str = "qwen3-30b-a3b", layers: int = 4, quant_name: s
     writer.write_header_to_file(path)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for name, shape, qtype, kind in plan:  # one tensor in memory at a time
-        writer.write_tensor_data(_tensor_data(shape, qtype, kind, rng))
+    for name, shape, qtype, kind in plan:  # at most one slice of one tensor in memory
+        writer.write_tensor_data(_Streamed(shape, qtype, kind, rng))
         if log:
             log(f"  {name:<28} {qtype.name:<8} {list(shape)}")
     writer.close()
@@ -404,19 +610,26 @@ def write(path, like_name: str = "qwen3-30b-a3b", layers: int = 4, quant_name: s
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="strata synth", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="the .gguf file to write")
-    ap.add_argument("--like", default="qwen3-30b-a3b", help=f"model whose shapes to copy: {', '.join([*LIKE, *NOT_YET])}")
+    ap.add_argument("--like", default="qwen3-30b-a3b",
+                    help=f"model whose shapes to copy: {', '.join(LIKE)} (qwen4exp files load in Strata only: "
+                         "llama.cpp has no qwen4exp architecture)")
     ap.add_argument("--layers", type=int, default=4, help="number of layers (default 4)")
     ap.add_argument("--quant", default="Q4_K_M", help=f"type mix: {', '.join(QUANTS)} (default Q4_K_M)")
     ap.add_argument("--vocab", type=int, default=None, help="shrink the vocabulary to save disk (default: the model's)")
     ap.add_argument("--experts", type=int, default=None,
                     help="fewer experts per layer than the model has (small test files; default: the model's)")
+    ap.add_argument("--ngram-rows", type=int, default=None,
+                    help=f"qwen4exp: rows of the n-gram table (default {SMALL_NGRAM_ROWS}; the real model's "
+                         f"{LIKE['qwen4exp'].ngram_rows:,} rows of 160 values are 28.8 GB at Q4_0)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-v", "--verbose", action="store_true", help="list the tensors as they are written")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     path = write(args.out, args.like, args.layers, args.quant, args.vocab, args.seed,
-                 log=print if args.verbose else None, experts=args.experts)
+                 log=print if args.verbose else None, experts=args.experts, ngram_rows=args.ngram_rows)
     size = path.stat().st_size
     print(f"wrote {path}: {args.like} shapes, {args.layers} layers, {args.quant}, "
           f"{size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s")
+    if LIKE[args.like].arch == "qwen4exp":
+        print("  a qwen4exp file: Strata loads it, llama.cpp does not know the architecture")
     return 0

@@ -132,15 +132,62 @@ def test_qwen3_next_loads(tmp_path):
     assert len(engine.generate([300, 301], max_new_tokens=2, stop_at_eos=False)) == 2
 
 
-def test_refuses_unimplemented_and_unknown(tmp_path, capsys):
-    with pytest.raises(StrataError, match="not implemented"):
-        synth.write(tmp_path / "x.gguf", like_name="qwen4exp")
-    assert not (tmp_path / "x.gguf").exists()
-    assert cli_main(["synth", "--like", "qwen4exp", str(tmp_path / "y.gguf")]) == 2
-    assert "not implemented" in capsys.readouterr().err
-    for bad in (dict(quant_name="Q3_K_S"), dict(vocab=100), dict(like_name="llama-7b"), dict(experts=0)):
+def test_refuses_bad_options(tmp_path, capsys):
+    for bad in (dict(quant_name="Q3_K_S"), dict(vocab=100), dict(like_name="llama-7b"), dict(experts=0),
+                dict(ngram_rows=1000), dict(like_name="qwen4exp", ngram_rows=5)):
         with pytest.raises(StrataError):
             synth.write(tmp_path / "x.gguf", **bad)
+    assert not (tmp_path / "x.gguf").exists()
+    assert cli_main(["synth", "--like", "qwen3-30b-a3b", "--ngram-rows", "1000", str(tmp_path / "y.gguf")]) == 2
+    assert "only qwen4exp" in capsys.readouterr().err
+
+
+def test_qwen4exp_plan_has_the_real_shapes():
+    """48 layers of the real model, planned (not written): shapes, types and metadata."""
+    like = synth.LIKE["qwen4exp"]
+    plan = {name: (shape, qtype) for name, shape, qtype, _ in
+            synth.tensor_plan(like, 48, like.vocab, "Q4_K_M", ngram_rows=like.ngram_rows)}
+    assert plan["blk.0.ffn_gate_exps.weight"][0] == (512, 640, 2560)  # one expert: 3 x 2560 x 640
+    assert plan["blk.0.ffn_down_exps.weight"] == ((512, 2560, 640), T.Q8_0)  # 640 wide: no K-quant blocks
+    assert plan["blk.7.ffn_down_exps.weight"][1] == T.Q5_0  # Q4_K's fallback
+    assert plan["blk.0.attn_qkv.weight"][0] == (2 * 16 * 128 + 48 * 128, 2560)  # GDN 16 key / 48 value heads
+    assert plan["blk.0.ssm_out.weight"][0] == (2560, 48 * 128)
+    assert plan["blk.3.attn_q.weight"][0] == (2 * 24 * 256, 2560) and plan["blk.3.attn_k.weight"][0] == (512, 2560)
+    assert plan["blk.3.indexer.q_proj.weight"][0] == (4 * 128, 2560)
+    assert plan["blk.0.hc_attn_down.weight"][0] == (320, 4 * 2560)
+    assert plan["blk.1.ple_key.weight"][0] == (4 * 2560, 16 * 160) and "blk.0.ple_key.weight" not in plan
+    assert plan["per_layer_token_embd.weight"] == ((320_001_536, 160), T.Q4_0)
+    assert plan["output.weight"] == ((248320, 2560), T.Q6_K)
+    assert not any(n.startswith("blk.48.") for n in plan)  # no MTP block
+    for name, (shape, qtype) in plan.items():
+        assert shape[-1] % quant.get(qtype).block_size == 0, name
+    table = 320_001_536 * quant.row_bytes(T.Q4_0, 160)
+    assert abs(table / 1e9 - 28.8) < 0.05  # the report's 28.8 GB table
+
+    meta = synth.metadata(like, 48, like.vocab, "Q4_K_M", "qwen4exp", ngram_rows=like.ngram_rows)
+    a = "qwen4exp"
+    assert (meta[f"{a}.embedding_length"], meta[f"{a}.block_count"], meta[f"{a}.expert_count"]) == (2560, 48, 512)
+    assert meta[f"{a}.full_attention_interval"] == 4 and meta[f"{a}.hyper_connection.count"] == 4
+    assert meta[f"{a}.attention.indexer.top_k"] == 2048 and meta[f"{a}.ple.layers"] == [1]
+
+
+def test_qwen4exp_file_loads_in_strata(tmp_path):
+    """4 layers (GDN, GDN + n-gram table, GDN, QSA) at the real widths, 2 experts, a tiny vocabulary."""
+    path = synth.write(tmp_path / "q4.gguf", like_name="qwen4exp", layers=4, vocab=300, experts=2,
+                       quant_name="Q8_0", ngram_rows=4096)
+    f = GGUFFile(path)
+    assert f.arch == "qwen4exp"
+    plan = synth.tensor_plan(synth.LIKE["qwen4exp"], 4, 300, "Q8_0", experts=2, ngram_rows=4096)
+    assert {n for n, *_ in plan} == set(f.tensors)
+    rows = f.tensors["per_layer_token_embd.weight"].shape[0]
+    assert 4096 - 16 * 64 < rows <= 4096
+    engine = strata.load(path)
+    c = engine.config
+    assert c.recurrent == (True, True, True, False) and c.ple_layers == (1,) and c.hc_count == 4
+    assert engine.model.ple_table.rows == rows
+    out = engine.generate([280, 281, 282], max_new_tokens=2, stop_at_eos=False)
+    assert len(out) == 2 and all(0 <= t < 300 for t in out)
+    assert 0 < engine.model.ple_table.stats()["rows_read"] <= 16 * 5  # rows of 5 tokens, never the table
 
 
 def test_llama_cpp_loads_it(q4km, tmp_path):
