@@ -296,11 +296,11 @@ def plot(result: dict, policies: list[str], path: str, title: str = "") -> None:
     xs = [row["fraction"] * 100 for row in result["sizes"]]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     labels = {"min": ("MIN (Belady, demand paging)", "--"), "opt": ("MIN, misses may stay on CPU", ":")}
-    for i, name in enumerate(policies + ["min", "opt"]):
+    for name in policies + ["min", "opt"]:
         label, style = labels.get(name, (f"{name} (demand)", "-"))
         line, = ax.plot(xs, [row["hit_rate"][name] * 100 for row in result["sizes"]], marker="o",
                         linestyle=style, label=label)
-        if name in policies and all("prefetch" in row for row in result["sizes"]):
+        if name in policies and name != "static" and all("prefetch" in row for row in result["sizes"]):
             ax.plot(xs, [row["prefetch"][name]["hit_rate"] * 100 for row in result["sizes"]], marker="^",
                     linestyle="-.", color=line.get_color(), label=f"{name} + prefetch")
     ax.set_xlabel("cache size (% of all experts)")
