@@ -79,7 +79,7 @@ def test_qmatmul_matches_reference(qtype):
 
     qt = T[qtype]
     cols = 2 * 256 if quant.get(qt).block_size == 256 else 7 * 32  # several blocks; a ragged last step
-    for rows, batch, bn, seed in ((5, 1, 16, 1), (37, 1, 16, 2), (37, 3, None, 3)):  # odd rows, tile edges
+    for rows, batch, bn, seed in ((5, 1, 8, 1), (37, 1, 16, 2), (37, 3, None, 3)):  # odd rows, tile edges
         w = random_qtensor(qt, (rows, cols), seed)
         x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
         ref = x @ w.dequantize().T
@@ -179,3 +179,27 @@ def test_kernels_compile_for_h200():
                            "--types", "IQ2_XS"], check=False, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("registers") == 3 and "local 0 B" in done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("qtype", REQUIRED)
+def test_cuda_kernels_at_real_expert_size(qtype):
+    """Qwen3-30B-A3B's expert shapes (768 x 2048 and back), compiled, against the reference."""
+    from strata.kernels.gpu import kernels
+
+    assert isinstance(kernels._qmv_kernel, __import__("triton").runtime.JITFunction)  # compiled, not interpreted
+    qt = T[qtype]
+    stacked = stacked_experts((qt, qt, qt), 16, 2048, 768, seed=20)
+    for batch in (1, 8):
+        x = torch.randn(batch, 2048, device=DEVICE)
+        assert rel_err(kernels.qmatmul(x, stacked[0].raw[3], qt, (768, 2048)), x @ stacked[0].dequantize()[3].T) < 1e-3
+    fmt = expert_format(stacked)
+    parts = in_slots(stacked, fmt)
+    ids = torch.randint(0, 16, (4, 8), device=DEVICE)
+    weights = torch.rand(4, 8, device=DEVICE)
+    experts = set(range(12))
+    x = torch.randn(4, 2048, device=DEVICE)
+    got = gpu.expert_product(x, ids, weights, experts, fmt, parts)
+    ref = gpu.expert_product_reference(x, ids, weights, experts, fmt, parts)
+    assert rel_err(got, ref) < 1e-3

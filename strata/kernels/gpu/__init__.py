@@ -26,6 +26,7 @@ from strata.models.weights import QTensor
 __all__ = [
     "KERNEL_TYPES",
     "MAX_ROWS",
+    "USE_TRITON",
     "applies",
     "available",
     "expert_pairs",
@@ -43,6 +44,9 @@ KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, 
 # Tokens per call above which the reference (dequantize + cuBLAS) is used instead: each token
 # re-reads the weights from L2, while a dense matmul reuses them from registers.
 MAX_ROWS = 64
+
+# Switch for comparisons (benchmarks): False sends every call down the torch reference path.
+USE_TRITON = True
 
 
 @functools.cache
@@ -66,8 +70,8 @@ def has_kernel(qtype) -> bool:
 def applies(x: torch.Tensor, *qtypes) -> bool:
     """Whether the Triton path runs for activations x and weights of these types."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return ((x.is_cuda or interpreted()) and rows <= MAX_ROWS and all(map(has_kernel, qtypes))
-            and available())
+    return (USE_TRITON and (x.is_cuda or interpreted()) and rows <= MAX_ROWS
+            and all(map(has_kernel, qtypes)) and available())
 
 
 def _kernels():

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default=",".join(t.name for t in KERNEL_TYPES))
     ap.add_argument("--arch", type=int, default=90, help="compute capability, 90 for H100/H200")
-    ap.add_argument("--block-rows", type=int, default=16)
+    ap.add_argument("--block-rows", type=int, default=8)
     args = ap.parse_args(argv)
     types = [quant.get(name).ggml_type for name in args.types.split(",")]
     failed = 0

@@ -27,9 +27,10 @@ BK = 256  # weight values decoded per step: one k-/i-quant super-block, eight 32
 
 
 def block_rows() -> int:
-    """Output rows per program: 16 on a GPU; 128 under the interpreter, which runs one program
-    at a time in Python, so fewer, larger programs finish sooner."""
-    return 128 if os.environ.get("TRITON_INTERPRET") == "1" else 16
+    """Output rows per program: 8 on a GPU (sm_90 builds then need 32-96 registers a thread for
+    every type, where 16 rows took up to 255 for IQ2_XXS: see `compile_check`); 128 under the
+    interpreter, which runs one program at a time in Python, so fewer, larger ones finish sooner."""
+    return 128 if os.environ.get("TRITON_INTERPRET") == "1" else 8
 
 
 @triton.jit
