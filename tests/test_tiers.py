@@ -277,3 +277,15 @@ def test_prefill_reserve_keeps_the_decode_set(model, policy):
         assert len(before) == 16 - reserve
         engine.close()
     assert disturbed == {0: True, 4: False}
+
+
+def test_verify_passes_count_as_decode():
+    """A speculative verify pass (last token + drafts) is decode; only wider forwards use the prefill slots."""
+    from types import SimpleNamespace
+
+    from strata.tiers.runtime import _decode_width
+
+    drafting = SimpleNamespace(mtp=object())
+    assert _decode_width(drafting, SimpleNamespace(draft="auto", draft_tokens=3)) == 4
+    assert _decode_width(drafting, SimpleNamespace(draft="off", draft_tokens=3)) == 1
+    assert _decode_width(SimpleNamespace(), SimpleNamespace(draft="on", draft_tokens=3)) == 1
