@@ -348,8 +348,9 @@ def test_ngram_rows_are_read_from_disk_per_token(checkpoint):
         table.close()
 
 
-def test_mtp_block_is_converted_and_ignored(checkpoint, tmp_path):
-    """An MTP head (`mtp.*`) becomes block n_layers with llama.cpp's NextN names; loading skips it."""
+def test_mtp_block_is_converted_with_llama_cpp_names(checkpoint, tmp_path):
+    """An MTP head (`mtp.*`) becomes block n_layers with llama.cpp's NextN names; it loads as the
+    draft head and leaves the model's logits alone (tests/test_speculative.py runs it)."""
     ref_model, paths = checkpoint
     hf_dir = tmp_path / "hf"
     shutil.copytree(paths["safetensors"], hf_dir)
@@ -362,7 +363,7 @@ def test_mtp_block_is_converted_and_ignored(checkpoint, tmp_path):
     extra.update({"mtp.fc_embedding.weight": torch.randn(64, 64, generator=g),
                   "mtp.fc_hidden.weight": torch.randn(64, 64, generator=g),
                   "mtp.pre_fc_norm_embedding.weight": torch.randn(64, generator=g),
-                  "mtp.pre_fc_norm_hidden.weight": torch.randn(256, generator=g),
+                  "mtp.pre_fc_norm_hidden.weight": torch.randn(64, generator=g),
                   "mtp.hyper_connection_mixer.hc_norm.weight": torch.randn(256, generator=g),
                   "mtp.hyper_connection_mixer.input_mix_weight_down.weight": torch.randn(16, 256, generator=g),
                   "mtp.hyper_connection_mixer.input_mix_weight_up.weight": torch.randn(256, 16, generator=g)})
@@ -386,7 +387,7 @@ def test_mtp_block_is_converted_and_ignored(checkpoint, tmp_path):
                  "attn_q", "indexer.k_proj", "ffn_gate_exps"):
         assert f"blk.8.{name}.weight" in file.tensors, name
     engine = strata.load(out)
-    assert engine.config.n_layers == 8 and engine.config.nextn_layers == 1
+    assert engine.config.n_layers == 8 and engine.config.nextn_layers == 1 and engine.drafting
     assert (engine.logits(ids) - expected).abs().max().item() < 1e-4
 
 

@@ -1,4 +1,5 @@
-"""MTP speculative decoding on a tiny random qwen3next (tests/test_qwen3next.py's model).
+"""MTP speculative decoding on a tiny random qwen3next (tests/test_qwen3next.py's model) and a
+tiny random qwen4exp (tests/test_qwen4exp.py's, with the n-gram table, QSA and hyper-connections).
 
 transformers drops Qwen3-Next's `mtp.*` weights, so the checkpoint gets random ones here: the
 block is layer 0 of a one-layer, full-attention Qwen3NextModel (`aux`), whose final norm is
@@ -16,20 +17,25 @@ import functools
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM, Qwen4ExpTextConfig, Qwen4ExpTextModel
+from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRMSNorm
 
 import strata
-from reference import prompt, randomise, save_hf
+from reference import hf_logits, prompt, randomise, save_hf
 from strata.errors import BadOption
 from strata.gguf.convert import convert_hf_to_gguf
 from strata.gguf.reader import GGUFFile
-from strata.models import qwen3next
+from strata.models import qwen3next, qwen4exp
 from strata.models.cache import ModelCache
 from strata.models.gated_deltanet import GDNCache
+from strata.models.qsa import QSACache
 from strata.runtime.generate import generate_step
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.speculative import DraftStats, _accept, speculative_steps
 from test_qwen3next import VOCAB, tiny_qwen3next
+from test_qwen4exp import CONFIG as Q4_CONFIG
+from test_qwen4exp import VOCAB as Q4_VOCAB
+from test_qwen4exp import eos_prompt, tiny_qwen4exp
 
 GREEDY = SamplingParams()
 N_OUT = 20
@@ -151,9 +157,9 @@ class Oracle:
     """A draft head that knows the model's greedy continuation `out` of `prompt_ids`: it drafts it
     (like an MTP head that copies the model), except the tokens at output indices `wrong`."""
 
-    def __init__(self, prompt_ids, out, wrong=()):
+    def __init__(self, prompt_ids, out, wrong=(), vocab=VOCAB):
         self.seq = list(prompt_ids) + list(out)
-        self.n_prompt, self.wrong = len(prompt_ids), set(wrong)
+        self.n_prompt, self.wrong, self.vocab = len(prompt_ids), set(wrong), vocab
 
     def new_cache(self, batch=1):
         return ModelCache([], batch)
@@ -162,11 +168,11 @@ class Oracle:
         step = cache.step(tokens.shape[1], n_new)
         cache.advance(step)
         targets = step.positions[0] + 2  # position p predicts x_{p+2}
-        logits = torch.full((1, tokens.shape[1], VOCAB), -1e9)
+        logits = torch.full((1, tokens.shape[1], self.vocab), -1e9)
         for i, s in enumerate(targets.tolist()):
             t = self.seq[s] if s < len(self.seq) else 0
             if s - self.n_prompt in self.wrong:
-                t = (t + 1) % VOCAB
+                t = (t + 1) % self.vocab
             logits[0, i, t] = 0.0
         return (logits[:, -1:] if last_only else logits), hidden
 
@@ -396,3 +402,169 @@ def test_demo_model_drafts_like_it_decodes():
     assert engine.stats["draft"]["rounds"] > 0
     engine.drafting = False
     assert engine.generate(ids, 48, stop_at_eos=False) == out
+
+
+# -- qwen4exp: hyper-connected MTP block, n-gram table and QSA caches rolled back ------------------
+
+
+def tiny_qwen4exp_mtp(model, seed: int = 5, copy: bool = False):
+    """An MTP layer for a tiny qwen4exp: (aux, mtp.* tensors). `aux`, a one-layer qwen4exp text
+    model, is both its source and its reference: its layer is the MTP block (QSA, pruning past the
+    budget as the trunk's does), its final mixer the head's hc_head (`strata.models.qwen4exp_mtp`).
+
+    `copy`: a head that predicts what the trunk predicted one position earlier (its block and its
+    embedding half add nothing; hc_head is the trunk's own mixer): its drafts repeat the last
+    token, which `echo_trunk` keeps only sometimes, so rounds both accept and reject."""
+    cfg = dict(Q4_CONFIG, num_hidden_layers=1, layer_types=["indexed_attention"], ple_layer_ids=[])
+    aux = randomise(Qwen4ExpTextModel(Qwen4ExpTextConfig(**cfg)).eval(), seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for module in aux.modules():  # zero-centred norms near their init, as tiny_qwen4exp's
+            if isinstance(module, Qwen4ExpTextRMSNorm):
+                module.weight.copy_(0.5 * torch.randn(module.weight.shape, generator=g))
+        if copy:
+            layer = aux.layers[0]
+            for weight in (layer.self_attn.o_proj.weight, layer.mlp.experts.down_proj,
+                           layer.mlp.shared_expert.down_proj.weight):
+                weight.zero_()
+            aux.hyper_connection_mixer.load_state_dict(model.model.hyper_connection_mixer.state_dict())
+    tensors = {"mtp." + k: v.clone() for k, v in aux.state_dict().items()
+               if k.startswith(("layers.", "hyper_connection_mixer."))}
+    if copy:
+        tensors |= {"mtp.fc_embedding.weight": torch.zeros(hidden, hidden), "mtp.fc_hidden.weight": torch.eye(hidden),
+                    "mtp.pre_fc_norm_embedding.weight": torch.zeros(hidden),
+                    "mtp.pre_fc_norm_hidden.weight": torch.zeros(hidden)}
+    else:
+        tensors |= {"mtp.fc_embedding.weight": torch.randn(hidden, hidden, generator=g) / hidden ** 0.5,
+                    "mtp.fc_hidden.weight": torch.randn(hidden, hidden, generator=g) / hidden ** 0.5,
+                    "mtp.pre_fc_norm_embedding.weight": 0.5 * torch.randn(hidden, generator=g),
+                    "mtp.pre_fc_norm_hidden.weight": 0.5 * torch.randn(hidden, generator=g)}
+    return aux, tensors
+
+
+def echo_trunk(alpha: float = 0.3):
+    """tiny_qwen4exp with the LM head tied to the embedding and every block's output scaled by
+    `alpha`: it often, not always, predicts the token it just read (greedy runs repeat tokens)."""
+    torch.manual_seed(0)
+    model = tiny_qwen4exp()
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+        for layer in model.model.layers:
+            mixer = layer.linear_attn.out_proj if hasattr(layer, "linear_attn") else layer.self_attn.o_proj
+            for w in (mixer.weight, layer.mlp.experts.down_proj, layer.mlp.shared_expert.down_proj.weight):
+                w.mul_(alpha)
+    return model
+
+
+@torch.inference_mode()
+def reference_qwen4exp_mtp(model, aux, tensors, ids: list[int]) -> torch.Tensor:
+    """The head's logits at positions 0..n-2 of `ids`, from transformers' modules."""
+    def norm(x, w):  # zero-centred RMS norm
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w)
+
+    x = torch.tensor([ids])
+    h = model.model(x).last_hidden_state[:, :-1]  # the streams after the output mixer
+    e = model.model.embed_tokens(x[:, 1:])
+    u = (norm(e, tensors["mtp.pre_fc_norm_embedding.weight"]) @ tensors["mtp.fc_embedding.weight"].T
+         + norm(h, tensors["mtp.pre_fc_norm_hidden.weight"]) @ tensors["mtp.fc_hidden.weight"].T)
+    g = aux(inputs_embeds=u).last_hidden_state  # u in every stream, the block, hc_head
+    return model.lm_head(g)[0].float()
+
+
+def _with_mtp(model, tensors, d):
+    import json
+
+    save_hf(model, d)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "mtp.safetensors"))
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    convert_hf_to_gguf(d, d.with_suffix(".gguf"))
+    return {"safetensors": d, "gguf": d.with_suffix(".gguf")}
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory):
+    torch.manual_seed(0)
+    model = tiny_qwen4exp()
+    d = tmp_path_factory.mktemp("qwen4exp_mtp")
+    aux, tensors = tiny_qwen4exp_mtp(model)
+    echo = echo_trunk()
+    _, copying = tiny_qwen4exp_mtp(echo, copy=True)
+    return model, aux, tensors, _with_mtp(model, tensors, d / "random"), _with_mtp(echo, copying, d / "copy")
+
+
+def q4_prompts():
+    return [eos_prompt(40, seed=21), eos_prompt(7, seed=22)]  # 40 > the 16-token QSA budget
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_qwen4exp_mtp_head_matches_reference(q4, fmt):
+    model, aux, tensors, paths, _ = q4
+    engine = _engine(paths[fmt])
+    head = engine.model.mtp
+    assert head is not None and engine.drafting
+    ids = q4_prompts()[0]
+    with torch.inference_mode():
+        _, h = engine.model(torch.tensor([ids]), engine.model.new_cache(1), hidden=True)
+        got, _ = head(torch.tensor([ids[1:]]), h[:, :-1], head.new_cache(1))
+    diff = (got[0] - reference_qwen4exp_mtp(model, aux, tensors, ids)).abs().max().item()
+    assert diff < 1e-4, diff
+    # the trunk's logits are those of the file without the head
+    assert (engine.logits(ids) - hf_logits(model, ids)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("head", ["random", "copy"])
+def test_qwen4exp_greedy_draft_on_equals_draft_off(q4, head):
+    *_, random_paths, copy_paths = q4
+    path = (random_paths if head == "random" else copy_paths)["gguf"]
+    engine = _engine(path)
+    accepted = rejected = 0
+    for k in (1, 2, 3):
+        engine.options.draft_tokens = k
+        for ids in q4_prompts():
+            assert engine.generate(ids, N_OUT, stop_at_eos=False) == _plain(path, tuple(ids), N_OUT)
+            d = engine.stats["draft"]
+            assert d["draft_tokens"] == k and d["rounds"] > 0
+            accepted += d["accepted"]
+            rejected += d["drafted"] - d["accepted"]
+    assert rejected > 0
+    if head == "copy":
+        assert accepted > 0  # both paths ran with the real head
+
+
+def test_qwen4exp_caches_after_speculation_equal_plain_run(q4):
+    """Rejections at every draft position, then the n-gram context, the PLE conv window, the GDN
+    states and the QSA caches are those of plain decoding."""
+    *_, paths, _ = q4
+    engine = _engine(paths["gguf"])
+    ids = q4_prompts()[0]
+    plain = _plain(paths["gguf"], tuple(ids), N_OUT)
+    k = 3
+    head = Oracle(ids, plain, schedule(k, N_OUT, [0, 2, 1, 3]), vocab=Q4_VOCAB)
+    cache = engine.model.new_cache(1)
+    out, stats = _run(engine, ids, head, N_OUT, cache=cache, k=k)
+    assert out == plain and 0 < stats.accepted < stats.drafted
+    assert all(stats.drafted_at[i] > stats.accepted_at[i] for i in range(k))
+    ref = engine.model.new_cache(1)
+    steps = generate_step(engine.model, [ids], GREEDY, ref)
+    assert [int(next(steps)) for _ in range(N_OUT)] == plain
+    n = len(ids) + N_OUT - 1
+    assert cache.lengths.tolist() == ref.lengths.tolist() == [n]
+    seen = set()
+    for c, r in zip(cache.layers, ref.layers):
+        if isinstance(c, qwen4exp.LayerCache):
+            assert torch.equal(c.ple.context, r.ple.context)
+            assert (c.ple.conv - r.ple.conv).abs().max().item() <= 1e-5 * r.ple.conv.abs().max().item()
+            c, r = c.mixer, r.mixer
+            seen.add("ple")
+        if isinstance(c, GDNCache):
+            for a, b in ((c.conv, r.conv), (c.state, r.state)):
+                assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item()
+            seen.add("gdn")
+        else:
+            assert isinstance(c, QSACache)
+            torch.testing.assert_close(c.k[:, :, :n], r.k[:, :, :n], atol=1e-4, rtol=1e-4)  # fp32 rounding
+            torch.testing.assert_close(c.ik[:, :n], r.ik[:, :n], atol=1e-4, rtol=1e-4)
+            seen.add("qsa")
+    assert seen == {"ple", "gdn", "qsa"}

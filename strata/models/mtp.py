@@ -22,15 +22,15 @@ GGUF names (llama.cpp's, the head as the block after the model's last, `blk.{n_l
     blk.N.nextn.shared_head_head   optional (vocab, hidden)
     blk.N.attn_*, blk.N.ffn_*      the block, named like any other block of the architecture
 
-Another architecture (qwen4exp keeps its MTP block as `blk.{n_layers}` too) needs three things:
+Another architecture needs three things (qwen4exp does them, with `qwen4exp_mtp.HyperMTPHead`):
 
   * `Config.from_gguf`: n_layers = block_count - `{arch}.nextn_predict_layers` (and
     `gguf_metadata` writing both back), as qwen3next does;
   * `Model.__init__`: `self.mtp = load_mtp(self, w, make_block)`, with `make_block(i)` building
     block i the architecture's way (the model must have `config`, `rope`, `tok_embd`, `output`
-    and `output_norm`, as `DecoderLM` does), before `w.finish`;
+    and, unless the head brings its own, `output_norm`), before `w.finish`;
   * `model(tokens, cache, hidden=True)` returning (logits, h) with h every position's hidden
-    state after the final norm (`DecoderLM.forward` does).
+    state as the output head reads it (after the final norm: `DecoderLM.forward` does).
 
 The engine then drafts with `model.mtp` (`--draft auto`). The head's own cache must roll back by
 length, as attention caches do (`ModelCache.rollback`); a recurrent mixer in the head would
@@ -73,10 +73,7 @@ class MTPHead(nn.Module):
         p = f"{mtp_prefix(c)}.nextn"
         hidden = c.hidden_size
         self.load_input(c, w, p)
-        norm = w.optional(f"{p}.shared_head_norm.weight", (hidden,))
-        if norm is None and output_norm is None:
-            raise ValueError("an MTP head without nextn.shared_head_norm needs the model's output_norm")
-        self.norm = RMSNorm(norm, c.rms_eps) if norm is not None else output_norm
+        self.norm = self.load_norm(c, w, p, output_norm)
         own_embed = w.optional(f"{p}.embed_tokens.weight", (c.vocab_size, hidden))
         own_head = w.optional(f"{p}.shared_head_head.weight", (c.vocab_size, hidden))
         self.embed = own_embed if own_embed is not None else embed
@@ -90,6 +87,13 @@ class MTPHead(nn.Module):
         self.eh_proj = w.dense(f"{p}.eh_proj.weight", (hidden, 2 * hidden))
         self.enorm = RMSNorm(w.dense(f"{p}.enorm.weight", (hidden,)), c.rms_eps)
         self.hnorm = RMSNorm(w.dense(f"{p}.hnorm.weight", (hidden,)), c.rms_eps)
+
+    def load_norm(self, c, w: WeightLoader, p: str, output_norm: nn.Module | None) -> nn.Module:
+        """What makes g from the block's output: its own norm, or the model's output norm."""
+        norm = w.optional(f"{p}.shared_head_norm.weight", (c.hidden_size,))
+        if norm is None and output_norm is None:
+            raise ValueError("an MTP head without nextn.shared_head_norm needs the model's output_norm")
+        return RMSNorm(norm, c.rms_eps) if norm is not None else output_norm
 
     def fuse(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """eh_proj(concat(enorm(embed(tokens)), hnorm(hidden))): the block's input (B, T, hidden)."""
@@ -125,8 +129,9 @@ def load_mtp(model: nn.Module, w: WeightLoader, make_block: Callable[[int], nn.M
     """The model's MTP head when the file has one (`blk.{n_layers}`), else None.
 
     `make_block(i)` builds block i the architecture's way (for Qwen3-Next: full attention and
-    its MoE); `head` may be a subclass with another input fusion (`load_input`, `fuse`). A file holding only part of the head (a stripped or foreign checkpoint) loads
-    without it: `model.mtp_skipped` says why, and its tensors are left for `w.finish` to ignore
+    its MoE); `head` may be a subclass with another input fusion or output (`load_input`,
+    `fuse`, `load_norm`). A file holding only part of the head (a stripped or foreign checkpoint)
+    loads without it: `model.mtp_skipped` says why, and its tensors are left for `w.finish` to ignore
     under `mtp_prefix(config)`.
     """
     c = model.config
@@ -138,4 +143,5 @@ def load_mtp(model: nn.Module, w: WeightLoader, make_block: Callable[[int], nn.M
         missing = [r for r in REQUIRED if not w.has(f"{mtp_prefix(c)}.{r}")]
         model.mtp_skipped = f"incomplete MTP layer {mtp_prefix(c)} (no {', '.join(missing)}); drafting is off"
         return None
-    return head(c, w, make_block(c.n_layers), model.rope, model.tok_embd, model.output, model.output_norm)
+    return head(c, w, make_block(c.n_layers), model.rope, model.tok_embd, model.output,
+                getattr(model, "output_norm", None))

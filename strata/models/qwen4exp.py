@@ -31,7 +31,7 @@ conversion/qwen4exp.py upstream); names `blk.N.` + ...:
     ffn_gate_inp, ffn_{gate,up,down}_exps, ffn_{gate,up,down}_shexp, ffn_gate_inp_shexp (1, hidden)
     blk.{n_layers}.*        the MTP block (llama.cpp's NextN): a trunk-shaped block plus
                             nextn.eh_proj ([fc_embedding | fc_hidden]), nextn.enorm, nextn.hnorm,
-                            nextn.hc_head_{norm,down,up}; loaded and ignored here
+                            nextn.hc_head_{norm,down,up}; the draft head (`qwen4exp_mtp`)
 
 Metadata (`qwen4exp.` + ...): the shared decoder keys (block_count counts the MTP block),
 `rope.dimension_count` (rotated dims), `rope.dimension_sections`, `expert_feed_forward_length`,
@@ -65,8 +65,10 @@ from strata.models.gated_deltanet import GatedDeltaNet
 from strata.models.hparams import decoder_from_gguf, decoder_from_hf, gated_deltanet_from_gguf, gated_deltanet_from_hf
 from strata.models.hyper_connections import HyperConnection, grouped_rms_norm
 from strata.models.layers import Experts, SharedExpert, Tap, no_tap, softmax_topk
+from strata.models.mtp import load_mtp
 from strata.models.ngram_table import TABLE, NgramHash, open_table, padded_rows
 from strata.models.qsa import QSAAttention, QSAIndexer
+from strata.models.qwen4exp_mtp import HyperMTPHead
 from strata.models.rope import Rope, RopeConfig
 from strata.models.transformer import MoE, _prefixed
 from strata.models.weights import WeightLoader
@@ -389,6 +391,28 @@ class PLECache:
     def __init__(self):
         self.context: torch.Tensor | None = None  # (B, ngram_size - 1) long
         self.conv: torch.Tensor | None = None  # (B, (K-1) * dilation, hc*hidden)
+        self.tracking = False  # speculative decoding: keep what `rollback` needs
+        self.undo: tuple | None = None  # the last forward's (context before it, its tokens, n_new)
+        self.window: torch.Tensor | None = None  # its conv inputs after the state it started from
+
+    def track(self, on: bool = True) -> None:
+        self.tracking, self.undo, self.window = on, None, None
+
+    def rollback(self, n_drop: int) -> None:
+        """Undo the last `n_drop` real tokens of the last (tracked) forward: the n-gram context
+        and the conv state are re-read at the kept end of [before | that forward's tokens]."""
+        if self.undo is None or self.window is None:
+            raise ValueError("PLECache.rollback needs track() on before the forward it undoes")
+        context, tokens, n_new = self.undo
+        keep = n_new - n_drop
+        if bool((keep < 0).any()):
+            raise ValueError(f"cannot drop {n_drop} tokens from a forward of {n_new.tolist()}")
+        hist = torch.cat([context, tokens], dim=1)
+        self.context = hist.gather(1, keep[:, None] + torch.arange(context.shape[1]))
+        w = self.window
+        idx = keep.to(w.device)[:, None] + torch.arange(self.conv.shape[1], device=w.device)
+        self.conv = w.gather(1, idx[..., None].expand(-1, -1, w.shape[2]))
+        self.undo = (context, tokens, keep)
 
     def select(self, rows: torch.Tensor) -> None:
         if self.context is not None:
@@ -416,6 +440,14 @@ class LayerCache:
     def select(self, rows) -> None:
         self.mixer.select(rows)
         self.ple.select(rows)
+
+    def track(self, on: bool = True) -> None:
+        self.mixer.track(on)
+        self.ple.track(on)
+
+    def rollback(self, n_drop: int) -> None:
+        self.mixer.rollback(n_drop)
+        self.ple.rollback(n_drop)
 
     def extend(self, other: "LayerCache") -> None:
         self.mixer.extend(other.mixer)
@@ -467,6 +499,8 @@ class PLE(nn.Module):
             out = term if out is None else out + term
         idx = n_new[:, None] + torch.arange(s, device=x.device)
         cache.conv = full.gather(1, idx[..., None].expand(-1, -1, ch))
+        if cache.tracking:
+            cache.window = full
         return out
 
 
@@ -479,13 +513,15 @@ class Block(nn.Module):
         self.attn_hc = HyperConnection(w, f"{p}.hc_attn", h, c.hc_count, c.hc_rank, c.rms_eps)
         self.ffn_hc = HyperConnection(w, f"{p}.hc_ffn", h, c.hc_count, c.hc_rank, c.rms_eps)
         self.ple = PLE(c, w, p) if i in c.ple_layers else None
-        if c.recurrent[i]:
+        mtp = i >= c.n_layers  # the MTP block: attention, pruned as the trunk's QSA if it has an indexer
+        ratio = max(c.compress_ratios, default=0) if mtp else c.compress_ratios[i]
+        if not mtp and c.recurrent[i]:
             self.attn = TiledGatedDeltaNet(c, w, p)
         else:
             indexer = None
-            if c.compress_ratios[i] and w.has(f"{p}.indexer.q_proj.weight"):
+            if ratio and w.has(f"{p}.indexer.q_proj.weight"):
                 indexer = QSAIndexer(w, p, h, c.indexer_heads, c.indexer_dim, c.indexer_budget,
-                                     c.compress_ratios[i], rope, c.rms_eps)
+                                     ratio, rope, c.rms_eps)
             self.attn = QSAAttention(w, p, h, c.n_heads, c.n_kv_heads, c.head_dim, rope, c.rms_eps, indexer)
         k, norm = c.n_experts_used, c.norm_topk_prob
         self.ffn = MoE(w.dense(f"{p}.ffn_gate_inp.weight", (c.n_experts, h)),
@@ -535,8 +571,10 @@ class Model(nn.Module):
         if self.ple_layer is not None:
             _check_hash_buffers(w.source, c)
             self.ple_table = open_table(w.source, c.ple_hash, c.ple_row_dim, c.ple_rows)
-        nextn = tuple(f"blk.{c.n_layers + k}." for k in range(c.nextn_layers))
-        w.finish(ignore=(TABLE, *nextn, "hf:mtp.", "hf:model.mtp."))
+        # the MTP draft head (`qwen4exp_mtp`): block n_layers; a file with only part of it loads without
+        self.mtp = load_mtp(self, w, lambda i: Block(c, w, i, self.rope), head=HyperMTPHead)
+        skipped = () if self.mtp is not None else tuple(f"blk.{c.n_layers + k}." for k in range(c.nextn_layers))
+        w.finish(ignore=(TABLE, *skipped, "hf:mtp.", "hf:model.mtp."))
 
     def new_cache(self, batch: int = 1) -> ModelCache:
         return ModelCache([b.new_cache() for b in self.blocks], batch)
@@ -559,13 +597,19 @@ class Model(nn.Module):
         context = state.context if state.context is not None else self.ple_hash.initial_context(tokens.shape[0])
         rows = self.ple_hash.rows(tokens.cpu(), context)
         state.context = self.ple_hash.next_context(context, tokens.cpu(), step.n_new)
+        if state.tracking:
+            state.undo = (context, tokens.cpu(), step.n_new)
         real = step.token_mask
         self.ple_table.count_tokens(int(real.sum()))
         return self.ple_table.request(rows[real]), real
 
     def forward(self, tokens: torch.Tensor, cache: ModelCache, n_new: torch.Tensor | None = None,
-                tap: Tap = no_tap, last_only: bool = False) -> torch.Tensor:
-        """tokens (B, T), right-padded when rows differ (`n_new` real tokens each)."""
+                tap: Tap = no_tap, last_only: bool = False, hidden: bool = False):
+        """tokens (B, T), right-padded when rows differ (`n_new` real tokens each).
+
+        With `hidden`, returns (logits, h): h (B, T, hidden) is every position's streams collapsed
+        by the output mixer (what the LM head reads; the MTP head's input), whatever `last_only`
+        says of the logits."""
         c = self.config
         step = cache.step(tokens.shape[1], n_new)
         pending = self._start_ple(tokens, cache, step) if self.ple_layer is not None else None
@@ -582,6 +626,10 @@ class Model(nn.Module):
             x = block(x, layer_cache, step, rope_cs, _prefixed(tap, i), emb)
             tap(f"l_out-{i}", x)
         cache.advance(step)
+        if hidden:
+            h = self.output_mixer(x)
+            last = h[torch.arange(x.shape[0]), (step.n_new - 1).clamp(min=0)][:, None] if last_only else h
+            return F.linear(last, self.output), h
         if last_only:
             x = x[torch.arange(x.shape[0]), (step.n_new - 1).clamp(min=0)][:, None]
         x = self.output_mixer(x)
