@@ -83,7 +83,7 @@ def test_qmatmul_matches_reference(qtype):
         w = random_qtensor(qt, (rows, cols), seed)
         x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
         ref = x @ w.dequantize().T
-        got = kernels.qmatmul(x, w.raw, qt, w.shape, bn=bn)
+        got = kernels.qmatmul(x, w.raw, qt, w.shape, bn=None if CUDA else bn)  # one build per type on a GPU
         assert got.shape == (batch, rows)
         assert rel_err(got, ref) < 1e-3, (qtype, rows, batch)
 
@@ -144,10 +144,9 @@ def test_grouped_product_matches_reference_moe(qtypes, ffn, layout):
 
 def test_expert_pairs_are_grouped_by_expert():
     ids = torch.tensor([[4, 1], [1, 7], [4, 0]])
-    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.9, 0.1]])
-    tok, expert, w = gpu.expert_pairs(ids, weights, {1, 4})
+    tok, flat, expert = gpu.expert_pairs(ids, {1, 4})
     assert expert.tolist() == [1, 1, 4, 4]
-    assert tok.tolist() == [0, 1, 0, 2] and w.tolist() == pytest.approx([0.4, 0.7, 0.6, 0.9])
+    assert tok.tolist() == [0, 1, 0, 2] and flat.tolist() == [1, 2, 0, 4]
 
 
 def test_tiers_device_path_runs_the_grouped_kernels(monkeypatch):
@@ -161,7 +160,7 @@ def test_tiers_device_path_runs_the_grouped_kernels(monkeypatch):
         return product(x, *args)
 
     monkeypatch.setattr(gpu, "expert_product", counting)
-    ids = [318, 288, 727]
+    ids = [318, 288]
     ref = strata.load(DEMO).logits(ids)
     engine = strata.load(DEMO, experts_cache="100%", cpu_threads=1)
     got = engine.logits(ids)

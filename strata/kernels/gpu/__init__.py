@@ -95,36 +95,31 @@ def qmatmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     return qmatmul_reference(x, w)
 
 
-def expert_pairs(ids: torch.Tensor, weights: torch.Tensor, experts: set[int]):
-    """The (token, slot-in-top-k) pairs routed to `experts`, ordered by expert.
+def expert_pairs(ids: torch.Tensor, experts: set[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, top-k position) pairs routed to `experts`, ordered by expert, as CPU tensors.
 
-    Returns (token (P,), expert id (P,), router weight (P,)) with token and weight on ids'
-    device; pairs of one expert are adjacent so their programs share its blocks in L2.
+    Returns token (P,), the pair's index into ids.reshape(-1) (P,), and its expert (P,); pairs
+    of one expert are adjacent, so their programs share the expert's blocks in L2.
     """
-    ids_cpu = ids.cpu()
-    chosen = torch.isin(ids_cpu, torch.tensor(sorted(experts), dtype=ids_cpu.dtype))
-    tok, k = chosen.nonzero(as_tuple=True)
-    expert = ids_cpu[tok, k]
-    order = torch.argsort(expert, stable=True)
-    tok, k, expert = tok[order], k[order], expert[order]
-    return tok.to(ids.device), expert, weights[tok.to(weights.device), k.to(weights.device)]
+    ids_cpu = ids.cpu().reshape(-1)
+    flat = torch.isin(ids_cpu, torch.tensor(sorted(experts), dtype=ids_cpu.dtype)).nonzero().reshape(-1)
+    order = torch.argsort(ids_cpu[flat], stable=True)
+    flat = flat[order]
+    return flat // ids.shape[-1], flat, ids_cpu[flat]
 
 
-def _sources(views: list[tuple[torch.Tensor, ...]]):
-    """Per projection: (uint8 tensor over the storage all experts' bytes share, byte offsets).
-
-    None if some projection's bytes are spread over several allocations (then the caller
-    takes the reference path).
-    """
-    out = []
+def _byte_sources(views: list[tuple[torch.Tensor, ...]]):
+    """(per projection a uint8 tensor over the one allocation all experts' bytes share,
+    CPU int64 (experts, projections) byte offsets into them), or None when some projection's
+    bytes are spread over several allocations (the caller then takes the reference path)."""
+    bases, offsets = [], []
     for i in range(len(views[0])):
         storage = views[0][i].untyped_storage()
-        if any(v[i].untyped_storage().data_ptr() != storage.data_ptr() for v in views):
+        if any(v[i].untyped_storage().data_ptr() != storage.data_ptr() or not v[i].is_contiguous() for v in views):
             return None
-        base = torch.empty(0, dtype=torch.uint8, device=views[0][i].device).set_(storage)
-        offsets = torch.tensor([v[i].data_ptr() - storage.data_ptr() for v in views], dtype=torch.int64)
-        out.append((base, offsets.to(base.device)))
-    return out
+        bases.append(torch.empty(0, dtype=torch.uint8, device=views[0][i].device).set_(storage))
+        offsets.append([v[i].data_ptr() - storage.data_ptr() for v in views])
+    return bases, torch.tensor(offsets, dtype=torch.int64).T
 
 
 def expert_product(x, ids, weights, experts: set[int], fmt, parts) -> torch.Tensor:
@@ -135,17 +130,17 @@ def expert_product(x, ids, weights, experts: set[int], fmt, parts) -> torch.Tens
     """
     if not applies(x, *(p.qtype for p in fmt.parts)):
         return expert_product_reference(x, ids, weights, experts, fmt, parts)
-    tok, expert, scale = expert_pairs(ids, weights, experts)
-    used = torch.unique_consecutive(expert).tolist()
-    index = {e: i for i, e in enumerate(used)}
-    views = [tuple(v.contiguous() for v in parts(e)) for e in used]
-    sources = _sources(views)
+    tok, flat, expert = expert_pairs(ids, experts)
+    used, which = torch.unique_consecutive(expert, return_inverse=True)
+    sources = _byte_sources([parts(e) for e in used.tolist()])
     if sources is None:
         return expert_product_reference(x, ids, weights, experts, fmt, parts)
-    pick = torch.tensor([index[e] for e in expert.tolist()], dtype=torch.int64, device=x.device)
-    sources = [(base, off[pick]) for base, off in sources]  # one offset per pair
-    y = _kernels().grouped_swiglu(x, tok, scale, sources, fmt.parts)  # (P, hidden) float32
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, tok, y)
+    bases, offsets = sources
+    # (5, P): token, index into the router's weights, gate / up / down byte offsets; one copy
+    meta = torch.cat([tok[:, None], flat[:, None], offsets[which]], dim=1).T.contiguous().to(x.device)
+    scale = weights.reshape(-1)[meta[1]]
+    y = _kernels().grouped_swiglu(x, meta[0], scale, list(zip(bases, meta[2:])), fmt.parts)  # (P, hidden)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, meta[0], y)
     return out.to(x.dtype)
 
 
