@@ -160,7 +160,7 @@ def simulate(trace: Trace, policies, fractions, prefetch: bool = True, reserve: 
     n_tokens = int(trace.tokens.sum()) // max(len(layers), 1)
     rows = []
     for frac in fractions:
-        slots = max(round(frac * total), 0)
+        slots = max(int(frac * total), 0)  # as `--experts-cache N%` plans it, so the runtime sees this size
         if reserve > slots:
             raise BadOption(f"--prefill-reserve {reserve} is more than the {slots} slots of {frac:.0%}",
                             "use a smaller reserve or larger --sizes")
