@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from strata import kernels, quant, synth
@@ -176,3 +177,90 @@ def test_non_finite_activations_propagate(int16_mode):
     got, ref = kernels.qmatmul_fast(x, w), x @ w.dequantize().T
     assert torch.isnan(got[0]).all() and torch.isnan(ref[0]).all()
     assert (~torch.isfinite(got[1])).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("IQ2_XS", "IQ2_XS", "Q2_K")])
+def test_one_token_moe_in_one_call_equals_expert_by_expert(types, int16_mode, monkeypatch):
+    """strata_moe_token (one C call for a decode token's k experts) against the per-expert path."""
+    E, hidden, ffn = 8, 512, 256
+    gate, up = (random_qtensor(types[i], (E, ffn, hidden), seed=10 + i) for i in (0, 1))
+    down = random_qtensor(types[2], (E, hidden, ffn), seed=12)
+    x = torch.randn(1, hidden)
+    ids, weights = torch.tensor([[5, 0, 3]]), torch.tensor([[0.5, 0.3, 0.2]])
+
+    def expert(e):
+        return gate[e], up[e], down[e]
+
+    one_call = kernels.run_experts_fast(x, ids, weights, expert)
+    monkeypatch.setattr(kernels, "_moe_token", lambda *a: False)
+    by_expert = kernels.run_experts_fast(x, ids, weights, expert)
+    assert rel_err(one_call, by_expert) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "IQ2_XS", "Q8_0"])
+def test_quantized_linear_matches_dequantized(qtype, monkeypatch):
+    """A Linear kept in blocks: decode rows by the kernel, prefill by dequantize + BLAS, and the
+    reference path when the kernels are switched off; bias and F.linear on it too."""
+    from strata.models.linear import Linear
+
+    w = random_qtensor(qtype, (96, 512), seed=3)
+    bias = torch.randn(96)
+    lin = Linear(w, bias)
+    dense = w.dequantize()
+    for rows in (1, 5, kernels.FAST_BATCH_MAX + 1):
+        x = torch.randn(1, rows, 512)
+        ref = x @ dense.T + bias
+        got = lin(x)
+        assert got.shape == (1, rows, 96)
+        if rows > kernels.FAST_BATCH_MAX:
+            torch.testing.assert_close(got, F.linear(x, dense, bias))
+        else:
+            assert rel_err(got, ref) < 1e-3
+        assert rel_err(F.linear(x, lin), ref) < 1e-3
+    monkeypatch.setattr(kernels, "USE_KERNELS", False)
+    x = torch.randn(2, 512)
+    torch.testing.assert_close(lin(x), F.linear(x, dense, bias))
+
+
+def test_linear_split_rows_and_embedding_rows():
+    from strata.models.linear import Embedding, Linear
+
+    w = random_qtensor("Q8_0", (12, 64), seed=4)
+    dense = w.dequantize()
+    a, b = Linear(w).split_rows(lambda rows: (rows[:4], rows[[10, 5, 6]]))
+    assert a.quantized and a.shape == (4, 64) and b.shape == (3, 64)
+    torch.testing.assert_close(a.dense(), dense[:4])
+    torch.testing.assert_close(b.dense(), dense[[10, 5, 6]])
+    table = Embedding(w)
+    ids = torch.tensor([[3, 11, 3], [0, 7, 2]])
+    assert torch.equal(table(ids), dense[ids])  # only these rows are decoded, exactly
+    assert torch.equal(F.embedding(ids, table), dense[ids])
+    assert torch.equal(Embedding(dense)(ids), dense[ids])
+
+
+def test_loader_keeps_kernel_types_quantized_and_the_rest_float():
+    """Dense weights stay in blocks only where a kernel multiplies them (4-8x less memory)."""
+    from strata.models.weights import WeightLoader
+
+    tensors = {"q4k": random_qtensor("Q4_K", (64, 256)), "iq2s": random_qtensor("IQ2_S", (64, 256)),
+               "f32": QTensor.from_float(torch.randn(64, 256))}
+
+    class Source:
+        description = "test"
+
+        def names(self):
+            return list(tensors)
+
+        def get(self, name):
+            return tensors[name]
+
+    w = WeightLoader(Source())
+    q4k, iq2s, f32 = (w.linear(n, (64, 256)) for n in ("q4k", "iq2s", "f32"))
+    assert q4k.quantized == kernels.has_kernel(T.Q4_K)
+    if q4k.quantized:
+        assert q4k.nbytes * 7 < 64 * 256 * 4  # 4.5 bits per weight against 32
+    assert not iq2s.quantized and iq2s.weight.dtype == torch.float32  # no IQ2_S kernel: floats at load
+    assert not f32.quantized
+    torch.testing.assert_close(iq2s.dense(), tensors["iq2s"].dequantize())

@@ -19,6 +19,8 @@ Without a C compiler, or with STRATA_KERNELS=0, everything takes the reference p
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
@@ -178,6 +180,32 @@ def experts_fast_ok(x: torch.Tensor, *stacked: QTensor) -> bool:
     return all(w.raw.device.type == "cpu" and has_kernel(w.qtype) for w in stacked)
 
 
+def _moe_token(x: torch.Tensor, parts, w: list[float], threads, out: torch.Tensor) -> bool:
+    """One token's routed experts in a single C call (strata_moe_token), accumulated into `out`
+    (float32); False (nothing done) when x or out is not float32 or the experts mix types."""
+    lib = _build.load()
+    if lib is None or x.dtype != torch.float32 or out.dtype != torch.float32 or not x.is_contiguous():
+        return False
+    types = {tuple(int(q.qtype) for q in p) for p in parts}
+    if len(types) != 1:
+        return False
+    gate_q, up_q, down_q = parts[0]
+    ffn, hidden = gate_q.shape
+    if not (gate_q.shape == up_q.shape and down_q.shape == (hidden, ffn) and x.shape[-1] == hidden):
+        return False
+    if any(not fast_ok(x, q) for q in parts[0]):
+        return False
+    fns = [ctypes.cast(getattr(lib, f"strata_qmm_{_build.KERNEL_TYPES[_type_name(q.qtype)][0]}"),
+                       ctypes.c_void_p) for q in parts[0]]
+    k = len(parts)
+    raws = [[_raw_bytes(p[i]) for p in parts] for i in range(3)]  # alive until the call returns
+    ptrs = [(ctypes.c_void_p * k)(*(r.data_ptr() for r in rs)) for rs in raws]
+    scratch = torch.empty(3 * ffn + hidden, dtype=torch.float32)
+    lib.strata_moe_token(*ptrs, (ctypes.c_float * k)(*w), k, *fns, hidden, ffn, x.data_ptr(), out.data_ptr(),
+                         scratch.data_ptr(), _threads(threads))
+    return True
+
+
 def run_experts_fast(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert,
                      threads: int | None = None) -> torch.Tensor:
     """Grouped expert product like `layers.run_experts`, each expert by `expert_forward`.
@@ -188,8 +216,11 @@ def run_experts_fast(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     flat = ids.reshape(-1)
     if ids.shape[0] == 1:  # decode: one token, no grouping needed
         w = weights.reshape(-1).tolist()
-        for j, e in enumerate(flat.tolist()):
-            out.add_(expert_forward(x, *expert(e), threads=threads), alpha=w[j])
+        parts = [expert(e) for e in flat.tolist()]
+        if _moe_token(x, parts, w, threads, out):
+            return out
+        for j, p in enumerate(parts):
+            out.add_(expert_forward(x, *p, threads=threads), alpha=w[j])
         return out
     order = torch.argsort(flat, stable=True)
     used, counts = torch.unique_consecutive(flat[order], return_counts=True)

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmm.c")
 FLAGS = ["-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno"]
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 # ggml type name -> (C suffix, block size, type size); the types qmm.c implements.
 KERNEL_TYPES = {
@@ -89,7 +89,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300)
         if r.returncode:
             raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, out)  # atomic: concurrent builders both end with a whole file
@@ -119,6 +119,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         f = getattr(lib, f"strata_qmm_{suffix}")
         f.argtypes = [p, i64, i64, p, i64, p, ctypes.c_int]
         f.restype = None
+    lib.strata_moe_token.argtypes = [p, p, p, p, ctypes.c_int, p, p, p, i64, i64, p, p, p, ctypes.c_int]
+    lib.strata_moe_token.restype = None
     lib.strata_init_tables.argtypes = [p, p, p, p]
     lib.strata_init_tables.restype = None
     lib.strata_abi_version.restype = ctypes.c_int

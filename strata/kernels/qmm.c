@@ -9,6 +9,7 @@
  * layout of each block. Built by strata/kernels/_build.py with -O3 -march=native -pthread;
  * no -ffast-math: only the order of the additions differs from the reference.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -881,4 +882,28 @@ DEFINE_QMM(iq4_nl, 32, 18)
 DEFINE_QMM(iq4_xs, 256, 136)
 DEFINE_QMM(mxfp4, 32, 17)
 
-int strata_abi_version(void) { return 4; }
+/* ------------------------------------------------------------------ routed experts, one token
+ *
+ * out[h] += sum_j w[j] * down_j(silu(gate_j x) * up_j x) for the k experts of one token, each
+ * matrix product by its type's strata_qmm_* (passed as function pointers, so any mix of types
+ * works); the same arithmetic as calling them one by one from Python, without k * 3 trips
+ * through ctypes and torch. scratch holds 3 * ffn + hidden floats.
+ */
+typedef void (*qmm_fn)(const uint8_t *, int64_t, int64_t, const float *, int64_t, float *, int);
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+void strata_moe_token(const void *const *gate, const void *const *up, const void *const *down,
+                      const float *w, int k, void *gate_fn, void *up_fn, void *down_fn, int64_t hidden,
+                      int64_t ffn, const float *x, float *out, float *scratch, int nth) {
+    float *g = scratch, *u = scratch + ffn, *h = scratch + 2 * ffn, *y = scratch + 3 * ffn;
+    for (int j = 0; j < k; j++) {
+        ((qmm_fn)gate_fn)((const uint8_t *)gate[j], ffn, hidden, x, 1, g, nth);
+        ((qmm_fn)up_fn)((const uint8_t *)up[j], ffn, hidden, x, 1, u, nth);
+        for (int64_t i = 0; i < ffn; i++) h[i] = silu(g[i]) * u[i];
+        ((qmm_fn)down_fn)((const uint8_t *)down[j], hidden, ffn, h, 1, y, nth);
+        for (int64_t i = 0; i < hidden; i++) out[i] += w[j] * y[i];
+    }
+}
+
+int strata_abi_version(void) { return 5; }
