@@ -1,11 +1,13 @@
-"""Triton decoders: one ggml value at a time, straight from its block's bytes.
+"""Triton decoders: ggml values straight from their blocks' bytes, as (rows, groups, 32) tiles.
 
-Each `_<type>(blk, j, ...)` takes a tile of pointers to the first byte of the block holding
-each value and the value's index `j` inside that block, and returns the values as float32,
-by the same formulas as `strata.quant` (which is bit-exact against gguf-py). Bytes a tile
-shares (a block's scale) are loaded once per value; the loads hit the same cache lines, so
-DRAM traffic is still each byte once. `decode` picks the decoder from the ggml type id, a
-compile-time constant, so every kernel is specialised to one type.
+Each `_<type>(blk, s, l, ...)` returns, as float32, value l (0-31, the tile's last axis) of the
+32-value group s (the middle axis) of the block at blk, by the same formulas as `strata.quant`
+(bit-exact against gguf-py). For the 256-value k- and i-quants blk is one pointer per row,
+shape (rows, 1, 1), and s numbers the super-block's eight groups, so fields a group shares
+(sub-scales, sign words) depend on (blk, s) alone: they are loaded once per group and
+broadcast over its 32 values. For the 32-value types every group is a block of its own: blk
+is (rows, groups, 1) and s is unused. `decode` picks the decoder from the ggml type id, a
+compile-time constant, so each kernel is specialised to one type.
 Lookup tables (i-quant grids, sign patterns, IQ4 and E2M1 values) come in as float32 tensors
 from `strata.quant`, so they are gguf-py's own.
 """
@@ -53,19 +55,19 @@ def _nibble(p, high):
 
 
 @triton.jit
-def _q8_0(blk, j):
-    return _f16(blk) * _signed(_byte(blk + 2 + j)).to(tl.float32)
+def _q8_0(blk, s, l):
+    return _f16(blk) * _signed(_byte(blk + 2 + l)).to(tl.float32)
 
 
 @triton.jit
-def _q4_0(blk, j):
-    q = _nibble(blk + 2 + j % 16, j // 16) - 8
+def _q4_0(blk, s, l):
+    q = _nibble(blk + 2 + l % 16, l // 16) - 8
     return _f16(blk) * q.to(tl.float32)
 
 
 @triton.jit
-def _q4_1(blk, j):
-    q = _nibble(blk + 4 + j % 16, j // 16)
+def _q4_1(blk, s, l):
+    q = _nibble(blk + 4 + l % 16, l // 16)
     return _f16(blk) * q.to(tl.float32) + _f16(blk + 2)
 
 
@@ -76,35 +78,34 @@ def _fifth_bit(p, j):
 
 
 @triton.jit
-def _q5_0(blk, j):
-    q = (_nibble(blk + 6 + j % 16, j // 16) | (_fifth_bit(blk + 2, j) << 4)) - 16
+def _q5_0(blk, s, l):
+    q = (_nibble(blk + 6 + l % 16, l // 16) | (_fifth_bit(blk + 2, l) << 4)) - 16
     return _f16(blk) * q.to(tl.float32)
 
 
 @triton.jit
-def _q5_1(blk, j):
-    q = _nibble(blk + 8 + j % 16, j // 16) | (_fifth_bit(blk + 4, j) << 4)
+def _q5_1(blk, s, l):
+    q = _nibble(blk + 8 + l % 16, l // 16) | (_fifth_bit(blk + 4, l) << 4)
     return _f16(blk) * q.to(tl.float32) + _f16(blk + 2)
 
 
 @triton.jit
-def _q2_k(blk, j):
-    s = j // 16  # sub-block of 16 values; quants: 2 halves x 4 bit planes x 32 bytes
-    sc = _byte(blk + s)
-    q = (_byte(blk + 16 + (j // 128) * 32 + j % 32) >> (((j // 32) % 4) * 2)) & 3
+def _q2_k(blk, s, l):
+    sc = _byte(blk + 2 * s + l // 16)  # one scale byte per 16 values: low nibble scale, high nibble min
+    q = (_byte(blk + 16 + (s // 4) * 32 + l) >> ((s % 4) * 2)) & 3  # 2 halves x 4 bit planes x 32 bytes
     dl = _f16(blk + 80) * (sc & 0xF).to(tl.float32)
     ml = _f16(blk + 82) * (sc >> 4).to(tl.float32)
     return dl * q.to(tl.float32) - ml
 
 
 @triton.jit
-def _q3_k(blk, j):
-    s = j // 16  # sixteen 6-bit scales: low nibbles in bytes 96-103, top 2 bits in 104-107
-    low = _nibble(blk + 96 + s % 8, s // 8)
-    high = (_byte(blk + 104 + s % 4) >> ((s // 4) * 2)) & 3
+def _q3_k(blk, s, l):
+    s16 = 2 * s + l // 16  # sixteen 6-bit scales: low nibbles in bytes 96-103, top 2 bits in 104-107
+    low = _nibble(blk + 96 + s16 % 8, s16 // 8)
+    high = (_byte(blk + 104 + s16 % 4) >> ((s16 // 4) * 2)) & 3
     sc = (low | (high << 4)) - 32
-    ql = (_byte(blk + 32 + (j // 128) * 32 + j % 32) >> (((j // 32) % 4) * 2)) & 3
-    hm = (_byte(blk + j % 32) >> (j // 32)) & 1  # a set mask bit means "no -4 offset"
+    ql = (_byte(blk + 32 + (s // 4) * 32 + l) >> ((s % 4) * 2)) & 3
+    hm = (_byte(blk + l) >> s) & 1  # a set mask bit means "no -4 offset"
     q = ql - ((hm ^ 1) << 2)
     return _f16(blk + 108) * sc.to(tl.float32) * q.to(tl.float32)
 
@@ -121,50 +122,50 @@ def _scale_min_k4(p, s):
 
 
 @triton.jit
-def _q4_k(blk, j):
-    s = j // 32
+def _q4_k(blk, s, l):
     sc, mn = _scale_min_k4(blk + 4, s)
-    q = _nibble(blk + 16 + (s // 2) * 32 + j % 32, s % 2)
-    return _f16(blk) * sc.to(tl.float32) * q.to(tl.float32) - _f16(blk + 2) * mn.to(tl.float32)
+    dl = _f16(blk) * sc.to(tl.float32)
+    ml = _f16(blk + 2) * mn.to(tl.float32)
+    return dl * _nibble(blk + 16 + (s // 2) * 32 + l, s % 2).to(tl.float32) - ml
 
 
 @triton.jit
-def _q5_k(blk, j):
-    s = j // 32
+def _q5_k(blk, s, l):
     sc, mn = _scale_min_k4(blk + 4, s)
-    q = _nibble(blk + 48 + (s // 2) * 32 + j % 32, s % 2) | (((_byte(blk + 16 + j % 32) >> s) & 1) << 4)
-    return _f16(blk) * sc.to(tl.float32) * q.to(tl.float32) - _f16(blk + 2) * mn.to(tl.float32)
+    dl = _f16(blk) * sc.to(tl.float32)
+    ml = _f16(blk + 2) * mn.to(tl.float32)
+    q = _nibble(blk + 48 + (s // 2) * 32 + l, s % 2) | (((_byte(blk + 16 + l) >> s) & 1) << 4)
+    return dl * q.to(tl.float32) - ml
 
 
 @triton.jit
-def _q6_k(blk, j):
-    half = j // 128
-    ql = _nibble(blk + half * 64 + j % 64, (j // 64) % 2)
-    qh = (_byte(blk + 128 + half * 32 + j % 32) >> (((j // 32) % 4) * 2)) & 3
+def _q6_k(blk, s, l):
+    half = s // 4  # 128-value halves; low nibbles: 2 x 64 bytes, high 2 bits: 4 planes of 32 bytes
+    ql = _nibble(blk + half * 64 + (s % 2) * 32 + l, (s // 2) % 2)
+    qh = (_byte(blk + 128 + half * 32 + l) >> ((s % 4) * 2)) & 3
     q = (ql | (qh << 4)) - 32
-    sc = _signed(_byte(blk + 192 + j // 16))
+    sc = _signed(_byte(blk + 192 + 2 * s + l // 16))
     return _f16(blk + 208) * sc.to(tl.float32) * q.to(tl.float32)
 
 
 @triton.jit
-def _iq4_nl(blk, j, vals):
-    return _f16(blk) * tl.load(vals + _nibble(blk + 2 + j % 16, j // 16))
+def _iq4_nl(blk, s, l, vals):
+    return _f16(blk) * tl.load(vals + _nibble(blk + 2 + l % 16, l // 16))
 
 
 @triton.jit
-def _iq4_xs(blk, j, vals):
-    s = j // 32
+def _iq4_xs(blk, s, l, vals):
     high = ((_byte(blk + 2) | (_byte(blk + 3) << 8)) >> (s * 2)) & 3
     sc = (_nibble(blk + 4 + s // 2, s % 2) | (high << 4)) - 32
-    idx = _nibble(blk + 8 + s * 16 + j % 16, (j % 32) // 16)
-    return _f16(blk) * sc.to(tl.float32) * tl.load(vals + idx)
+    idx = _nibble(blk + 8 + s * 16 + l % 16, l // 16)
+    return (_f16(blk) * sc.to(tl.float32)) * tl.load(vals + idx)
 
 
 @triton.jit
-def _mxfp4(blk, j, vals):
+def _mxfp4(blk, s, l, vals):
     e = _byte(blk)
     half_scale = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
-    return half_scale * tl.load(vals + _nibble(blk + 1 + j % 16, j // 16))
+    return half_scale * tl.load(vals + _nibble(blk + 1 + l % 16, l // 16))
 
 
 @triton.jit
@@ -174,65 +175,68 @@ def _sign(signs, index, bit):
 
 
 @triton.jit
-def _iq2_xxs(blk, j, grid, signs):
-    sub = blk + 2 + (j // 32) * 8  # 4 grid bytes, then a u32: 4-bit scale over four 7-bit sign indices
-    g = (j % 32) // 8
+def _iq2_xxs(blk, s, l, grid, signs):
+    sub = blk + 2 + s * 8  # 4 grid bytes, then a u32: 4-bit scale over four 7-bit sign indices
     aux = _u32(sub + 4)
     db = _f16(blk) * (0.5 + (aux >> 28).to(tl.float32)) * 0.25
+    g = l // 8
     sidx = ((aux >> (g * 7).to(tl.uint32)) & 0x7F).to(tl.int32)
-    return db * tl.load(grid + _byte(sub + g) * 8 + j % 8) * _sign(signs, sidx, j % 8)
+    return db * tl.load(grid + _byte(sub + g) * 8 + l % 8) * _sign(signs, sidx, l % 8)
 
 
 @triton.jit
-def _iq2_xs(blk, j, grid, signs):
-    q = _byte(blk + 2 + (j // 8) * 2) | (_byte(blk + 3 + (j // 8) * 2) << 8)  # 9-bit grid | 7-bit signs
-    sc = _nibble(blk + 66 + j // 32, (j // 16) % 2)
-    db = _f16(blk) * (0.5 + sc.to(tl.float32)) * 0.25
-    return db * tl.load(grid + (q & 511) * 8 + j % 8) * _sign(signs, q >> 9, j % 8)
+def _iq2_xs(blk, s, l, grid, signs):
+    at = blk + 2 + (s * 4 + l // 8) * 2
+    q = _byte(at) | (_byte(at + 1) << 8)  # 9-bit grid index | 7-bit sign index << 9
+    db = _f16(blk) * (0.5 + _nibble(blk + 66 + s, l // 16).to(tl.float32)) * 0.25
+    return db * tl.load(grid + (q & 511) * 8 + l % 8) * _sign(signs, q >> 9, l % 8)
 
 
 @triton.jit
-def _iq3_xxs(blk, j, grid, signs):
-    aux = _u32(blk + 66 + (j // 32) * 4)
+def _iq3_xxs(blk, s, l, grid, signs):
+    aux = _u32(blk + 66 + s * 4)
     db = _f16(blk) * (0.5 + (aux >> 28).to(tl.float32)) * 0.5
-    sidx = ((aux >> (((j % 32) // 8) * 7).to(tl.uint32)) & 0x7F).to(tl.int32)
-    return db * tl.load(grid + _byte(blk + 2 + j // 4) * 4 + j % 4) * _sign(signs, sidx, j % 8)
+    sidx = ((aux >> ((l // 8) * 7).to(tl.uint32)) & 0x7F).to(tl.int32)
+    return db * tl.load(grid + _byte(blk + 2 + s * 8 + l // 4) * 4 + l % 4) * _sign(signs, sidx, l % 8)
 
 
 @triton.jit
-def decode(blk, j, grid, signs, vals, QTYPE: tl.constexpr):
-    """float32 values of ggml type QTYPE: blk points at each value's block, j is its index in it."""
+def decode(blk, s, l, grid, signs, vals, QTYPE: tl.constexpr):
+    """float32 values of ggml type QTYPE: value l of 32-value group s of the block at blk.
+
+    For the 32-value types s is unused (each group is a block of its own, and blk says which).
+    """
     if QTYPE == Q8_0:
-        w = _q8_0(blk, j)
+        w = _q8_0(blk, s, l)
     elif QTYPE == Q4_0:
-        w = _q4_0(blk, j)
+        w = _q4_0(blk, s, l)
     elif QTYPE == Q4_1:
-        w = _q4_1(blk, j)
+        w = _q4_1(blk, s, l)
     elif QTYPE == Q5_0:
-        w = _q5_0(blk, j)
+        w = _q5_0(blk, s, l)
     elif QTYPE == Q5_1:
-        w = _q5_1(blk, j)
+        w = _q5_1(blk, s, l)
     elif QTYPE == Q2_K:
-        w = _q2_k(blk, j)
+        w = _q2_k(blk, s, l)
     elif QTYPE == Q3_K:
-        w = _q3_k(blk, j)
+        w = _q3_k(blk, s, l)
     elif QTYPE == Q4_K:
-        w = _q4_k(blk, j)
+        w = _q4_k(blk, s, l)
     elif QTYPE == Q5_K:
-        w = _q5_k(blk, j)
+        w = _q5_k(blk, s, l)
     elif QTYPE == Q6_K:
-        w = _q6_k(blk, j)
+        w = _q6_k(blk, s, l)
     elif QTYPE == IQ4_NL:
-        w = _iq4_nl(blk, j, vals)
+        w = _iq4_nl(blk, s, l, vals)
     elif QTYPE == IQ4_XS:
-        w = _iq4_xs(blk, j, vals)
+        w = _iq4_xs(blk, s, l, vals)
     elif QTYPE == MXFP4:
-        w = _mxfp4(blk, j, vals)
+        w = _mxfp4(blk, s, l, vals)
     elif QTYPE == IQ2_XXS:
-        w = _iq2_xxs(blk, j, grid, signs)
+        w = _iq2_xxs(blk, s, l, grid, signs)
     elif QTYPE == IQ2_XS:
-        w = _iq2_xs(blk, j, grid, signs)
+        w = _iq2_xs(blk, s, l, grid, signs)
     else:
         tl.static_assert(QTYPE == IQ3_XXS, "no Triton decoder for this ggml type")
-        w = _iq3_xxs(blk, j, grid, signs)
+        w = _iq3_xxs(blk, s, l, grid, signs)
     return w

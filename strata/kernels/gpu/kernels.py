@@ -1,8 +1,8 @@
 """Triton kernels over ggml blocks: `x @ W.T`, and SwiGLU experts for many (token, expert) pairs.
 
 Every kernel reduces rows of W against one row of x with `_dot_rows`, which walks the row in
-BK-value steps, decodes a (BN, BK) tile of weights in registers (`decode`) and never writes
-floats back: an expert is read once, in its stored size. One program computes BN outputs of
+BK-value steps, decodes a (BN, BK / 32, 32) tile of weights in registers (`decode`) and never
+writes floats back: an expert is read once, in its stored size. One program computes BN outputs of
 one row of x; a small batch re-reads W from L2, which is what decode-sized batches want.
 
 The grouped expert product takes the pairs' weights where they already are (cache slots, or
@@ -33,18 +33,37 @@ def block_rows() -> int:
     return 128 if os.environ.get("TRITON_INTERPRET") == "1" else 8
 
 
+# Only builtins of triton.language below (tl.full, tl.reduce, ...), none of the helpers it
+# writes in Triton itself (tl.zeros, tl.sum): those are compiled-mode functions if triton was
+# imported before TRITON_INTERPRET was set, and the interpreter then refuses to call them.
+# Sums reduce with tl.sum's own combine function, which the interpreter maps to numpy's sum.
+_SUM = tl.standard._sum_combine
+
+
 @triton.jit
 def _dot_rows(x_row, w_rows, K, grid, signs, vals,
               QTYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """float32 (BN,): each of BN weight rows (pointers w_rows, (BN, 1)) dotted with x_row (K values)."""
-    acc = tl.zeros([BN], dtype=tl.float32)
+    """float32 (BN,): each of BN weight rows (pointers w_rows, (BN, 1)) dotted with x_row (K values).
+
+    A step covers BK values as (BK / 32) groups of 32: one super-block of a 256-value type,
+    or BK / 32 blocks of a 32-value one.
+    """
+    NG: tl.constexpr = BK // 32
+    s = tl.arange(0, NG)[None, :, None]  # (1, NG, 1): group
+    l = tl.arange(0, 32)[None, None, :]  # (1, 1, 32): value in the group
+    rows = w_rows[:, :, None]  # (BN, 1, 1)
+    acc = tl.full([BN], 0.0, tl.float32)
     for k0 in range(0, K, BK):
-        k = k0 + tl.arange(0, BK)
+        k = k0 + s * 32 + l  # (1, NG, 32)
         inside = k < K
-        k = tl.minimum(k, K - 1)  # past the end: decode a real value, multiply it by 0
         xv = tl.load(x_row + k, mask=inside, other=0.0).to(tl.float32)
-        w = decode(w_rows + (k // QK * TS)[None, :], (k % QK)[None, :], grid, signs, vals, QTYPE)  # (BN, BK)
-        acc += tl.sum(tl.where(inside[None, :], w * xv[None, :], 0.0), axis=1)
+        if QK == 32:  # past the end: decode the last real block, multiply it by 0
+            blk = rows + tl.minimum(k0 // 32 + s, K // 32 - 1) * TS  # (BN, NG, 1)
+        else:
+            tl.static_assert(QK == BK, "a step must cover one super-block")
+            blk = rows + (k0 // QK) * TS  # (BN, 1, 1)
+        w = decode(blk, s, l, grid, signs, vals, QTYPE)  # (BN, NG, 32)
+        acc += tl.reduce(tl.reduce(tl.where(inside, w * xv, 0.0), 2, _SUM), 1, _SUM)
     return acc
 
 
