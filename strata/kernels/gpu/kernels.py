@@ -27,9 +27,9 @@ BK = 256  # weight values decoded per step: one k-/i-quant super-block, eight 32
 
 
 def block_rows() -> int:
-    """Output rows per program: 8 on a GPU (sm_90 builds then need 32-96 registers a thread for
-    every type, where 16 rows took up to 255 for IQ2_XXS: see `compile_check`); 128 under the
-    interpreter, which runs one program at a time in Python, so fewer, larger ones finish sooner."""
+    """Output rows per program: 8 on a GPU (sm_90 builds then take 32-96 registers a thread for
+    every type, see `compile_check`; bench/gpu_check.py times 4, 8 and 16 on the device); 128
+    under the interpreter, which runs one program at a time in Python: fewer, larger ones win."""
     return 128 if os.environ.get("TRITON_INTERPRET") == "1" else 8
 
 
