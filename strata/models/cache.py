@@ -45,6 +45,10 @@ class KVCache:
         b, h, t, _ = k.shape
         end = int((step.start + t).max())
         self._reserve(b, h, end, k, v)
+        if b == 1:  # one row (every decode step of a single request): a slice, not a scatter
+            self.k[:, :, end - t:end] = k
+            self.v[:, :, end - t:end] = v
+            return self.k[:, :, :end], self.v[:, :, :end]
         idx = step.positions[:, None, :, None].expand(b, h, t, k.shape[-1])
         self.k.scatter_(2, idx, k)
         self.v.scatter_(2, idx.expand(b, h, t, v.shape[-1]), v)
