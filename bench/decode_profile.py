@@ -14,10 +14,9 @@ import time
 from collections import defaultdict
 
 import torch
-from gguf import GGMLQuantizationType as T
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from strata import kernels, quant
+from strata import kernels
 from strata.models.layers import Experts
 from strata.models.linear import Embedding, Linear
 from strata.models.transformer import MoE
@@ -64,17 +63,30 @@ def _label_modules(model) -> list:
     return undo
 
 
+KERNEL_BYTES: dict[str, int] = {}  # label -> weight bytes one call reads
+
+
 def _label_kernels():
-    """Label every compiled quantized product by type, shape and batch; returns the original."""
-    original = kernels.qmatmul_fast
+    """Label every compiled quantized product by type, shape and batch, and each one-call MoE
+    token (strata_moe_token) by its experts' types; returns the originals."""
+    originals = kernels.qmatmul_fast, kernels._moe_token
 
     def labelled(x, w, threads=None, out=None):
         rows, cols = w.shape
-        with record_function(f"qmm {w.qtype.name} {rows}x{cols} b{x.numel() // cols}"):
-            return original(x, w, threads, out)
+        label = f"qmm {w.qtype.name} {rows}x{cols} b{x.numel() // cols}"
+        KERNEL_BYTES[label] = w.nbytes
+        with record_function(label):
+            return originals[0](x, w, threads, out)
 
-    kernels.qmatmul_fast = labelled
-    return original
+    def labelled_moe(x, parts, w, threads, out):
+        types = "/".join(q.qtype.name for q in parts[0])
+        label = f"qmm moe-token {types} k{len(parts)}x3x{parts[0][0].shape[0]}x{parts[0][0].shape[1]}"
+        KERNEL_BYTES[label] = sum(q.nbytes for p in parts for q in p)
+        with record_function(label):
+            return originals[1](x, parts, w, threads, out)
+
+    kernels.qmatmul_fast, kernels._moe_token = labelled, labelled_moe
+    return originals
 
 
 def bytes_per_token(model, k: int) -> dict[str, int]:
@@ -124,7 +136,7 @@ def print_profile(engine, prompt: list[int], steps: int) -> None:
                         token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
                     walls.append(time.perf_counter() - t)
         finally:
-            kernels.qmatmul_fast = original
+            kernels.qmatmul_fast, kernels._moe_token = original
             for m in undo:
                 del m.forward
     step_ms = statistics.median(walls) * 1e3
@@ -141,18 +153,16 @@ def print_profile(engine, prompt: list[int], steps: int) -> None:
     rest = total_ms - parts / 1e3 / steps
     print(f"  {'(the rest: embedding, head, loop, argmax)':<44} {rest:8.2f} {100 * rest / total_ms:5.1f}%")
 
-    print(f"\n  {'kernel':<30} {'calls':>5} {'ms/token':>8} {'GB/s':>6}")
+    print(f"\n  {'kernel':<40} {'calls':>5} {'ms/token':>8} {'GB/s':>6}")
     qmm = sorted((e for e in events if e.key.startswith("qmm ")), key=lambda e: -e.cpu_time_total)
     kernel_ms = 0.0
     for e in qmm:
-        _, name, shape, _b = e.key.split()
-        rows, cols = (int(v) for v in shape.split("x"))
-        nbytes = quant.row_bytes(T[name], cols) * rows
+        nbytes = KERNEL_BYTES[e.key]
         ms = e.cpu_time_total / 1e3 / steps
         kernel_ms += ms
         gbs = nbytes * e.count / (e.cpu_time_total / 1e6) / 1e9
-        print(f"  {e.key[4:]:<30} {e.count // steps:5d} {ms:8.3f} {gbs:6.1f}")
-    print(f"  {'all quantized products':<30} {'':>5} {kernel_ms:8.2f} ({100 * kernel_ms / total_ms:.0f}% of the step)")
+        print(f"  {e.key[4:]:<40} {e.count // steps:5d} {ms:8.3f} {gbs:6.1f}")
+    print(f"  {'all quantized products':<40} {'':>5} {kernel_ms:8.2f} ({100 * kernel_ms / total_ms:.0f}% of the step)")
 
     print(f"\n  {'torch operator (self CPU)':<44} {'calls':>5} {'ms/token':>8}")
     ops = sorted((e for e in events if e.key.startswith("aten::")), key=lambda e: -e.self_cpu_time_total)
