@@ -36,11 +36,13 @@ def engine():
 @needs_demo
 def test_file_is_small_and_a_real_moe():
     assert DEMO.stat().st_size < 40 * 1024 * 1024
-    meta = GGUFFile(DEMO).metadata
-    assert meta["general.architecture"] == "qwen3moe"
-    assert meta["qwen3moe.block_count"] >= 8
-    assert meta["qwen3moe.expert_count"] >= 32
-    assert 2 <= meta["qwen3moe.expert_used_count"] < meta["qwen3moe.expert_count"]
+    file = GGUFFile(DEMO)
+    meta, a = file.metadata, "qwen4exp"
+    assert meta["general.architecture"] == a
+    assert meta[f"{a}.nextn_predict_layers"] == 1 and meta[f"{a}.block_count"] >= 9  # 8 + the MTP block
+    assert meta[f"{a}.expert_count"] >= 32
+    assert 2 <= meta[f"{a}.expert_used_count"] <= 4
+    assert meta[f"{a}.ple.layers"] == [1] and "per_layer_token_embd.weight" in file.tensors
     assert meta["tokenizer.ggml.model"] == "gpt2"
 
 
@@ -106,28 +108,34 @@ def test_held_out_files_are_fixed_and_disjoint():
     assert len(ids) == 2000
 
 
-def test_trainable_model_matches_the_engine(tmp_path):
-    """The trainer's module and strata's qwen3moe compute the same logits from the same weights."""
-    import gguf
+def test_trainable_mtp_matches_the_engine(tmp_path):
+    """The trainer's MTP head, exported beside a trunk as the demo's is, computes in Strata what it
+    computes in training: exactly from safetensors, within F16/Q8_0 rounding from the demo's GGUF."""
+    from test_qwen4exp import eos_prompt, tiny_qwen4exp
 
-    from strata.demo.trainable import TrainableMoE
-    from strata.gguf.writer import write_gguf
-    from strata.models.qwen3moe import Config, gguf_metadata
-    from strata.models.rope import RopeConfig
+    from strata.demo.export import write_demo_gguf, write_hf
+    from strata.demo.trainable import TrainableMTP
+    from strata.demo.trunk import dense_indexer
 
-    c = Config(vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_size=0,
-               expert_ffn_size=16, n_experts=8, n_experts_used=2, norm_topk_prob=True, rms_eps=1e-6,
-               rope=RopeConfig(dim=8, theta=10000.0), context_length=64)
-    model = TrainableMoE(c)
-    model.init_weights(torch.Generator().manual_seed(0))
-    with torch.no_grad():  # make norms and the router matter
-        for name, p in model.named_parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * (0.3 if p.dim() == 1 else 0.2))
-    path = write_gguf(tmp_path / "tiny.gguf", "qwen3moe", gguf_metadata(c),
-                      [(n, t, gguf.GGMLQuantizationType.F32) for n, t in model.gguf_tensors()])
-    ids = torch.randint(0, c.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
-    got = strata.load(path).logits(ids.tolist())
-    with torch.no_grad():
-        want, routing = model(ids[None], return_routing=True)
-    assert (got - want[0]).abs().max().item() < 1e-4
-    assert all(chosen.unique().numel() > 2 for _, chosen in routing)
+    torch.manual_seed(0)
+    trunk = tiny_qwen4exp()
+    mtp = TrainableMTP(trunk)
+    mtp.init_from_trunk(torch.Generator().manual_seed(0))
+    with torch.no_grad():  # away from the copy of the trunk it starts as
+        for name, p in mtp.named_parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    hf_dir = write_hf(trunk, mtp, tmp_path / "hf")
+    gguf_path = write_demo_gguf(hf_dir, tmp_path / "demo.gguf", {})
+    ids = eos_prompt(19)  # within the 16-token QSA budget (+ an incomplete block): dense everywhere
+    with torch.no_grad(), dense_indexer():
+        h = trunk.model(input_ids=torch.tensor([ids])).last_hidden_state
+        want = mtp(torch.tensor([ids[1:]]), h[:, :-1])[0]
+    got = {}
+    for path in (hf_dir, gguf_path):
+        model = strata.load(path).model
+        with torch.inference_mode():
+            _, hs = model(torch.tensor([ids]), model.new_cache(1), hidden=True)
+            got[path] = model.mtp(torch.tensor([ids[1:]]), hs[:, :-1], model.mtp.new_cache(1))[0][0]
+    assert (got[hf_dir] - want).abs().max().item() < 1e-4
+    # random weights amplify F16 rounding; a wrong tensor would not keep the top tokens
+    assert (got[gguf_path].argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9

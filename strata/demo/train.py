@@ -1,18 +1,28 @@
-"""Train the bundled demo model: a small qwen3moe code-completion model on the Python standard library.
+"""Train the bundled demo model: a tiny qwen4exp code-completion model on the Python standard library.
 
     python -m strata.demo.train --out strata/demo/strata-demo.gguf [--minutes M] [--seed S]
 
 Everything it needs is on every machine that runs strata: the corpus is the running Python's
-standard library sources (no download), the tokenizer is trained here with `tokenizers`, the model
-is `strata.demo.trainable.TrainableMoE` (qwen3moe's math), and the result is written with
-`strata.gguf.writer.write_gguf` and checked by loading it back with `strata.load`.
+standard library sources (no download), the tokenizer is trained here with `tokenizers`. Two
+stages:
+
+  1. the trunk (`strata.demo.trunk`): transformers' `Qwen4ExpForCausalLM` (Gated DeltaNet, QSA,
+     32 experts top-2 + a shared expert, 4 hyper-connection streams, an n-gram table on layer 1),
+     trained on next-token loss plus a load-balancing loss;
+  2. the MTP draft layer (`strata.demo.trainable.TrainableMTP`), trained with the trunk frozen to
+     predict the trunk's own next-token distribution one position ahead, so its drafts get accepted.
+
+The result is converted with Strata's HF name table (`strata.gguf.convert`), written with
+`strata.gguf.writer.write_gguf` and checked by loading it back with `strata.load`: logits against
+transformers, drafts against the trainable MTP layer.
 
 A run is reproducible on a given machine: the tokenizer, the initialisation and the data order
 are seeded, and training stops after `--steps` optimizer steps. `--minutes` is a safety cap for slow
 machines: the learning-rate schedule follows whichever of the two budgets is further along, so a
 time-capped run still anneals, but then its step count (and result) depends on the machine's speed.
-The defaults (800 steps of 2,048 tokens, one thread) took 27 minutes on a busy 2-core AVX2 box; the
-shipped strata-demo.gguf is that run (its settings and losses are in its strata.demo.* metadata).
+`--save-trunk DIR` / `--trunk-from DIR` split the two stages (the shipped file was made that way:
+the same code, the same result). The shipped strata-demo.gguf's settings and losses are in its
+strata.demo.* metadata.
 """
 
 from __future__ import annotations
@@ -21,13 +31,11 @@ import argparse
 import json
 import math
 import os
-import sys
 import sysconfig
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
@@ -168,249 +176,109 @@ def encode_files(tok, paths: list[Path]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int32)
 
 
-# -- model ---------------------------------------------------------------------------------------------
 
 
-def demo_config(vocab_size: int, context: int = 512):
-    from strata.models.qwen3moe import Config
-    from strata.models.rope import RopeConfig
-
-    hidden, heads, head_dim = 128, 4, 32
-    return Config(vocab_size=vocab_size, hidden_size=hidden, n_layers=8, n_heads=heads, n_kv_heads=2,
-                  head_dim=head_dim, ffn_size=0, expert_ffn_size=96, n_experts=32, n_experts_used=2,
-                  norm_topk_prob=True, rms_eps=1e-6, rope=RopeConfig(dim=head_dim, theta=10000.0),
-                  context_length=context)
+# -- stages --------------------------------------------------------------------------------------------
 
 
-def export_tensors(model):
-    """(name, tensor, ggml type): experts Q8_0, other matrices F16, norms and routers F32."""
-    import gguf
+def prepare_data(args, trunk_from: Path | None):
+    """(tokenizer, training ids, held-out ids); the tokenizer is the saved trunk's when resuming."""
+    from tokenizers import Tokenizer
 
-    T = gguf.GGMLQuantizationType
-    out = []
-    for name, t in model.gguf_tensors():
-        if "_exps." in name:
-            qtype = T.Q8_0
-        elif t.dim() == 1 or "ffn_gate_inp" in name:
-            qtype = T.F32
-        else:
-            qtype = T.F16
-        out.append((name, t.float(), qtype))
-    return out
-
-
-def gguf_float_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a GGUF file dequantized to float32, by name."""
-    from strata.gguf.reader import GGUFFile
-    from strata.gguf.source import GGUFSource
-
-    source = GGUFSource(GGUFFile(path))
-    return {name: source.get(name).dequantize(torch.float32) for name in source.names()}
+    train_paths, held_paths = train_files(), held_out_files()
+    texts = [t for p_ in train_paths if (t := read_source(p_)) is not None]
+    print(f"corpus: {stdlib_root()}: {len(train_paths)} training files ({sum(map(len, texts)) / 1e6:.1f} M chars), "
+          f"{len(held_paths)} held out", flush=True)
+    if trunk_from is not None:
+        tok = Tokenizer.from_file(str(trunk_from / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(texts, args.vocab)
+    if tok.token_to_id(EOS) != 0:
+        raise SystemExit(f"the tokenizer gave {EOS} id {tok.token_to_id(EOS)}, not 0")
+    return tok, encode_files(tok, train_paths), encode_files(tok, held_paths)
 
 
-def demo_metadata(args, steps: int, train_loss: float, held_out_loss: float) -> dict:
-    """general.* and the settings that determine the result (not the command line, so a default
-    run that reproduces the shipped file writes it byte for byte)."""
-    python = sys.version.split()[0]
-    return {
-        "general.name": "strata-demo",
-        "general.description": f"strata's demo model: a small qwen3moe trained by strata/demo/train.py "
-                               f"on the Python {python} standard library sources",
-        "strata.demo.python": python,
-        "strata.demo.seed": args.seed,
-        "strata.demo.steps": steps,
-        "strata.demo.batch_tokens": args.batch_tokens,
-        "strata.demo.lr": float(args.lr),
-        "strata.demo.aux_coef": float(args.aux_coef),
-        "strata.demo.train_tokens": steps * args.batch_tokens,
-        "strata.demo.train_loss": train_loss,
-        "strata.demo.held_out_loss": held_out_loss,
-    }
+def train_trunk(args, tok, train_data: torch.Tensor, held_data: torch.Tensor):
+    from strata.demo import trunk
 
-
-# -- training ------------------------------------------------------------------------------------------
-
-
-def batch(data: torch.Tensor, starts: torch.Tensor, seq: int) -> torch.Tensor:
-    idx = starts[:, None] + torch.arange(seq + 1)
-    return data[idx].long()
-
-
-@torch.no_grad()
-def evaluate(model, data: torch.Tensor, seq: int, max_windows: int) -> float:
-    """Mean next-token loss (nats) over the first `max_windows` non-overlapping windows of `data`."""
-    model.eval()
-    n = min(max_windows, (len(data) - 1) // seq)
-    total, count = 0.0, 0
-    for w in range(0, n, 4):
-        starts = torch.arange(w, min(w + 4, n)) * seq
-        x = batch(data, starts, seq)
-        logits = model(x[:, :-1])
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum").item()
-        count += x[:, 1:].numel()
+    config = trunk.demo_hf_config(tok.get_vocab_size(), args.context)
+    model = trunk.new_trunk(config, args.seed)
+    n_params = sum(p_.numel() for p_ in model.parameters())
+    print(f"trunk: qwen4exp {config.num_hidden_layers} layers ({', '.join(sorted(set(config.layer_types)))}) x "
+          f"{config.num_experts} experts (top-{config.num_experts_per_tok}) + shared, hidden {config.hidden_size} x "
+          f"{config.hc_count} streams, n-gram table on layer 1; {n_params / 1e6:.1f} M parameters", flush=True)
     model.train()
-    return total / max(count, 1)
+    t0 = time.perf_counter()
+    with trunk.dense_indexer():
+        steps, ema, by = trunk.train_loop(trunk.trunk_step_loss(model, args.aux_coef), model.parameters(),
+                                          train_data, steps=args.steps, minutes=args.minutes, seq=args.seq,
+                                          batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed + 1,
+                                          label="trunk")
+        held = trunk.evaluate(model, held_data, args.seq, max_windows=64)
+    minutes = (time.perf_counter() - t0) / 60
+    print(f"trunk: {steps} steps ({steps * args.batch_tokens / 1e6:.2f} M tokens) in {minutes:.1f} min, stopped by "
+          f"{by}; train loss {ema:.3f}; held-out loss {held:.3f} (perplexity {math.exp(held):.1f})", flush=True)
+    return model.eval(), {"trunk_steps": steps, "trunk_train_loss": float(ema), "held_out_loss": float(held),
+                          "trunk_minutes": round(minutes, 1)}
 
 
-@torch.no_grad()
-def expert_use(model, data: torch.Tensor, seq: int, windows: int = 8) -> list[list[float]]:
-    """Per layer, the share of routed slots each expert got over held-out text."""
-    model.eval()
-    x = batch(data, torch.arange(min(windows, (len(data) - 1) // seq)) * seq, seq)
-    _, routing = model(x[:, :-1], return_routing=True)
-    model.train()
-    out = []
-    for _, ids in routing:
-        counts = torch.bincount(ids.reshape(-1), minlength=model.c.n_experts).float()
-        out.append((counts / counts.sum()).tolist())
-    return out
+def save_trunk(model, tok, results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "trunk_results.json").write_text(json.dumps(results, indent=1))
+    print(f"saved the trunk to {out}", flush=True)
 
 
-def seq_len(progress: float, context: int) -> int:
-    """Sequence-length warm-up: a quarter of training at context/4, a quarter at context/2, then the
-    full context (attention is most of the cost of a step, and early training needs no long range)."""
-    return context // 4 if progress < 0.25 else context // 2 if progress < 0.5 else context
+def load_trunk(path: Path):
+    from transformers import Qwen4ExpForCausalLM
 
-
-def lr_at(progress: float, step: int, peak: float, warmup: int, floor: float = 0.1) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+    model = Qwen4ExpForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, json.loads((path / "trunk_results.json").read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m strata.demo.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(__file__).with_name("strata-demo.gguf"))
-    p.add_argument("--minutes", type=float, default=60.0,
-                   help="wall-clock cap on training for slow or busy machines (default 60)")
-    p.add_argument("--steps", type=int, default=800, help="optimizer steps (default 800)")
+    p.add_argument("--minutes", type=float, default=33.0,
+                   help="wall-clock cap on the trunk's training for slow or busy machines (default 33)")
+    p.add_argument("--steps", type=int, default=900, help="the trunk's optimizer steps (default 900)")
+    p.add_argument("--mtp-steps", type=int, default=200, help="the MTP layer's optimizer steps (default 200)")
+    p.add_argument("--mtp-minutes", type=float, default=8.0, help="wall-clock cap on the MTP layer's training")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per step")
-    p.add_argument("--seq", type=int, default=512, help="the model's context: the longest training sequence")
-    p.add_argument("--lr", type=float, default=4e-3)
+    p.add_argument("--seq", type=int, default=256, help="training sequence length (at most the QSA budget)")
+    p.add_argument("--context", type=int, default=4096, help="the context length the file declares")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--mtp-lr", type=float, default=3e-3)
     p.add_argument("--aux-coef", type=float, default=0.01, help="load-balancing loss weight")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--save-trunk", type=Path, help="save the trained trunk (HF checkpoint + tokenizer) here")
+    p.add_argument("--trunk-only", action="store_true", help="stop after the trunk (with --save-trunk)")
+    p.add_argument("--trunk-from", type=Path, help="skip stage 1: the trunk saved by --save-trunk")
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
     t_start = time.perf_counter()
-
-    # corpus and tokenizer
-    train_paths, held_paths = train_files(), held_out_files()
-    texts = [t for p_ in train_paths if (t := read_source(p_)) is not None]
-    print(f"corpus: {stdlib_root()}: {len(train_paths)} training files ({sum(map(len, texts)) / 1e6:.1f} M chars), "
-          f"{len(held_paths)} held out", flush=True)
-    tok = train_tokenizer(texts, args.vocab)
-    tmeta = tokenizer_metadata(tok)
-    train_data = encode_files(tok, train_paths)
-    held_data = encode_files(tok, held_paths)
+    tok, train_data, held_data = prepare_data(args, args.trunk_from)
     print(f"tokenizer: {tok.get_vocab_size()} tokens; {len(train_data) / 1e6:.2f} M training tokens, "
           f"{len(held_data) / 1e3:.0f} k held-out tokens ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    if args.trunk_from is not None:
+        model, results = load_trunk(args.trunk_from)
+    else:
+        model, results = train_trunk(args, tok, train_data, held_data)
+        if args.save_trunk is not None:
+            save_trunk(model, tok, results, args.save_trunk)
+    if args.trunk_only:
+        return 0
+    from strata.demo.export import export_demo
+    from strata.demo.trainable import train_mtp
 
-    # model
-    from strata.demo.trainable import TrainableMoE, load_balance_loss
-
-    c = demo_config(tok.get_vocab_size(), args.seq)
-    model = TrainableMoE(c)
-    model.init_weights(torch.Generator().manual_seed(args.seed))
-    n_params = sum(p_.numel() for p_ in model.parameters())
-    print(f"model: qwen3moe {c.n_layers} layers x {c.n_experts} experts (top-{c.n_experts_used}), hidden {c.hidden_size}, "
-          f"expert ffn {c.expert_ffn_size}, heads {c.n_heads}/{c.n_kv_heads}x{c.head_dim}, ctx {c.context_length}; "
-          f"{n_params / 1e6:.1f} M parameters", flush=True)
-    decay = [p_ for p_ in model.parameters() if p_.dim() >= 2]
-    no_decay = [p_ for p_ in model.parameters() if p_.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    data_gen = torch.Generator().manual_seed(args.seed + 1)
-    budget = args.minutes * 60
-    warmup = max(1, min(30, args.steps // 10))
-    t_train = time.perf_counter()
-    step, progress, ema = 0, 0.0, None
-    stopped_by = "steps"
-    while step < args.steps:
-        elapsed = time.perf_counter() - t_train
-        progress = max(step / args.steps, elapsed / budget)
-        if progress >= 1.0:
-            stopped_by = "time"
-            break
-        lr = lr_at(progress, step, args.lr, warmup)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        seq = seq_len(progress, args.seq)
-        starts = torch.randint(0, len(train_data) - seq - 1, (args.batch_tokens // seq,), generator=data_gen)
-        x = batch(train_data, starts, seq)
-        logits, routing = model(x[:, :-1], return_routing=True)
-        ce = F.cross_entropy(logits.reshape(-1, c.vocab_size), x[:, 1:].reshape(-1))
-        aux = load_balance_loss(routing, c.n_experts)
-        opt.zero_grad(set_to_none=True)
-        (ce + args.aux_coef * aux).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        ema = ce.item() if ema is None else 0.95 * ema + 0.05 * ce.item()
-        if step % 10 == 0 or step == 1:
-            elapsed = time.perf_counter() - t_train
-            print(f"step {step:4d}  seq {seq:3d}  loss {ce.item():.3f} (avg {ema:.3f})  balance {aux.item():.2f}  "
-                  f"lr {lr:.2e}  {step * args.batch_tokens / elapsed:.0f} tok/s  {elapsed / 60:.1f} min", flush=True)
-    train_s = time.perf_counter() - t_train
-    held_loss = evaluate(model, held_data, args.seq, max_windows=64)
-    print(f"trained {step} steps ({step * args.batch_tokens / 1e6:.2f} M tokens) in {train_s / 60:.1f} min, "
-          f"stopped by {stopped_by}; final train loss {ema:.3f}; held-out loss {held_loss:.3f} "
-          f"(perplexity {math.exp(held_loss):.1f})", flush=True)
-    use = expert_use(model, held_data, args.seq)
-    busiest = [max(u) for u in use]
-    active = [sum(x > 0.01 for x in u) for u in use]
-    print("expert use on held-out text: busiest expert's share per layer "
-          + " ".join(f"{b:.2f}" for b in busiest) + "; experts with >1% share " + " ".join(map(str, active)))
-
-    # export
-    from strata.models.qwen3moe import gguf_metadata
-    from strata.gguf.writer import write_gguf
-
-    meta = demo_metadata(args, step, float(ema), float(held_loss)) | gguf_metadata(c) | tmeta
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_gguf(args.out, "qwen3moe", meta, export_tensors(model))
-    size = args.out.stat().st_size
-    print(f"wrote {args.out} ({size / 1e6:.1f} MB)", flush=True)
-
-    ok = verify(args.out, model, tok, held_data)
+    mtp, mtp_results = train_mtp(model, train_data, held_data, args)
+    ok = export_demo(args.out, model, mtp, tok, args, results | mtp_results, held_data)
     print(f"total {(time.perf_counter() - t_start) / 60:.1f} min")
     return 0 if ok else 1
-
-
-def verify(path: Path, model, tok, held_data: torch.Tensor, n: int = 128) -> bool:
-    """Load the file with `strata.load` and compare it with the trainable model, tightly (same
-    dequantized weights) and loosely (the float weights it was trained to)."""
-    import copy
-
-    import strata
-
-    engine = strata.load(path)
-    ids = held_data[:n].tolist()
-    got = engine.logits(ids)
-    exact = copy.deepcopy(model).eval()
-    exact.load_gguf_tensors(gguf_float_tensors(path))
-    with torch.no_grad():
-        want_q = exact(torch.tensor([ids]))[0]
-        want_f = model.eval()(torch.tensor([ids]))[0]
-    tight = (got - want_q).abs().max().item()
-    loose = (got - want_f).abs().max().item()
-    agree = (got.argmax(-1) == want_f.argmax(-1)).float().mean().item()
-    ok = tight < 2e-3  # float32 summation order (strata's kernels vs torch) is all that may differ
-    print(f"check: strata.load logits vs trainable model on the file's weights: max |diff| {tight:.2e} "
-          f"({'ok' if ok else 'MISMATCH'}); vs the float weights: max |diff| {loose:.3f}, "
-          f"argmax agreement {agree:.1%}")
-    if engine.tokenizer is not None:
-        text = tok.decode(ids)
-        same = engine.tokenizer.encode(text) == tok.encode(text, add_special_tokens=False).ids
-        print(f"check: engine tokenizer matches the trained one on held-out text: {same}")
-        ok &= same
-        prompt = "def read_config(path):\n"
-        out = engine.generate(engine.tokenizer.encode(prompt), max_new_tokens=48)
-        print("sample (greedy):\n" + prompt + engine.tokenizer.decode(out))
-    return ok
 
 
 if __name__ == "__main__":

@@ -1,170 +1,137 @@
-"""A trainable qwen3moe: the same math as `strata.models.qwen3moe.Model`, written for backprop.
+"""The demo's MTP draft layer, trainable: `strata.models.qwen4exp_mtp`'s math on transformers' modules.
 
-Pre-norm blocks of RMSNorm -> grouped-query attention (per-head q/k RMS norms, NEOX rope, causal)
-and RMSNorm -> mixture of SwiGLU experts behind a softmax top-k router whose top-k weights are
-renormalised (`norm_topk_prob`). Parameter names map one-to-one onto llama.cpp's GGUF tensor names
-(`gguf_tensors`), so the exported file loads in the engine unchanged.
+At position p it reads the trunk's hidden state h_p (its streams collapsed by the output mixer,
+what the LM head reads) and the next token x_{p+1}:
 
-Experts are stored stacked (`[E, out, in]`, as the GGUF holds them) and run grouped: tokens are
-sorted by expert and each expert multiplies its own tokens in one matmul, with no capacity limit
-and no dropped tokens, so training and inference route identically.
+    u = fc_embedding(enorm(embed(x_{p+1}))) + fc_hidden(hnorm(h_p))
+    g = body(inputs_embeds=u)      a one-layer qwen4exp text model: u copied into hc streams, one
+                                   attention + MoE block, its final mixer (the head's hc_head)
+    logits = trunk.lm_head(g)      predicts x_{p+2}
+
+It is trained with the trunk frozen, to match the trunk's own next-token distribution one
+position ahead (so a draft is what the trunk would have said: an accepted draft), and it starts
+as a near copy of the trunk's last attention layer and output mixer. `hf_tensors()` names its
+weights as a checkpoint's `mtp.*`, which Strata's converter maps to llama.cpp's NextN block.
 """
 
 from __future__ import annotations
 
-import math
+import copy
+import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from strata.models.qwen3moe import Config
+
+def body_config(trunk_config):
+    """One indexed-attention layer, no n-gram table, a token vocabulary it never uses."""
+    cfg = copy.deepcopy(trunk_config)
+    cfg.num_hidden_layers = 1
+    cfg.layer_types = ["indexed_attention"]
+    cfg.ple_layer_ids = []
+    cfg.vocab_size = 8  # the body reads inputs_embeds; its own embedding table stays unused
+    return cfg
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def rope_cos_sin(c: Config, n: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (n, 1, dim/2) for positions 0..n-1, as `strata.models.rope.Rope`."""
-    d = c.rope.dim
-    inv = 1.0 / (c.rope.theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
-    freqs = torch.arange(n, device=device).float()[:, None] * inv
-    return freqs.cos()[:, None], freqs.sin()[:, None]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
-    """NEOX rope (halves, not interleaved pairs) over the first `dim` dims of x (B, T, H, D)."""
-    rot, rest = x[..., :dim], x[..., dim:]
-    x1, x2 = rot[..., : dim // 2], rot[..., dim // 2:]
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
-
-
-class Layer(nn.Module):
-    def __init__(self, c: Config):
+class TrainableMTP(nn.Module):
+    def __init__(self, trunk):
         super().__init__()
-        h, hd, e, f = c.hidden_size, c.head_dim, c.n_experts, c.expert_ffn_size
-        self.c = c
-        self.attn_norm = nn.Parameter(torch.ones(h))
-        self.wq = nn.Parameter(torch.empty(c.n_heads * hd, h))
-        self.wk = nn.Parameter(torch.empty(c.n_kv_heads * hd, h))
-        self.wv = nn.Parameter(torch.empty(c.n_kv_heads * hd, h))
-        self.wo = nn.Parameter(torch.empty(h, c.n_heads * hd))
-        self.q_norm = nn.Parameter(torch.ones(hd))
-        self.k_norm = nn.Parameter(torch.ones(hd))
-        self.ffn_norm = nn.Parameter(torch.ones(h))
-        self.router = nn.Parameter(torch.empty(e, h))
-        self.gate = nn.Parameter(torch.empty(e, f, h))
-        self.up = nn.Parameter(torch.empty(e, f, h))
-        self.down = nn.Parameter(torch.empty(e, h, f))
+        from transformers import Qwen4ExpTextModel
+        from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRMSNorm
 
-    def attention(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
-        c = self.c
-        b, t, _ = x.shape
-        q = F.linear(x, self.wq).view(b, t, c.n_heads, c.head_dim)
-        k = F.linear(x, self.wk).view(b, t, c.n_kv_heads, c.head_dim)
-        v = F.linear(x, self.wv).view(b, t, c.n_kv_heads, c.head_dim)
-        q, k = rms_norm(q, self.q_norm, c.rms_eps), rms_norm(k, self.k_norm, c.rms_eps)
-        q, k = apply_rope(q, cos, sin, c.rope.dim), apply_rope(k, cos, sin, c.rope.dim)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=c.n_kv_heads != c.n_heads)
-        return F.linear(out.transpose(1, 2).reshape(b, t, c.n_heads * c.head_dim), self.wo)
+        c = trunk.config
+        h, eps = c.hidden_size, c.rms_norm_eps
+        self.fc_embedding = nn.Linear(h, h, bias=False)
+        self.fc_hidden = nn.Linear(h, h, bias=False)
+        self.pre_fc_norm_embedding = Qwen4ExpTextRMSNorm(h, eps=eps)
+        self.pre_fc_norm_hidden = Qwen4ExpTextRMSNorm(h, eps=eps)
+        self.body = Qwen4ExpTextModel(body_config(c))
+        self.body.embed_tokens.requires_grad_(False)
+        # shared with the trunk, never trained here (kept out of parameters())
+        self._trunk = [trunk]
 
-    def moe(self, x: torch.Tensor):
-        """x (N, H) -> output (N, H), router probs (N, E), chosen ids (N, k)."""
-        c = self.c
-        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
-        weights, ids = torch.topk(probs, c.n_experts_used, dim=-1)
-        if c.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token_of = order // c.n_experts_used
-        counts = torch.bincount(flat, minlength=c.n_experts).tolist()
-        xs = x[token_of]  # (N*k, H), grouped by expert
-        # unbind once: indexing the stacked parameter per expert would make autograd build and
-        # sum one full-size gradient per expert
-        gates, ups, downs = self.gate.unbind(0), self.up.unbind(0), self.down.unbind(0)
-        ys = []
-        for e, xe in enumerate(xs.split(counts)):
-            if xe.shape[0]:
-                ys.append(F.linear(F.silu(F.linear(xe, gates[e])) * F.linear(xe, ups[e]), downs[e]))
-        y = torch.cat(ys) * weights.reshape(-1)[order, None].to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, token_of, y)
-        return out, probs, ids
-
-    def forward(self, x, cos, sin):
-        x = x + self.attention(rms_norm(x, self.attn_norm, self.c.rms_eps), cos, sin)
-        b, t, h = x.shape
-        out, probs, ids = self.moe(rms_norm(x, self.ffn_norm, self.c.rms_eps).reshape(b * t, h))
-        return x + out.view(b, t, h), probs, ids
-
-
-class TrainableMoE(nn.Module):
-    def __init__(self, c: Config):
-        super().__init__()
-        self.c = c
-        self.tok_embd = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
-        self.layers = nn.ModuleList(Layer(c) for _ in range(c.n_layers))
-        self.output_norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.output = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
-
-    def init_weights(self, generator: torch.Generator) -> None:
-        """Small-normal init; output projections scaled down by depth (GPT-2 style)."""
-        std = 0.02
-        deep = std / math.sqrt(2 * self.c.n_layers)
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                continue
-            s = deep if name.endswith(("wo", "down")) else std
-            with torch.no_grad():
-                p.copy_(torch.randn(p.shape, generator=generator) * s)
-
-    def forward(self, tokens: torch.Tensor, return_routing: bool = False):
-        """tokens (B, T) -> logits (B, T, V), and per layer (router probs, chosen ids)."""
-        cos, sin = rope_cos_sin(self.c, tokens.shape[1], tokens.device)
-        x = F.embedding(tokens, self.tok_embd)
-        routing = []
-        for layer in self.layers:
-            x, probs, ids = layer(x, cos, sin)
-            routing.append((probs, ids))
-        logits = F.linear(rms_norm(x, self.output_norm, self.c.rms_eps), self.output)
-        return (logits, routing) if return_routing else logits
-
-    # -- GGUF names ----------------------------------------------------------------------------------
-
-    def gguf_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """(llama.cpp tensor name, tensor) for every parameter, in torch (out, in) order."""
-        out = [("token_embd.weight", self.tok_embd)]
-        for i, l in enumerate(self.layers):
-            p = f"blk.{i}"
-            out += [(f"{p}.attn_norm.weight", l.attn_norm), (f"{p}.attn_q.weight", l.wq),
-                    (f"{p}.attn_k.weight", l.wk), (f"{p}.attn_v.weight", l.wv),
-                    (f"{p}.attn_output.weight", l.wo), (f"{p}.attn_q_norm.weight", l.q_norm),
-                    (f"{p}.attn_k_norm.weight", l.k_norm), (f"{p}.ffn_norm.weight", l.ffn_norm),
-                    (f"{p}.ffn_gate_inp.weight", l.router), (f"{p}.ffn_gate_exps.weight", l.gate),
-                    (f"{p}.ffn_up_exps.weight", l.up), (f"{p}.ffn_down_exps.weight", l.down)]
-        out += [("output_norm.weight", self.output_norm), ("output.weight", self.output)]
-        return [(n, t.detach()) for n, t in out]
-
-    def load_gguf_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Inverse of `gguf_tensors`: copy float tensors in by GGUF name."""
-        params = dict(self.gguf_tensors())
+    def init_from_trunk(self, generator: torch.Generator) -> None:
+        """Start near "what the trunk says at p": its last attention layer (n-gram input aside) and
+        output mixer, the hidden half of the input fusion the identity, the embedding half small."""
+        trunk = self._trunk[0].model
+        last = max(i for i, t in enumerate(trunk.config.layer_types) if t == "indexed_attention")
+        self.body.layers[0].load_state_dict(trunk.layers[last].state_dict())
+        self.body.hyper_connection_mixer.load_state_dict(trunk.hyper_connection_mixer.state_dict())
+        h = self.fc_hidden.weight.shape[0]
         with torch.no_grad():
-            for name, t in params.items():
-                t.copy_(tensors[name].reshape(t.shape))
+            self.fc_hidden.weight.copy_(torch.eye(h))
+            self.fc_embedding.weight.copy_(torch.randn(h, h, generator=generator) * 0.02)
+            self.pre_fc_norm_embedding.weight.zero_()
+            self.pre_fc_norm_hidden.weight.zero_()
+
+    def forward(self, next_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """next_tokens (B, T) = x_{p+1}, hidden (B, T, H) = h_p -> logits (B, T, V) for x_{p+2}."""
+        trunk = self._trunk[0]
+        e = trunk.model.embed_tokens(next_tokens)
+        u = self.fc_embedding(self.pre_fc_norm_embedding(e)) + self.fc_hidden(self.pre_fc_norm_hidden(hidden))
+        g = self.body(inputs_embeds=u, use_cache=False).last_hidden_state
+        return trunk.lm_head(g)
+
+    def hf_tensors(self) -> dict[str, torch.Tensor]:
+        """`mtp.*` checkpoint tensors; the block's indexer is left out (the MTP block attends densely)."""
+        out = {"mtp.fc_embedding.weight": self.fc_embedding.weight,
+               "mtp.fc_hidden.weight": self.fc_hidden.weight,
+               "mtp.pre_fc_norm_embedding.weight": self.pre_fc_norm_embedding.weight,
+               "mtp.pre_fc_norm_hidden.weight": self.pre_fc_norm_hidden.weight}
+        for k, v in self.body.state_dict().items():
+            if k.startswith("hyper_connection_mixer.") or (k.startswith("layers.") and ".indexer." not in k):
+                out["mtp." + k] = v
+        return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
-def load_balance_loss(routing, n_experts: int) -> torch.Tensor:
-    """Switch Transformer auxiliary loss, averaged over layers: E * sum_e f_e * P_e.
+def distill_loss(mtp: TrainableMTP, x: torch.Tensor):
+    """Cross-entropy of the head against the frozen trunk's distribution one position ahead."""
+    trunk = mtp._trunk[0]
+    with torch.no_grad():
+        h = trunk.model(input_ids=x, use_cache=False).last_hidden_state  # (B, T, H)
+        target = torch.softmax(trunk.lm_head(h[:, 1:]).float(), dim=-1)  # what the trunk says at p+1
+    logits = mtp(x[:, 1:], h[:, :-1])  # (h_p, x_{p+1}) -> x_{p+2}
+    loss = -(target * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+    agree = (logits.argmax(-1) == target.argmax(-1)).float().mean().item()
+    return loss, agree
 
-    f_e is the fraction of routed slots that chose expert e (no gradient), P_e the mean router
-    probability of e. It is 1.0 when use is uniform; larger the more skewed.
-    """
-    total = 0.0
-    for probs, ids in routing:
-        f = torch.bincount(ids.reshape(-1), minlength=n_experts).float() / ids.numel()
-        total = total + n_experts * (f * probs.mean(0)).sum()
-    return total / len(routing)
+
+def train_mtp(trunk, train_data: torch.Tensor, held_data: torch.Tensor, args):
+    """Stage 2 of `strata.demo.train`: the MTP head against the frozen trunk. -> (head, results)."""
+    from strata.demo import trunk as trunk_stage
+
+    trunk.eval().requires_grad_(False)
+    torch.manual_seed(args.seed + 2)
+    mtp = TrainableMTP(trunk)
+    mtp.init_from_trunk(torch.Generator().manual_seed(args.seed + 3))
+    mtp.train()
+    t0 = time.perf_counter()
+    with trunk_stage.dense_indexer():
+        before = held_agreement(mtp, held_data, args.seq)
+
+        def step_loss(x):
+            loss, agree = distill_loss(mtp, x[:, :-1])
+            return loss, loss.item(), f"agree {agree:.1%}"
+
+        steps, ema, _ = trunk_stage.train_loop(step_loss, mtp.parameters(), train_data, steps=args.mtp_steps,
+                                               minutes=args.mtp_minutes, seq=args.seq,
+                                               batch_tokens=args.batch_tokens, lr=args.mtp_lr,
+                                               seed=args.seed + 4, label="mtp", log_every=10)
+        after = held_agreement(mtp, held_data, args.seq)
+    minutes = (time.perf_counter() - t0) / 60
+    print(f"mtp: {steps} steps in {minutes:.1f} min; agreement with the trunk's next token on held-out text "
+          f"{before:.1%} at the start, {after:.1%} trained", flush=True)
+    return mtp.eval(), {"mtp_steps": steps, "mtp_loss": float(ema), "mtp_held_out_agreement": after,
+                        "mtp_minutes": round(minutes, 1)}
+
+
+@torch.no_grad()
+def held_agreement(mtp: TrainableMTP, data: torch.Tensor, seq: int, windows: int = 8) -> float:
+    """How often the head's top token is the trunk's, over held-out windows."""
+    was = mtp.training
+    mtp.eval()
+    n = min(windows, (len(data) - 1) // seq)
+    x = data[: n * seq].view(n, seq).long()
+    _, agree = distill_loss(mtp, x)
+    mtp.train(was)
+    return agree

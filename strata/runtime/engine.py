@@ -211,6 +211,9 @@ class Engine:
             self.stats.pop("draft", None)
         if self.tiers is not None:
             self.stats["tiers"] = self.tiers.stats()
+        table = getattr(self.model, "ple_table", None)
+        if table is not None:  # the n-gram table's reads from disk, since load
+            self.stats["ngram_table"] = table.stats()
 
 
 def load(path, **options) -> Engine:

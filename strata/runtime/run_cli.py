@@ -97,6 +97,12 @@ def main(argv: list[str]) -> int:
             d = stats["draft"]
             print(f"[draft: {d['accepted']}/{d['drafted']} accepted ({100 * d['acceptance_rate']:.0f}%), "
                   f"{d['tokens_per_round']:.2f} tokens per verify pass]", file=sys.stderr)
+        if "ngram_table" in stats:
+            t = stats["ngram_table"]
+            print(f"[n-gram table: {t['table_bytes'] / 2**20:.1f} MiB on disk, never loaded; "
+                  f"{t['bytes_read_per_token']:.0f} bytes read per token ({t['rows_read_per_token']:.2f} rows of "
+                  f"{t['row_bytes']} B; {t['rows_requested'] / max(t['tokens'], 1):.0f} looked up, the rest from "
+                  f"a RAM row cache), {1e3 * t['read_s_per_token']:.3f} ms reading per token]", file=sys.stderr)
         if "tiers" in stats:
             from strata.tiers.stats import describe
 
