@@ -16,6 +16,10 @@ alone, and the median step gives decode tokens/s. Then: prefill tokens/s, the pr
 RSS, the device KV bytes (tiered: the layers' block pools; untiered: the whole `KVCache`, which
 lives on the device) and the host KV bytes. The last decode step's logits of the two runs are
 compared.
+
+On a machine shared with other work prefer `--threads 1`: with 2 threads every multi-threaded
+kernel call can wait a whole time slice for a descheduled thread, and the figures then count
+fork-join points more than work.
 """
 
 from __future__ import annotations
