@@ -1,17 +1,19 @@
-"""The prepared GPU check: kernel tests on CUDA, each Triton kernel's GB/s, tiered decode speed.
+"""The prepared GPU check: each Triton kernel's GB/s, tiered decode speed, kernel tests on CUDA.
 
-    python bench/gpu_check.py [--out DIR] [--skip tests,kernels,decode] [--tokens 64]
+    python bench/gpu_check.py [--out DIR] [--skip kernels,decode,tests] [--tokens 64]
     python bench/gpu_check.py --dry-run    # on a CPU: the same steps, Triton's interpreter, tiny shapes,
                                            # and every kernel compiled for sm_90 (~5 minutes on 2 cores)
 
-Sized for a session lent one GPU for 15 minutes in all (an H200): under 8 minutes.
-1. tests: tests/test_triton_kernels.py (compiled on the device) and every gpu-marked test.
-2. kernels: per ggml type, `x @ W.T` over a weight larger than L2 (one row of x), and the
-   grouped SwiGLU product over cache slots at Qwen3-30B-A3B's expert size (a decode step's 8
-   experts; 4 tokens' 32): achieved GB/s of weight bytes against the device's peak bandwidth
-   (by its name) and a measured device-to-device copy, next to the torch reference path.
-3. decode: the demo model with the expert cache at 0, 30, 70 and 100 %: tokens/s and hit
+Sized for a session lent one GPU for 15 minutes in all (an H200): under 8 minutes; past 7.5
+the remaining parts are skipped, and a failing step is reported without stopping the rest.
+1. kernels: per ggml type, `x @ W.T` for one row of x, and the grouped SwiGLU product over
+   cache slots at Qwen3-30B-A3B's expert size (a decode step's 8 experts; 4 tokens' 32), each
+   with its error against the torch reference: achieved GB/s of weight bytes against the
+   device's peak bandwidth (by its name) and a measured device-to-device copy, next to the
+   reference's time. Timed calls cycle over 256 MB of weights, so L2 cannot serve them.
+2. decode: the demo model with the expert cache at 0, 30, 70 and 100 %: tokens/s and hit
    rates, with the device half computed by Triton and by the torch reference, side by side.
+3. tests: tests/test_triton_kernels.py (compiled on the device) and every gpu-marked test.
 Without CUDA (and without --dry-run) it stops at once with exit code 2.
 
 On the lent machine (Python 3.12 with torch and triton, but no gguf): first, here, put the gguf
@@ -25,12 +27,14 @@ manylinux2014_x86_64 -d .whl gguf==0.19.0`), then run, carrying .whl:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from functools import partial
 from pathlib import Path
 
@@ -111,22 +115,27 @@ def peak_bandwidth(device: torch.device) -> tuple[str, float | None, float | Non
     return name, peak, copy
 
 
-# ----------------------------------------------------------------------------- 1. tests
+# ----------------------------------------------------------------------------- tests
 
 
-def run_tests(dry_run: bool) -> dict:
+def run_tests() -> dict:
     gpu_marked = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
                         if "mark.gpu" in p.read_text() and p.name != "test_triton_kernels.py")
     runs = {"triton": ["tests/test_triton_kernels.py"], "gpu-marked": [*gpu_marked, "-m", "gpu"]}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the tests choose
     results = {}
     for label, args in runs.items():
         if out_of_time():
             results[label] = "skipped: out of time"
             continue
         t0 = time.perf_counter()
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the tests choose
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+        try:
+            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT,
+                                  env=env, capture_output=True, text=True, timeout=240, check=False)
+        except subprocess.TimeoutExpired as e:
+            results[label] = "failed: timed out after 240 s"
+            print(f"  {label:<11} {results[label]}\n{(e.stdout or b'')[-3000:]}", flush=True)
+            continue
         summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
         results[label] = summary
         print(f"  {label:<11} {summary}  ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -144,7 +153,9 @@ def run_compile_check() -> dict:
     return {"ok": done.returncode == 0, "kernels": done.stdout.count("registers")}
 
 
-# ----------------------------------------------------------------------------- 2. kernels
+# ----------------------------------------------------------------------------- kernels
+
+L2_DEFEAT_BYTES = 256 * 2**20  # timed calls cycle over this many bytes of weights: 4x an H200's L2
 
 
 def random_weight(qtype, rows: int, cols: int, device: torch.device, seed: int = 0) -> torch.Tensor:
@@ -157,6 +168,18 @@ def random_weight(qtype, rows: int, cols: int, device: torch.device, seed: int =
     return torch.from_numpy(blocks.reshape(rows, -1)).to(device)
 
 
+def copies(t: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """t and clones of it, together past the L2 cache, so each timed call reads DRAM."""
+    n = 1 if device.type != "cuda" else max(1, -(-L2_DEFEAT_BYTES // t.numel()))
+    return [t] + [t.clone() for _ in range(n - 1)]
+
+
+def cycling(calls: list):
+    """One function that makes the next of `calls` each time it is called."""
+    it = itertools.cycle(calls)
+    return lambda: next(it)()
+
+
 def bench_qmv(device: torch.device, shape: tuple[int, int], peak: float | None, types) -> list[dict]:
     from strata.kernels import gpu
     from strata.kernels.gpu import kernels
@@ -165,22 +188,25 @@ def bench_qmv(device: torch.device, shape: tuple[int, int], peak: float | None, 
     rows, cols = shape
     x = torch.randn(1, cols, device=device)
     print(f"  x @ W.T, one row of x, W {rows} x {cols}:")
-    print(f"  {'type':<8} {'MB':>8} {'us':>9} {'GB/s':>8} {'of peak':>8} {'torch us':>10} {'speed-up':>9}")
+    print(f"  {'type':<8} {'MB':>8} {'us':>9} {'GB/s':>8} {'of peak':>8} {'torch us':>10} {'speed-up':>9} {'rel err':>9}")
     out = []
     for qt in types:
         if out_of_time():
             print("  (out of time: remaining types skipped)")
             break
-        raw = random_weight(qt, rows, cols, device)
-        t = seconds_per_call(partial(kernels.qmatmul, x, raw, qt, shape), device)
-        t_ref = seconds_per_call(partial(gpu.qmatmul_reference, x, QTensor(raw, qt, shape)), device, iters=5, reps=3)
-        gbs = raw.numel() / t / 1e9
-        row = {"type": qt.name, "mb": raw.numel() / 1e6, "us": t * 1e6, "gb_s": gbs,
-               "of_peak": gbs * 1e9 / peak if peak else None, "torch_us": t_ref * 1e6}
+        raws = copies(random_weight(qt, rows, cols, device), device)
+        t = seconds_per_call(cycling([partial(kernels.qmatmul, x, r, qt, shape) for r in raws]), device)
+        ref = partial(gpu.qmatmul_reference, x, QTensor(raws[0], qt, shape))
+        t_ref = seconds_per_call(ref, device, iters=5, reps=3)
+        err = float((kernels.qmatmul(x, raws[0], qt, shape) - ref()).abs().max() / ref().abs().max())
+        gbs = raws[0].numel() / t / 1e9
+        row = {"type": qt.name, "mb": raws[0].numel() / 1e6, "us": t * 1e6, "gb_s": gbs,
+               "of_peak": gbs * 1e9 / peak if peak else None, "torch_us": t_ref * 1e6, "rel_err": err}
         out.append(row)
         share = f"{row['of_peak']:.1%}" if peak else "-"
         print(f"  {qt.name:<8} {row['mb']:>8.1f} {row['us']:>9.1f} {gbs:>8.1f} {share:>8} "
-              f"{row['torch_us']:>10.1f} {t_ref / t:>8.2f}x", flush=True)
+              f"{row['torch_us']:>10.1f} {t_ref / t:>8.2f}x {err:>9.1e}" + ("  WRONG" if err > 1e-3 else ""),
+              flush=True)
     return out
 
 
@@ -194,9 +220,11 @@ def bench_block_rows(device: torch.device, shape: tuple[int, int], types, choice
     for qt in types:
         if out_of_time():
             break
-        raw = random_weight(qt, rows, cols, device)
-        out[qt.name] = {bn: raw.numel() / seconds_per_call(partial(kernels.qmatmul, x, raw, qt, shape, bn=bn),
-                                                           device) / 1e9 for bn in choices}
+        raws = copies(random_weight(qt, rows, cols, device), device)
+        out[qt.name] = {}
+        for bn in choices:
+            fn = cycling([partial(kernels.qmatmul, x, r, qt, shape, bn=bn) for r in raws])
+            out[qt.name][bn] = raws[0].numel() / seconds_per_call(fn, device) / 1e9
         print(f"  {qt.name:<8} " + "  ".join(f"BN={bn}: {g:7.1f} GB/s" for bn, g in out[qt.name].items()), flush=True)
     return out
 
@@ -211,17 +239,31 @@ def expert_format_of(qtype, hidden: int, ffn: int):
     return ExpertFormat(tuple(Part(qtype, s, s[0] * s[1] // q.block_size * q.type_size, None) for s in shapes))
 
 
-def random_slots(fmt, n: int, device: torch.device) -> torch.Tensor:
-    """uint8 (n, expert bytes): cache slots holding n random experts, as the device cache lays them out."""
-    slots = torch.empty(n, fmt.nbytes, dtype=torch.uint8)
-    for e in range(n):
-        for i, (view, p) in enumerate(zip(fmt.split(slots[e]), fmt.parts)):
+def random_slots(fmt, n: int, device: torch.device, distinct: int = 8) -> torch.Tensor:
+    """uint8 (n, expert bytes): cache slots holding `distinct` random experts repeated (copies
+    still occupy their own memory, which is what the timing needs)."""
+    experts = torch.empty(distinct, fmt.nbytes, dtype=torch.uint8)
+    for e in range(distinct):
+        for i, (view, p) in enumerate(zip(fmt.split(experts[e]), fmt.parts)):
             view.copy_(random_weight(p.qtype, *p.shape, torch.device("cpu"), seed=3 * e + i).reshape(-1))
-    return slots.to(device)
+    experts = experts.to(device)
+    return experts[torch.arange(n, device=device) % distinct]
 
 
 def slot_parts(fmt, slots: torch.Tensor, e: int):
     return fmt.split(slots[e])
+
+
+def routed_steps(n_experts: int, tokens: int, k: int, device: torch.device):
+    """Router outputs for a run of steps that together touch every slot: (ids, weights, experts)."""
+    per_step = min(n_experts, tokens * k)
+    steps = []
+    for start in range(0, n_experts - per_step + 1, per_step):
+        g = torch.Generator().manual_seed(start)
+        pool = torch.arange(start, start + per_step)
+        ids = torch.stack([pool[torch.randperm(per_step, generator=g)[:k]] for _ in range(tokens)])
+        steps.append((ids.to(device), torch.rand(tokens, k, generator=g).to(device), set(ids.unique().tolist())))
+    return steps
 
 
 def bench_grouped(device: torch.device, hidden: int, ffn: int, n_experts: int, batches, peak, types) -> list[dict]:
@@ -230,35 +272,35 @@ def bench_grouped(device: torch.device, hidden: int, ffn: int, n_experts: int, b
 
     print(f"  grouped SwiGLU over {n_experts} slots, experts {ffn} x {hidden} (gate, up) and {hidden} x {ffn} (down):")
     print(f"  {'type':<8} {'tokens':>6} {'experts':>7} {'MB':>7} {'us':>9} {'GB/s':>8} {'of peak':>8} "
-          f"{'torch us':>10} {'speed-up':>9}")
+          f"{'torch us':>10} {'speed-up':>9} {'rel err':>9}")
     out = []
     for qt in types:
         if out_of_time():
             print("  (out of time: remaining types skipped)")
             break
         fmt = expert_format_of(qt, hidden, ffn)
-        slots = random_slots(fmt, n_experts, device)
-        parts = partial(slot_parts, fmt, slots)
+        parts = partial(slot_parts, fmt, random_slots(fmt, n_experts, device))
         for tokens, k in batches:
-            g = torch.Generator().manual_seed(tokens)
-            ids = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(tokens)]).to(device)
-            weights = torch.rand(tokens, k, generator=g).to(device)
-            experts = set(ids.unique().tolist())
             x = torch.randn(tokens, hidden, device=device)
-            args = (x, ids, weights, experts, fmt, parts)
-            t = seconds_per_call(partial(gpu.expert_product, *args), device)
-            t_ref = seconds_per_call(partial(gpu.expert_product_reference, *args), device, iters=5, reps=3)
-            nbytes = len(experts) * fmt.nbytes
+            steps = [(x, ids, w, experts, fmt, parts) for ids, w, experts in routed_steps(n_experts, tokens, k, device)]
+            t = seconds_per_call(cycling([partial(gpu.expert_product, *a) for a in steps]), device)
+            t_ref = seconds_per_call(cycling([partial(gpu.expert_product_reference, *a) for a in steps]),
+                                     device, iters=5, reps=3)
+            ref = gpu.expert_product_reference(*steps[0])
+            err = float((gpu.expert_product(*steps[0]) - ref).abs().max() / ref.abs().max())
+            n_used = len(steps[0][3])
+            nbytes = n_used * fmt.nbytes
             gbs = nbytes / t / 1e9
             share = f"{gbs * 1e9 / peak:.1%}" if peak else "-"
-            out.append({"type": qt.name, "tokens": tokens, "experts": len(experts), "mb": nbytes / 1e6,
-                        "us": t * 1e6, "gb_s": gbs, "torch_us": t_ref * 1e6})
-            print(f"  {qt.name:<8} {tokens:>6} {len(experts):>7} {nbytes / 1e6:>7.1f} {t * 1e6:>9.1f} {gbs:>8.1f} "
-                  f"{share:>8} {t_ref * 1e6:>10.1f} {t_ref / t:>8.2f}x", flush=True)
+            out.append({"type": qt.name, "tokens": tokens, "experts": n_used, "mb": nbytes / 1e6,
+                        "us": t * 1e6, "gb_s": gbs, "torch_us": t_ref * 1e6, "rel_err": err})
+            print(f"  {qt.name:<8} {tokens:>6} {n_used:>7} {nbytes / 1e6:>7.1f} {t * 1e6:>9.1f} {gbs:>8.1f} "
+                  f"{share:>8} {t_ref * 1e6:>10.1f} {t_ref / t:>8.2f}x {err:>9.1e}" + ("  WRONG" if err > 1e-3 else ""),
+                  flush=True)
     return out
 
 
-# ----------------------------------------------------------------------------- 3. decode
+# ----------------------------------------------------------------------------- decode
 
 
 def decode_run(model: Path, prompt: list[int] | None, size: str, tokens: int, device: torch.device) -> dict:
@@ -303,11 +345,21 @@ def bench_decode(model: Path, sizes, tokens: int, device: torch.device, prompt=N
 # ----------------------------------------------------------------------------- main
 
 
+def step(report: dict, key: str, title: str, fn, *args) -> None:
+    """Run one step; a failure is printed and recorded, and the later steps still run."""
+    print(f"\n{title}", flush=True)
+    try:
+        report[key] = fn(*args)
+    except Exception as e:  # noqa: BLE001  (report it, go on: the session has one run of this script)
+        traceback.print_exc()
+        report[key] = f"error: {type(e).__name__}: {e}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="no GPU: Triton's interpreter on tiny shapes")
-    ap.add_argument("--skip", default="", help="comma-separated steps to skip: compile (dry run only), tests, "
-                                               "kernels, decode")
+    ap.add_argument("--skip", default="", help="comma-separated steps to skip: compile (dry run only), kernels, "
+                                               "decode, tests")
     ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per run")
     ap.add_argument("--model", type=Path, default=DEMO, help="GGUF for the decode step (default: the demo model)")
     ap.add_argument("--out", type=Path, help="also write gpu_check.json here")
@@ -324,32 +376,30 @@ def main(argv=None) -> int:
     required = [get(t).ggml_type for t in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", "MXFP4", "IQ2_XXS", "IQ2_XS",
                                            "IQ3_XXS")]
     tiny = args.dry_run
-    if args.dry_run and "compile" not in skip:
-        print("\n0. compile for sm_90 (no GPU needed)", flush=True)
-        report["compile"] = run_compile_check()
-    if "tests" not in skip:
-        print("\n1. tests", flush=True)
-        report["tests"] = run_tests(args.dry_run)
+    big = (48, 512) if tiny else (32768, 4096)  # one weight of 4096 x 32768: 34-142 MB
+    hidden, ffn, n_slots = (256, 256, 4) if tiny else (2048, 768, 128)  # Qwen3-30B-A3B's experts
+    batches = ((1, 2),) if tiny else ((1, 8), (4, 8))  # (tokens, experts per token)
+    if tiny and "compile" not in skip:
+        step(report, "compile", "0. compile for sm_90 (no GPU needed)", run_compile_check)
     if "kernels" not in skip:
-        print("\n2. kernels", flush=True)
-        big = (48, 512) if tiny else (32768, 4096)  # 4096 x 32768 weights: 40-140 MB, past the L2
-        report["qmv"] = bench_qmv(device, big, peak, KERNEL_TYPES)
+        step(report, "qmv", "1. kernels", bench_qmv, device, big, peak, KERNEL_TYPES)
         if not tiny:
-            print("  output rows per program:")
-            report["block_rows"] = bench_block_rows(device, big, required[:1] + required[3:4] + required[7:8])
-        hidden, ffn, n = (256, 256, 4) if tiny else (2048, 768, 64)
-        batches = ((1, 2),) if tiny else ((1, 8), (4, 8))
-        report["grouped"] = bench_grouped(device, hidden, ffn, n, batches, peak, required[:2] if tiny else required)
+            step(report, "block_rows", "   output rows per program:", bench_block_rows, device, big,
+                 [required[0], required[3], required[7]])
+        step(report, "grouped", "   grouped expert product:", bench_grouped, device, hidden, ffn, n_slots, batches,
+             peak, required[:2] if tiny else required)
     if "decode" not in skip:
-        print("\n3. decode", flush=True)
         sizes, prompt = (("0", "100%"), [318, 288]) if tiny else (("0", "30%", "70%", "100%"), None)
-        report["decode"] = bench_decode(args.model, sizes, 2 if tiny else args.tokens, device, prompt)
+        step(report, "decode", "2. decode", bench_decode, args.model, sizes, 2 if tiny else args.tokens, device,
+             prompt)
+    if "tests" not in skip:
+        step(report, "tests", "3. tests", run_tests)
     print(f"\ndone in {time.perf_counter() - START:.0f} s", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
-    failed = any("failed" in str(v) or "error" in str(v) for v in report.get("tests", {}).values())
-    return 1 if failed or not report.get("compile", {"ok": True})["ok"] else 0
+    return 1 if "error" in json.dumps(report, default=str).lower() or "failed" in json.dumps(report.get("tests")) \
+        or not report.get("compile", {"ok": True})["ok"] else 0
 
 
 if __name__ == "__main__":
