@@ -86,7 +86,7 @@ def install(loaded, options) -> TierRuntime:
     n_experts = max((m.n_experts for m in modules.values()), default=1)
     reader = FileReader(loaded.source.file.path) if hasattr(loaded.source, "file") and modules else None
     homes = _homes(plan, modules, formats, reader, device)
-    cache = _cache(plan, options, loaded.config, homes, formats, n_experts, device, len(modules))
+    cache = _cache(plan, options, loaded.config, homes, formats, n_experts, device, _ticks_per_token(modules, loaded.config))
     tracer = TraceRecorder(n_experts, {"model": str(getattr(loaded.source, "description", ""))},
                            {i: f.nbytes for i, f in formats.items()}) if options.trace_experts else None
     lane = CpuLane(getattr(options, "cpu_threads", 0) or 1, homes, formats)
@@ -136,6 +136,13 @@ def _homes(plan: Plan, modules, formats, reader, device) -> dict:
                 home.to_device(device.torch_device)
         homes.update({i: home for i in layers})
     return homes
+
+
+def _ticks_per_token(modules: dict, config) -> int:
+    """MoE layers one forward runs: the policy's clock ticks this often per token. An MTP draft
+    layer (numbered after the trunk) runs only while drafting, so it is not counted."""
+    trunk = getattr(config, "n_layers", None)
+    return max(1, sum(1 for layer in modules if trunk is None or layer < trunk))
 
 
 def _cache(plan: Plan, options, config, homes, formats, n_experts: int, device, n_moe_layers: int):
