@@ -16,10 +16,12 @@ The result is converted with Strata's HF name table (`strata.gguf.convert`), wri
 `strata.gguf.writer.write_gguf` and checked by loading it back with `strata.load`: logits against
 transformers, drafts against the trainable MTP layer.
 
-A run is reproducible on a given machine: the tokenizer, the initialisation and the data order
-are seeded, and training stops after `--steps` optimizer steps. `--minutes` is a safety cap for slow
-machines: the learning-rate schedule follows whichever of the two budgets is further along, so a
-time-capped run still anneals, but then its step count (and result) depends on the machine's speed.
+A run is reproducible: the tokenizer, the initialisation and the data order are seeded, training
+runs in one thread (`--threads 1`) and stops after `--steps` optimizer steps, so the same command
+gives the same file on the same software (about 45 min on a 2-core machine). `--minutes` is an
+optional cap for slow machines: the learning-rate schedule then follows whichever of the two budgets
+is further along, so a capped run still anneals, but its step count (and result) depends on the
+machine's speed.
 `--save-trunk DIR` / `--trunk-from DIR` split the two stages (the shipped file was made that way:
 the same code, the same result). The shipped strata-demo.gguf's settings and losses are in its
 strata.demo.* metadata.
@@ -240,11 +242,13 @@ def load_trunk(path: Path):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m strata.demo.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(__file__).with_name("strata-demo.gguf"))
-    p.add_argument("--minutes", type=float, default=33.0,
-                   help="wall-clock cap on the trunk's training for slow or busy machines (default 33)")
-    p.add_argument("--steps", type=int, default=900, help="the trunk's optimizer steps (default 900)")
-    p.add_argument("--mtp-steps", type=int, default=200, help="the MTP layer's optimizer steps (default 200)")
-    p.add_argument("--mtp-minutes", type=float, default=8.0, help="wall-clock cap on the MTP layer's training")
+    p.add_argument("--minutes", type=float, default=math.inf,
+                   help="optional wall-clock cap on the trunk's training (default none: a capped run depends "
+                        "on the machine's speed)")
+    p.add_argument("--steps", type=int, default=260, help="the trunk's optimizer steps (default 260)")
+    p.add_argument("--mtp-steps", type=int, default=170, help="the MTP layer's optimizer steps (default 170)")
+    p.add_argument("--mtp-minutes", type=float, default=math.inf,
+                   help="optional wall-clock cap on the MTP layer's training (default none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per step")
     p.add_argument("--seq", type=int, default=256, help="training sequence length (at most the QSA budget)")
