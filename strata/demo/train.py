@@ -18,7 +18,7 @@ transformers, drafts against the trainable MTP layer.
 
 A run is reproducible: the tokenizer, the initialisation and the data order are seeded, training
 runs in one thread (`--threads 1`) and stops after `--steps` optimizer steps, so the same command
-gives the same file on the same software (about 45 min on a 2-core machine). `--minutes` is an
+gives the same file on the same software (about 18 min on a 2-core machine). `--minutes` is an
 optional cap for slow machines: the learning-rate schedule then follows whichever of the two budgets
 is further along, so a capped run still anneals, but its step count (and result) depends on the
 machine's speed.
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=math.inf,
                    help="optional wall-clock cap on the trunk's training (default none: a capped run depends "
                         "on the machine's speed)")
-    p.add_argument("--steps", type=int, default=260, help="the trunk's optimizer steps (default 260)")
+    p.add_argument("--steps", type=int, default=500, help="the trunk's optimizer steps (default 500)")
     p.add_argument("--mtp-steps", type=int, default=170, help="the MTP layer's optimizer steps (default 170)")
     p.add_argument("--mtp-minutes", type=float, default=math.inf,
                    help="optional wall-clock cap on the MTP layer's training (default none)")
