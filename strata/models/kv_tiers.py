@@ -40,7 +40,7 @@ import torch
 
 from strata.errors import BadOption
 from strata.models.cache import StepInfo
-from strata.models.qsa import concat_rows
+from strata.models.qsa import IndexKeys
 
 DEFAULT_BLOCK = 256
 FEW_QUERIES = 16  # a step with at most this many queries per row attends in two parts
@@ -457,34 +457,12 @@ class TieredKVCache:
         return self.device_bytes + self.host_bytes
 
 
-class TieredQSACache(TieredKVCache):
+class TieredQSACache(IndexKeys, TieredKVCache):
     """`TieredKVCache` plus a `QSACache`'s raw indexer keys (kept whole, as `QSACache` keeps them:
     d_idx values per token, small beside the KV; not counted in `device_bytes`)."""
 
     def __init__(self, config: KVTierConfig, frequency: bool = True):
         super().__init__(config, frequency)
-        self.ik: torch.Tensor | None = None
-
-    def update_index_keys(self, k: torch.Tensor, step: StepInfo) -> torch.Tensor:
-        from strata.models.qsa import QSACache
-
-        return QSACache.update_index_keys(self, k, step)
-
-    def select(self, rows: torch.Tensor) -> None:
-        super().select(rows)
-        if self.ik is not None:
-            self.ik = self.ik[rows]
-
-    def extend(self, other: TieredQSACache) -> None:
-        if not other.rows:
-            return
-        mine = self.ik
-        super().extend(other)
-        self.ik = concat_rows(mine, other.ik)
-
-    @property
-    def nbytes(self) -> int:
-        return super().nbytes + (0 if self.ik is None else self.ik.nbytes)
 
 
 def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor | None, g: int):

@@ -46,18 +46,10 @@ def apply_linear(x: torch.Tensor, w: Linear | torch.Tensor) -> torch.Tensor:
     return w(x) if isinstance(w, Linear) else F.linear(x, w)
 
 
-class Linear:
-    """y = x W^T (+ b); W a float tensor or a `QTensor` kept as the file stores it.
+class _StoredWeight:
+    """A weight as the file stores it (float tensor or `QTensor`): what `Linear` and `Embedding` share."""
 
-    A plain callable, not an `nn.Module`: a weight, like the tensors it replaces (a subclass may
-    assign a tensor in its place), and one Python call cheaper per use on the decode path.
-    """
-
-    __slots__ = ("bias", "weight")
-
-    def __init__(self, weight: Weight, bias: torch.Tensor | None = None):
-        self.weight = weight
-        self.bias = bias
+    __slots__ = ("weight",)
 
     @property
     def quantized(self) -> bool:
@@ -66,6 +58,32 @@ class Linear:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.weight.shape)
+
+    def to_device(self, device: torch.device):
+        """Move the weight (its blocks, not floats) in place; returns self."""
+        self.weight = self.weight.to(device)
+        return self
+
+    def __repr__(self) -> str:
+        kind = self.weight.qtype.name if self.quantized else str(self.weight.dtype)
+        return f"{type(self).__name__}({tuple(self.weight.shape)}, {kind}{self._repr_extra()})"
+
+    def _repr_extra(self) -> str:
+        return ""
+
+
+class Linear(_StoredWeight):
+    """y = x W^T (+ b); W a float tensor or a `QTensor` kept as the file stores it.
+
+    A plain callable, not an `nn.Module`: a weight, like the tensors it replaces (a subclass may
+    assign a tensor in its place), and one Python call cheaper per use on the decode path.
+    """
+
+    __slots__ = ("bias",)
+
+    def __init__(self, weight: Weight, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
 
     @property
     def device(self) -> torch.device:
@@ -102,15 +120,12 @@ class Linear:
         return [Linear(QTensor(t.contiguous(), w.qtype, (t.shape[0], w.shape[-1]))) for t in regroup(w.raw)]
 
     def to_device(self, device: torch.device) -> Linear:
-        """Move the weight (its blocks, not floats) and bias in place; returns self."""
-        self.weight = self.weight.to(device)
         if self.bias is not None:
             self.bias = self.bias.to(device)
-        return self
+        return super().to_device(device)
 
-    def __repr__(self) -> str:
-        kind = self.weight.qtype.name if self.quantized else str(self.weight.dtype)
-        return f"Linear({tuple(self.weight.shape)}, {kind}, bias={self.bias is not None})"
+    def _repr_extra(self) -> str:
+        return f", bias={self.bias is not None}"
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -127,22 +142,14 @@ class Linear:
         return NotImplemented
 
 
-class Embedding:
+class Embedding(_StoredWeight):
     """Rows of a (vocab, hidden) table by token id; a quantized table decodes only those rows."""
 
-    __slots__ = ("dtype", "weight")
+    __slots__ = ("dtype",)
 
     def __init__(self, weight: Weight, dtype: torch.dtype = torch.float32):
         self.weight = weight
         self.dtype = dtype  # of the rows handed out when the table is quantized
-
-    @property
-    def quantized(self) -> bool:
-        return isinstance(self.weight, QTensor)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.weight.shape)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -152,14 +159,6 @@ class Embedding:
         rows = w.raw[ids.reshape(-1).to(w.raw.device)]  # (N, row_bytes)
         out = quant.dequantize(rows, w.qtype, (rows.shape[0], hidden)).to(self.dtype)
         return out.reshape(*ids.shape, hidden)
-
-    def to_device(self, device: torch.device) -> Embedding:
-        self.weight = self.weight.to(device)
-        return self
-
-    def __repr__(self) -> str:
-        kind = self.weight.qtype.name if self.quantized else str(self.weight.dtype)
-        return f"Embedding({tuple(self.weight.shape)}, {kind})"
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

@@ -37,12 +37,11 @@ from strata.models.rope import Rope
 from strata.models.weights import WeightLoader
 
 
-class QSACache(KVCache):
-    """Keys and values (as `KVCache`) plus each row's raw indexer keys `(B, capacity, d_idx)`."""
+class IndexKeys:
+    """Mixin for a KV cache that also keeps each row's raw indexer keys `(B, capacity, d_idx)`
+    (small beside the KV, kept whole); shared by `QSACache` and the tiered KV cache."""
 
-    def __init__(self):
-        super().__init__()
-        self.ik: torch.Tensor | None = None
+    ik: torch.Tensor | None = None
 
     def update_index_keys(self, k: torch.Tensor, step: StepInfo) -> torch.Tensor:
         """Write this step's (B, T, d) raw indexer keys at each row's offset; return (B, S, d)."""
@@ -63,16 +62,19 @@ class QSACache(KVCache):
         if self.ik is not None:
             self.ik = self.ik[rows]
 
-    def extend(self, other: "QSACache") -> None:
-        if other.k is None:
-            return
+    def extend(self, other) -> None:
         mine = self.ik
         super().extend(other)
-        self.ik = concat_rows(mine, other.ik)
+        if other.ik is not None:  # None: `other` has run no forward, so it holds no rows
+            self.ik = concat_rows(mine, other.ik)
 
     @property
     def nbytes(self) -> int:
         return super().nbytes + (0 if self.ik is None else self.ik.nbytes)
+
+
+class QSACache(IndexKeys, KVCache):
+    """Keys and values (as `KVCache`) plus each row's raw indexer keys."""
 
 
 def concat_rows(mine: torch.Tensor | None, theirs: torch.Tensor) -> torch.Tensor:
