@@ -21,8 +21,9 @@ from tiny import llama_config, llama_tensors, write_tiny_llama
 
 def run_cli(argv, capsys) -> str:
     code = main(argv)
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
+    err = capsys.readouterr().err
+    assert code == 2 and err.endswith("\n"), err
+    err = err.strip()
     lines = [line for line in err.splitlines() if not line.startswith("loaded ")]  # the load summary
     assert "Traceback" not in err and len(lines) == 1, err
     return lines[0]
@@ -118,6 +119,15 @@ def test_unknown_option_and_bad_sampling(good):
         strata.load(good, bogus=1)
     with pytest.raises(StrataError, match="top_p"):
         strata.load(good).generate([1, 2, 3], 2, temperature=1.0, top_p=0.0)
+
+
+@pytest.mark.parametrize("flag, value", [("--temperature", "1e-300"), ("--repeat-penalty", "1e-300"),
+                                         ("--seed", str(2**64)), ("--seed", str(10**30)), ("--temperature", "nan"),
+                                         ("--top-p", "inf")])
+def test_bad_sampling_values_on_the_cli(good, capsys, flag, value):
+    err = run_cli(["run", "--model", str(good), "--prompt", "x", flag, value], capsys)
+    assert value in err
+    assert flag.lstrip("-").replace("-", "_").replace("repeat", "repetition") in err
 
 
 def test_cli_in_a_fresh_process_prints_no_traceback(tmp_path):

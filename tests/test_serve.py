@@ -274,3 +274,94 @@ def test_sse_wire_format(server):
         events = [line for line in r.iter_lines() if line]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
     assert json.loads(events[0][6:])["object"] == "text_completion"
+
+
+# -- one bad request never stops the server ------------------------------------------------------
+
+BAD_SAMPLING = [({"temperature": 1e-300}, "temperature"), ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+                ({"seed": 2**64}, "seed"), ({"seed": 10**30}, "seed")]
+
+
+def test_bad_sampling_values_get_400_and_the_server_goes_on(engine, server, client):
+    url, _ = server
+    ids = chat_ids(engine)
+    want, _ = alone(engine, ids, 12)
+    for values, param in BAD_SAMPLING:
+        fields = {k: v for k, v in values.items() if k != "repetition_penalty"}
+        extra = {k: v for k, v in values.items() if k == "repetition_penalty"}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, extra_body=extra,
+                                           **fields)
+        assert e.value.status_code == 400 and e.value.param == param, values
+        assert httpx.get(url + "/health").status_code == 200
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    for raw in (b'"temperature": NaN', b'"top_p": Infinity', b'"temperature": 1e999', b'"min_p": -0.0e1, "top_k": 1.5'):
+        body = b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], %s}' % (MODEL.encode(), raw)
+        r = httpx.post(url + "/v1/chat/completions", content=body, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (raw, r.text)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == want
+    assert httpx.get(url + "/health").status_code == 200
+
+
+def test_a_request_that_fails_inside_the_scheduler_ends_alone(engine, server, client):
+    """Values that slip past validation (here forced in) fail their own request; the rest go on."""
+    from strata.runtime.sampling import SamplingParams
+
+    url, app = server
+    sched = app.state.scheduler
+    ids = chat_ids(engine)
+    want, _ = alone(engine, ids, 12)
+    for field_, value in [("temperature", 1e-300), ("repetition_penalty", 1e-300), ("seed", 2**64)]:
+        params = SamplingParams(temperature=1.0)
+        object.__setattr__(params, field_, value)  # what validation now refuses, as if it had not
+        bad = sched.submit(ids, 8, params)
+        good = sched.submit(ids, 12, SamplingParams())
+        with pytest.raises(Exception):
+            bad.text()
+        good.text()
+        assert bad.error is not None and engine.tokenizer.decode(good.token_ids, skip_special_tokens=True) == want
+    assert httpx.get(url + "/health").status_code == 200
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == want
+
+
+def _rss_peak_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def test_nested_json_and_oversized_bodies(engine):
+    limit = 1 << 20
+    app = create_app(engine, MODEL, max_body_bytes=limit)
+    headers = {"Content-Type": "application/json"}
+    with serving(app) as url:
+        r = httpx.post(url + "/v1/completions", content=b"[" * 100_000, headers=headers)
+        assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", content=b'{"model": "%s", "prompt": %s}'
+                       % (MODEL.encode(), b"[" * 50_000 + b"]" * 50_000), headers=headers)
+        assert r.status_code == 400
+
+        def chunked(total=64 << 20, piece=64 << 10):  # no Content-Length: the server counts as it reads
+            yield b'{"model": "' + MODEL.encode() + b'", "prompt": "'
+            for _ in range(total // piece):
+                yield b"a" * piece
+
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM, so the peak below is this request's
+        except OSError:
+            pass
+        before = _rss_peak_kb()
+        start = time.time()
+        r = httpx.post(url + "/v1/completions", content=chunked(), headers=headers, timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert time.time() - start < 10 and _rss_peak_kb() - before < 64 << 10  # KiB: under 64 MiB more
+
+        with pytest.raises(httpx.TransportError):  # ... or a 413 read before the send failed
+            r = httpx.post(url + "/v1/completions", content=b"x" * (16 << 20), headers=headers, timeout=30)
+            assert r.status_code == 413
+            raise httpx.TransportError("answered 413 before the body was sent")
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a" * (limit // 2), "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert httpx.get(url + "/health").status_code == 200

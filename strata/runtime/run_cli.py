@@ -61,14 +61,17 @@ def main(argv: list[str]) -> int:
                 args.prompt = f.read()
         except OSError as e:
             raise StrataError(f"cannot read --file {args.file}: {e.strerror}") from None
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    repetition_penalty=args.repeat_penalty, seed=args.seed)
+    from strata.runtime.sampling import SamplingParams
+
+    SamplingParams(**sampling)  # a bad value is refused (BadOption) before the model loads
     import strata
 
     engine = strata.load(args.model, progress=True, **engine_options(args))
     print(engine.summary(), file=sys.stderr)
     if engine.tokenizer is None:
         raise StrataError(f"{args.model} has no tokenizer", "use a GGUF with tokenizer metadata")
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                    repetition_penalty=args.repeat_penalty, seed=args.seed)
     if args.prompt is None:
         try:
             return chat(engine, args, sampling)

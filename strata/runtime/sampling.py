@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from strata.errors import BadOption
+
+# Past these, float32 logits overflow (logits / 1e-300 is inf, and softmax of inf is NaN).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
+MIN_PENALTY, MAX_PENALTY = 1e-2, 100.0
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes an int64
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,11 +25,24 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        checks = [(self.temperature >= 0, "temperature must be >= 0"),
-                  (self.top_k >= 0, "top_k must be >= 0"),
-                  (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-                  (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-                  (self.repetition_penalty > 0, "repetition_penalty must be > 0")]
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise BadOption(f"{name} must be a finite number, not {value!r}")
+        for name in ("top_k", "seed"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise BadOption(f"{name} must be an integer, not {value!r}")
+        t, rp = self.temperature, self.repetition_penalty
+        checks = [(t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE,
+                   f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], not {t!r}"),
+                  (self.top_k >= 0, f"top_k must be >= 0, not {self.top_k!r}"),
+                  (0 < self.top_p <= 1, f"top_p must be in (0, 1], not {self.top_p!r}"),
+                  (0 <= self.min_p <= 1, f"min_p must be in [0, 1], not {self.min_p!r}"),
+                  (MIN_PENALTY <= rp <= MAX_PENALTY,
+                   f"repetition_penalty must be in [{MIN_PENALTY:g}, {MAX_PENALTY:g}] (1 = off), not {rp!r}"),
+                  (self.seed is None or 0 <= self.seed <= MAX_SEED,
+                   f"seed must be in 0..2^63-1, not {self.seed!r}")]
         for ok, message in checks:
             if not ok:
                 raise BadOption(message)

@@ -16,6 +16,7 @@ yields `Response`s; `cancel()` frees its slot before the next decode step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -393,7 +394,8 @@ class Scheduler:
             if req.cancelled:
                 self._finish(req, Response(None, "", CANCELLED))
             else:
-                self._admit(req)
+                with self._failing(req, "admitting a request"):
+                    self._admit(req)
         if self._rows:
             self._decode()
         return True
@@ -442,8 +444,10 @@ class Scheduler:
         for i, row in enumerate(self._rows):
             if row.req.cancelled:
                 self._finish(row.req, Response(None, "", CANCELLED))
-            elif not self._emit(row, logits[i:i + 1]):
-                keep.append(i)
+            else:
+                with self._failing(row.req, "sampling a token"):
+                    if not self._emit(row, logits[i:i + 1]):
+                        keep.append(i)
         with self._cond:
             self.counters["decode_steps"] += 1
             self.counters["decode_seconds"] += time.perf_counter() - t0
@@ -471,6 +475,16 @@ class Scheduler:
             return True
         req._deliver(resp)
         return False
+
+    @contextlib.contextmanager
+    def _failing(self, req: Request, what: str):
+        """Per-request work: an exception ends this request with it; the others go on."""
+        try:
+            yield
+        except Exception as e:
+            log.exception("%s failed (request %d)", what, req.id)
+            if not req.done.is_set():
+                self._finish(req, e)
 
     def _drop_cancelled(self) -> None:
         keep = []

@@ -25,7 +25,7 @@ from strata.errors import StrataError
 from strata.runtime.scheduler import InvalidRequest, PromptTooLong, QueueFull, Scheduler, SchedulerClosed
 from strata.serve import metrics as prom
 from strata.serve import protocol as p
-from strata.serve.protocol import APIError
+from strata.serve.protocol import DEFAULT_MAX_BODY_BYTES, APIError
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"
@@ -33,11 +33,13 @@ RETRY_AFTER_S = "1"
 
 def create_app(engine, model_name: str, api_key: str | None = None, max_concurrent: int = 8,
                max_waiting: int | None = None, *, scheduler: Scheduler | None = None,
-               metrics_sources: list[prom.MetricsSource] = ()) -> FastAPI:
+               metrics_sources: list[prom.MetricsSource] = (),
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """An app serving `engine` as `model_name`; `api_key` (when set) is required on /v1/*.
 
     `max_concurrent` requests decode together and `max_waiting` more may queue (default
-    4 x max_concurrent); past that requests get 429. The scheduler is `app.state.scheduler`.
+    4 x max_concurrent); past that requests get 429. A body over `max_body_bytes` gets 413.
+    The scheduler is `app.state.scheduler`.
     """
     if engine.tokenizer is None:
         raise StrataError("the model has no tokenizer, so it cannot be served",
@@ -125,7 +127,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_concurre
     async def start(request: Request, parse, param: str):
         """Parse, check and submit; returns (the parsed request, the scheduler's handle)."""
         authorize(request)
-        body = await _json_body(request)
+        body = await _json_body(request, max_body_bytes)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise p.bad("you must provide a model parameter", "model")
@@ -180,15 +182,32 @@ def _unavailable(e: Exception) -> APIError:
                     {"Retry-After": RETRY_AFTER_S})
 
 
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
+async def _json_body(request: Request, limit: int) -> dict:
+    """The body as a JSON object; a body over `limit` bytes gets 413 before it is read in full."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():  # also bounds a chunked body, which declares no length
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
     try:
-        body = json.loads(raw)
+        body = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise p.bad("We could not parse the JSON body of your request.") from None
+    except RecursionError:
+        raise p.bad("The JSON body of your request is nested too deeply.") from None
     if not isinstance(body, dict):
         raise p.bad("The request body must be a JSON object.")
     return body
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than this server accepts ({size} bytes read, the limit is "
+                    f"{limit}; the server's --max-body-bytes sets it).", "invalid_request_error", None,
+                    "request_too_large")
 
 
 def _engine_failure(e: BaseException) -> APIError:

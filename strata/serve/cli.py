@@ -10,6 +10,7 @@ from pathlib import Path
 
 from strata.errors import StrataError
 from strata.runtime.run_cli import add_engine_args, engine_options
+from strata.serve.protocol import DEFAULT_MAX_BODY_BYTES
 
 
 def parser() -> argparse.ArgumentParser:
@@ -23,6 +24,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrent", type=int, default=8, help="requests decoded together (batch rows)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="requests that may wait for a slot before the server answers 429 (default 4 x max-concurrent)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 before they are parsed (default %(default)s)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the file's name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -48,6 +51,8 @@ def main(argv: list[str]) -> int:
         raise StrataError("--max-concurrent must be at least 1")
     if args.max_queue is not None and args.max_queue < 0:
         raise StrataError("--max-queue must be >= 0")
+    if args.max_body_bytes < 1:
+        raise StrataError(f"--max-body-bytes must be at least 1, not {args.max_body_bytes}")
     if not 0 <= args.port < 65536:
         raise StrataError(f"--port {args.port} is not a TCP port")
     try:
@@ -62,7 +67,7 @@ def main(argv: list[str]) -> int:
     print(engine.summary(), file=sys.stderr)
     name = args.model_name or default_model_name(args.model)
     app = create_app(engine, name, api_key=args.api_key, max_concurrent=args.max_concurrent,
-                     max_waiting=args.max_queue)
+                     max_waiting=args.max_queue, max_body_bytes=args.max_body_bytes)
     if not _is_loopback(args.host) and not args.api_key:
         print(f"strata serve: warning: listening on {args.host} without --api-key; anyone who can reach "
               "this port can use the model", file=sys.stderr)

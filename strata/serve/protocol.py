@@ -7,12 +7,17 @@ the answer (n > 1, logprobs, tools, ...) and ignored when they would not (user, 
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from strata.errors import BadOption
 from strata.runtime.sampling import SamplingParams
+
+
+# A 128k-token prompt is about 0.5 MB as text and 1 MB as JSON token ids.
+DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 class APIError(Exception):
@@ -59,6 +64,13 @@ def _number(body: dict, name: str, default, lo=None, hi=None, integer=False, lo_
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise bad(f"'{name}' must be {'an integer' if integer else 'a number'}, not {value!r}", name)
+    if not integer:
+        try:
+            value = float(value)  # an int past 1e308 does not fit
+        except OverflowError:
+            value = math.inf
+        if not math.isfinite(value):  # Python's json reads NaN, Infinity and 1e999
+            raise bad(f"'{name}' must be a finite number, not {body.get(name)!r}", name)
     if lo is not None and (value <= lo if lo_open else value < lo):
         raise bad(f"'{name}' must be {'>' if lo_open else '>='} {lo}, not {value!r}", name)
     if hi is not None and value > hi:
@@ -95,8 +107,8 @@ def _sampling(body: dict) -> SamplingParams:
             repetition_penalty=float(_number(body, "repetition_penalty", 1.0, lo=0, lo_open=True)),
             seed=_number(body, "seed", None, integer=True),
         )
-    except BadOption as e:
-        raise bad(str(e)) from None
+    except BadOption as e:  # its message begins with the field's name
+        raise bad(str(e), str(e).split(" ", 1)[0]) from None
 
 
 # Fields that would change the answer, with the values that mean "not used".
