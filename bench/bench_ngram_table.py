@@ -31,9 +31,9 @@ import torch
 
 import strata
 from strata.gguf.writer import write_gguf
-from strata.models import qwen4exp
-from strata.models.ngram_table import TABLE, NgramHash, head_vocab_sizes, layer_multipliers
-from strata.models.rope import RopeConfig
+from strata.formats import qwen4exp
+from strata.formats.ngram_hash import TABLE, NgramHash, head_vocab_sizes, layer_multipliers
+from strata.formats.hparams import RopeConfig
 
 F16, F32 = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32
 

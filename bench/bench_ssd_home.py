@@ -21,8 +21,8 @@ import torch
 
 import strata
 from strata.gguf.writer import write_gguf
-from strata.models import qwen3moe
-from strata.models.rope import RopeConfig
+from strata.formats import qwen3moe
+from strata.formats.hparams import RopeConfig
 from strata.tiers.sizes import format_size
 
 Q8_0, F32 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32

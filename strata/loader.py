@@ -9,7 +9,7 @@ from types import ModuleType
 import torch
 
 from strata.errors import BadModelFile, StrataError
-from strata.formats import hf
+from strata.formats import architectures, hf
 from strata.gguf.reader import GGUFFile
 from strata.gguf.source import GGUFSource
 from strata.models import registry
@@ -20,18 +20,18 @@ from strata.models.weights import WeightLoader
 class LoadedModel:
     model: torch.nn.Module
     config: object
-    arch: ModuleType
+    arch: ModuleType  # the format module (strata.formats.<arch>)
     tokenizer: object | None
     source: object  # GGUFSource or HFSource, for inspection and the tiers
     metadata: dict
 
 
 def open_config(path: str | Path):
-    """The architecture module, its hyper-parameters, and a weight source; nothing is loaded."""
+    """The architecture's format module, its hyper-parameters, and a weight source; nothing is loaded."""
     path = Path(path)
     if path.is_dir() and (path / "config.json").exists():
         cfg = hf.read_config(path)
-        arch = registry.by_hf_model_type(cfg.get("model_type", "?"))
+        arch = architectures.by_hf_model_type(cfg.get("model_type", "?"))
         config = _build_config(arch.Config.from_hf, cfg, str(path / "config.json"))
         source = hf.HFSource(path, getattr(arch, "HF_TENSOR_NAMES", ()),
                              getattr(arch, "sanitize_hf", None), config)
@@ -39,7 +39,7 @@ def open_config(path: str | Path):
             config = source.config = arch.config_with_weights(config, source.names())
         return arch, config, source, cfg
     file = GGUFFile(path)
-    arch = registry.by_arch(file.arch)
+    arch = architectures.by_arch(file.arch)
     config = _build_config(arch.Config.from_gguf, file.metadata, str(path))
     return arch, config, GGUFSource(file), file.metadata
 
@@ -49,7 +49,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, progress: b
 
     arch, config, source, meta = open_config(path)
     with tensor_bar(len(source.names()), progress) as advance:
-        model = arch.Model(config, WeightLoader(source, dtype, on_tensor=advance)).eval()
+        model = registry.model_class(arch.ARCH)(config, WeightLoader(source, dtype, on_tensor=advance)).eval()
     return LoadedModel(model, model.config, arch, _tokenizer(Path(path), meta), source, meta)
 
 

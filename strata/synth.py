@@ -272,7 +272,7 @@ def tensor_plan(like: Like, n_layers: int, vocab: int, quant_name: str, experts:
 
 def _qwen4exp_plan(like: Like, n_layers: int, vocab: int, quant_name: str, experts: int | None,
                    ngram_rows: int | None):
-    """qwen4exp's tensors (strata/models/qwen4exp.py lists the layout): hyper-connection mixers
+    """qwen4exp's tensors (strata/formats/qwen4exp.py lists the layout): hyper-connection mixers
     around every mixer and MoE (kept F16: their up matrices are 320 wide), Gated DeltaNet or
     QSA, the n-gram table's projections on the PLE layer, and the table itself last."""
     choose = QUANTS[quant_name][1]
@@ -343,7 +343,7 @@ def _qwen4exp_plan(like: Like, n_layers: int, vocab: int, quant_name: str, exper
     mixer("output_hc", inject=False)
     add("output.weight", (vocab, h), "output")
     if like.ple_layer < n_layers:
-        from strata.models.ngram_table import padded_rows
+        from strata.formats.ngram_hash import padded_rows
 
         rows = padded_rows(ngram_hash(like, vocab, ngram_rows), 128)
         plan.append(("per_layer_token_embd.weight", (rows, like.ple_row_dim), _TABLE_TYPES[quant_name], "ngram"))
@@ -365,7 +365,7 @@ def ngram_hash(like: Like, vocab: int, rows: int | None = None):
     Head h hashes into the h-th prime from a base (the real model's ngram_vocab_size_base is
     20,000,000, which makes 320,001,536 rows padded to 128); the base is the largest whose
     padded table fits, so the real row count gives back the real hash."""
-    from strata.models.ngram_table import (
+    from strata.formats.ngram_hash import (
         NgramHash,
         head_vocab_sizes,
         layer_multipliers,
@@ -388,8 +388,8 @@ def ngram_hash(like: Like, vocab: int, rows: int | None = None):
 
 
 def _qwen4exp_config(like: Like, n_layers: int, vocab: int, experts: int | None, ngram_rows: int | None):
-    from strata.models import qwen4exp
-    from strata.models.rope import RopeConfig
+    from strata.formats import qwen4exp
+    from strata.formats.hparams import RopeConfig
 
     E = experts or like.experts
     recurrent = tuple((i + 1) % like.full_attention_interval != 0 for i in range(n_layers))
@@ -410,7 +410,7 @@ def _qwen4exp_config(like: Like, n_layers: int, vocab: int, experts: int | None,
 
 def metadata(like: Like, n_layers: int, vocab: int, quant_name: str, like_name: str,
              experts: int | None = None, ngram_rows: int | None = None) -> dict:
-    from strata.models.rope import RopeConfig
+    from strata.formats.hparams import RopeConfig
 
     E = experts or like.experts
     rope = RopeConfig(dim=like.rope_dim or like.head_dim, theta=like.rope_theta)
@@ -419,11 +419,11 @@ def metadata(like: Like, n_layers: int, vocab: int, quant_name: str, like_name: 
                   expert_ffn_size=like.expert_ffn, n_experts=E, n_experts_used=min(like.experts_used, E),
                   norm_topk_prob=True, rms_eps=like.rms_eps, rope=rope, context_length=like.context)
     if like.arch == "qwen4exp":
-        from strata.models import qwen4exp as arch
+        from strata.formats import qwen4exp as arch
 
         c = _qwen4exp_config(like, n_layers, vocab, experts, ngram_rows)
     elif like.arch == "qwen3next":
-        from strata.models import qwen3next as arch
+        from strata.formats import qwen3next as arch
 
         c = arch.Config(**common, shared_ffn_size=like.shared_ffn,
                         recurrent=tuple((i + 1) % like.full_attention_interval != 0 for i in range(n_layers)),
@@ -431,7 +431,7 @@ def metadata(like: Like, n_layers: int, vocab: int, quant_name: str, like_name: 
                         linear_v_heads=like.linear_v_heads, linear_k_dim=like.linear_k_dim,
                         linear_v_dim=like.linear_v_dim)
     else:
-        from strata.models import qwen3moe as arch
+        from strata.formats import qwen3moe as arch
 
         c = arch.Config(**common)
     meta = {

@@ -73,7 +73,7 @@ def test_unsupported_quant_type(tmp_path, capsys):
     tensors = llama_tensors(c)
     path = tmp_path / "q81.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    from strata.models import llama
+    from strata.formats import llama
 
     for k, v in llama.gguf_metadata(c).items():
         w.add_key_value(k, v, gguf.GGUFValueType.FLOAT32 if isinstance(v, float) else gguf.GGUFValueType.UINT32)

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from strata.errors import BadModelFile
 from strata.gguf.reader import GGUFFile
 from strata.gguf.writer import write_gguf
-from strata.models.ngram_table import TABLE, NgramHash, NgramTable, head_vocab_sizes, layer_multipliers
+from strata.formats.ngram_hash import TABLE, NgramHash, head_vocab_sizes, layer_multipliers
+from strata.models.ngram_table import NgramTable
 
 ARCH = "qwen4exp"
 VOCAB, EOS, NGRAM, PER_NGRAM, DIM = 1000, 7, 3, 4, 32

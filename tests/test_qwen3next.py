@@ -20,7 +20,7 @@ from strata.gguf.convert import convert_hf_to_gguf
 from strata.gguf.reader import GGUFFile
 from strata.gguf.source import GGUFSource
 from strata.gguf.writer import write_gguf
-from strata.models import qwen3next
+from strata.formats import qwen3next
 from strata.models.gated_deltanet import (GDNCache, chunk_gated_delta_rule, recurrent_gated_delta_rule,
                                           split_ssm_in)
 

@@ -25,12 +25,14 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import (Qwen4ExpTextRMSNor
 import strata
 from reference import cached_engine, cached_hf_greedy, check_merge_and_leave, hf_logits, prompt, randomise, save_hf
 from strata.errors import BadModelFile
+from strata.formats import qwen4exp
 from strata.gguf.convert import convert_hf_to_gguf
 from strata.gguf.reader import GGUFFile
 from strata.gguf.source import GGUFSource
-from strata.models import qwen4exp
+from strata.models.cache import LayerCache
 from strata.models.gated_deltanet import GDNCache
 from strata.models.qsa import QSACache, QSAIndexer
+from strata.models.qwen4exp import Model as Qwen4ExpModel
 
 VOCAB, EOS = 256, 5
 FORMATS = ["safetensors", "gguf"]
@@ -149,7 +151,7 @@ def test_qsa_prunes_the_blocks_transformers_prunes(checkpoint):
 def test_pruning_changes_the_output(checkpoint):
     """Dense attention is not what transformers computes here: dropping the indexer moves the logits."""
     ref_model, paths = checkpoint
-    model = qwen4exp.Model(*_config_and_loader(paths["gguf"]))
+    model = Qwen4ExpModel(*_config_and_loader(paths["gguf"]))
     for block in model.blocks:
         if hasattr(block.attn, "indexer"):
             block.attn.indexer = None
@@ -303,7 +305,7 @@ def test_padding_never_reaches_a_cache(checkpoint):
             alone = model.new_cache(1)
             model(torch.tensor([p]), alone)
             for b, a in zip(batch.layers, alone.layers):
-                if isinstance(b, qwen4exp.LayerCache):  # the PLE layer: n-gram context, conv window
+                if isinstance(b, LayerCache):  # the PLE layer: n-gram context, conv window
                     assert torch.equal(b.ple.context[row], a.ple.context[0])
                     torch.testing.assert_close(b.ple.conv[row], a.ple.conv[0], atol=1e-5, rtol=1e-5)
                     b, a = b.mixer, a.mixer

@@ -29,7 +29,7 @@ _ENGINE = {}
 def write_tiny_chat_gguf(path):
     """Random qwen3moe weights (hidden 32, 2 layers, 4 experts) + SmolLM2's tokenizer.* metadata."""
     from strata.gguf.writer import write_gguf
-    from strata.models import qwen3moe
+    from strata.formats import qwen3moe
 
     source = smollm2_gguf_path()
     if source is None:

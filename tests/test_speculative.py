@@ -25,7 +25,8 @@ from reference import hf_logits, prompt, randomise, save_hf
 from strata.errors import BadOption
 from strata.gguf.convert import convert_hf_to_gguf
 from strata.gguf.reader import GGUFFile
-from strata.models import qwen3next, qwen4exp
+from strata.formats import qwen3next
+from strata.models.cache import LayerCache
 from strata.models.cache import ModelCache
 from strata.models.gated_deltanet import GDNCache
 from strata.models.qsa import QSACache
@@ -553,7 +554,7 @@ def test_qwen4exp_caches_after_speculation_equal_plain_run(q4):
     assert cache.lengths.tolist() == ref.lengths.tolist() == [n]
     seen = set()
     for c, r in zip(cache.layers, ref.layers):
-        if isinstance(c, qwen4exp.LayerCache):
+        if isinstance(c, LayerCache):
             assert torch.equal(c.ple.context, r.ple.context)
             assert (c.ple.conv - r.ple.conv).abs().max().item() <= 1e-5 * r.ple.conv.abs().max().item()
             c, r = c.mixer, r.mixer

@@ -8,8 +8,8 @@ import gguf
 import torch
 
 from strata.gguf.writer import write_gguf
-from strata.models import llama
-from strata.models.rope import RopeConfig
+from strata.formats import llama
+from strata.formats.hparams import RopeConfig
 
 F32 = gguf.GGMLQuantizationType.F32
 

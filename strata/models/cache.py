@@ -169,3 +169,76 @@ class ModelCache:
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.layers)
+
+
+class PLECache:
+    """A PLE layer's per-row state: its last ngram_size-1 token ids and its conv window."""
+
+    def __init__(self):
+        self.context: torch.Tensor | None = None  # (B, ngram_size - 1) long
+        self.conv: torch.Tensor | None = None  # (B, (K-1) * dilation, hc*hidden)
+        self.tracking = False  # speculative decoding: keep what `rollback` needs
+        self.undo: tuple | None = None  # the last forward's (context before it, its tokens, n_new)
+        self.window: torch.Tensor | None = None  # its conv inputs after the state it started from
+
+    def track(self, on: bool = True) -> None:
+        self.tracking, self.undo, self.window = on, None, None
+
+    def rollback(self, n_drop: int) -> None:
+        """Undo the last `n_drop` real tokens of the last (tracked) forward: the n-gram context
+        and the conv state are re-read at the kept end of [before | that forward's tokens]."""
+        if self.undo is None or self.window is None:
+            raise ValueError("PLECache.rollback needs track() on before the forward it undoes")
+        context, tokens, n_new = self.undo
+        keep = n_new - n_drop
+        if bool((keep < 0).any()):
+            raise ValueError(f"cannot drop {n_drop} tokens from a forward of {n_new.tolist()}")
+        hist = torch.cat([context, tokens], dim=1)
+        self.context = hist.gather(1, keep[:, None] + torch.arange(context.shape[1]))
+        w = self.window
+        idx = keep.to(w.device)[:, None] + torch.arange(self.conv.shape[1], device=w.device)
+        self.conv = w.gather(1, idx[..., None].expand(-1, -1, w.shape[2]))
+        self.undo = (context, tokens, keep)
+
+    def select(self, rows: torch.Tensor) -> None:
+        if self.context is not None:
+            self.context = self.context[rows]
+        if self.conv is not None:
+            self.conv = self.conv[rows]
+
+    def extend(self, other: "PLECache") -> None:
+        for attr in ("context", "conv"):
+            theirs, mine = getattr(other, attr), getattr(self, attr)
+            if theirs is not None:
+                setattr(self, attr, theirs if mine is None else torch.cat([mine, theirs]))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.context, self.conv) if t is not None)
+
+
+class LayerCache:
+    """The cache of a layer with PLE: the mixer's (`GDNCache`) and the PLE's."""
+
+    def __init__(self, mixer, ple: PLECache):
+        self.mixer, self.ple = mixer, ple
+
+    def select(self, rows) -> None:
+        self.mixer.select(rows)
+        self.ple.select(rows)
+
+    def track(self, on: bool = True) -> None:
+        self.mixer.track(on)
+        self.ple.track(on)
+
+    def rollback(self, n_drop: int) -> None:
+        self.mixer.rollback(n_drop)
+        self.ple.rollback(n_drop)
+
+    def extend(self, other: "LayerCache") -> None:
+        self.mixer.extend(other.mixer)
+        self.ple.extend(other.ple)
+
+    @property
+    def nbytes(self) -> int:
+        return self.mixer.nbytes + self.ple.nbytes

@@ -6,81 +6,13 @@ the engine keeps that layout, so HF checkpoints get the same permutation at load
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-import torch
-
-from strata.gguf.writer import decoder_metadata
-from strata.models.hparams import decoder_from_gguf, decoder_from_hf
+from strata.formats.llama import Config
 from strata.models.layers import Attention, DenseFFN, Experts, softmax_topk
-from strata.models.rope import Rope, RopeConfig
+from strata.models.rope import Rope
 from strata.models.transformer import Block, DecoderLM, MoE
 from strata.models.weights import WeightLoader
-
-ARCH = "llama"
-HF_MODEL_TYPES = ("llama", "mistral", "mixtral")
-
-
-@dataclass(frozen=True, slots=True)
-class Config:
-    vocab_size: int
-    hidden_size: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_size: int
-    rms_eps: float
-    rope: RopeConfig
-    context_length: int
-    n_experts: int = 0
-    n_experts_used: int = 0
-
-    @classmethod
-    def from_gguf(cls, meta: dict) -> "Config":
-        a = ARCH
-        base = decoder_from_gguf(meta, a)
-        return cls(**base, ffn_size=meta[f"{a}.feed_forward_length"],
-                   rope=RopeConfig.from_gguf(meta, a, meta.get(f"{a}.rope.dimension_count", base["head_dim"]),
-                                             interleaved=True),
-                   n_experts=meta.get(f"{a}.expert_count", 0),
-                   n_experts_used=meta.get(f"{a}.expert_used_count", 0))
-
-    @classmethod
-    def from_hf(cls, cfg: dict) -> "Config":
-        base = decoder_from_hf(cfg)
-        return cls(**base, ffn_size=cfg["intermediate_size"],
-                   rope=RopeConfig.from_hf(cfg, base["head_dim"], interleaved=True),
-                   n_experts=cfg.get("num_local_experts", 0), n_experts_used=cfg.get("num_experts_per_tok", 0))
-
-
-def gguf_metadata(c: Config) -> dict:
-    extra = {"feed_forward_length": c.ffn_size}
-    if c.n_experts:
-        extra.update(expert_count=c.n_experts, expert_used_count=c.n_experts_used)
-    return decoder_metadata(ARCH, c, **extra)
-
-
-def rope_factors(c: Config) -> torch.Tensor | None:
-    """llama.cpp stores llama3 rope scaling as per-frequency divisors in `rope_freqs.weight`."""
-    if c.rope.scaling != "llama3":
-        return None
-    base = Rope(replace(c.rope, scaling="default")).inv_freq
-    return base / Rope(c.rope).inv_freq
-
-
-def sanitize_hf(name: str, t: torch.Tensor, c: Config) -> torch.Tensor:
-    """Permute HF q/k rows into llama.cpp's adjacent-pair rotary layout."""
-    if name.endswith("attn_q.weight"):
-        return _permute(t, c.n_heads)
-    if name.endswith("attn_k.weight"):
-        return _permute(t, c.n_kv_heads)
-    return t
-
-
-def _permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    rows = w.shape[0]
-    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 class Model(DecoderLM):

@@ -1,41 +1,22 @@
-"""Architectures by GGUF `general.architecture` string, found by scanning this package.
+"""The model class of each architecture, by GGUF `general.architecture` string.
 
-Adding an architecture is adding one module that defines ARCH, HF_MODEL_TYPES, Config
-and Model; nothing central is edited.
+An architecture is two modules: its format (`strata.formats.<arch>`: Config, names, metadata)
+and its model (`strata.models.<arch>`: the modules); both are listed here and in
+`strata.formats.architectures`.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from functools import cache
-from types import ModuleType
+from torch import nn
 
-import strata.models
-from strata.errors import StrataError
+from strata.formats.architectures import by_arch
+from strata.models import llama, qwen3moe, qwen3next, qwen4exp
 
-
-@cache
-def architectures() -> dict[str, ModuleType]:
-    found = {}
-    for info in pkgutil.iter_modules(strata.models.__path__):
-        module = importlib.import_module(f"strata.models.{info.name}")
-        if hasattr(module, "ARCH") and hasattr(module, "Model"):
-            found[module.ARCH] = module
-    return found
+MODELS: dict[str, type[nn.Module]] = {"llama": llama.Model, "qwen3moe": qwen3moe.Model,
+                                      "qwen3next": qwen3next.Model, "qwen4exp": qwen4exp.Model}
 
 
-def by_arch(arch: str) -> ModuleType:
-    archs = architectures()
-    if arch not in archs:
-        raise StrataError(f"unknown architecture {arch!r}",
-                          f"supported: {', '.join(sorted(archs))}")
-    return archs[arch]
-
-
-def by_hf_model_type(model_type: str) -> ModuleType:
-    for module in architectures().values():
-        if model_type in module.HF_MODEL_TYPES:
-            return module
-    known = sorted(t for m in architectures().values() for t in m.HF_MODEL_TYPES)
-    raise StrataError(f"unknown model_type {model_type!r} in config.json", f"supported: {', '.join(known)}")
+def model_class(arch: str) -> type[nn.Module]:
+    """The model of `arch`; an unknown one is refused naming the supported ones."""
+    by_arch(arch)
+    return MODELS[arch]
