@@ -4,6 +4,8 @@
     .venv/bin/python bench/bench_kernels.py --types Q4_K IQ2_XS --threads 1 2
     .venv/bin/python bench/bench_kernels.py --batches          # fast vs reference crossover (FAST_BATCH_MAX)
     .venv/bin/python bench/bench_kernels.py --compare-numba    # the tool choice: C vs numba on Q4_K
+    .venv/bin/python bench/bench_kernels.py --compare-ggml --types Q4_0 Q4_K IQ2_XS --threads 1 2
+                                                  # the kept library: ggml (ggml-python) on the same blocks
 
 Weights are Qwen3-30B-A3B expert matrices (gate/up 768x2048, down 2048x768), N_EXPERTS of them
 cycled so the working set does not fit the caches, as on the expert miss path. GB/s counts the
@@ -179,6 +181,81 @@ def compare_numba(threads_list):
               f"torch dequantize+matmul {rmed * 1e3:.2f} ms (min {rbest * 1e3:.2f})")
 
 
+# --- the kept library: ggml's own CPU kernels (ggml-python) on the very same blocks, no copies
+
+class GgmlMatVec:
+    """y = W x by ggml_mul_mat in a one-node graph, W's data pointer aimed at a torch tensor's bytes.
+
+    The context holds only tensor headers (no_alloc); W and y point into torch memory, so
+    switching experts is one pointer store. x is float32; ggml quantizes it (q8_K / q8_0) itself.
+    """
+
+    def __init__(self, ggml, qtype: T, shape, threads: int):
+        import ctypes
+
+        self.g = ggml
+        rows, cols = shape
+        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=16 * 2**20, mem_buffer=None, no_alloc=True))
+        self.w = ggml.ggml_new_tensor_2d(self.ctx, int(qtype), cols, rows)
+        self.x = ggml.ggml_new_tensor_2d(self.ctx, ggml.GGML_TYPE_F32, cols, 1)
+        self.y = ggml.ggml_mul_mat(self.ctx, self.w, self.x)
+        self.gf = ggml.ggml_new_graph(self.ctx)
+        ggml.ggml_build_forward_expand(self.gf, self.y)
+        tp = ggml.ggml_threadpool_params_default(threads)
+        self.pool = ggml.ggml_threadpool_new(ctypes.byref(tp))
+        self.plan = ggml.ggml_graph_plan(self.gf, threads, self.pool)
+        self.work = torch.empty(max(self.plan.work_size, 1), dtype=torch.uint8)
+        self.plan.work_data = ctypes.cast(self.work.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
+        self.xt = torch.empty(1, cols)
+        self.yt = torch.empty(1, rows)
+        self.x.contents.data = self.xt.data_ptr()
+        self.y.contents.data = self.yt.data_ptr()
+        self._plan_p = ctypes.byref(self.plan)
+
+    def __call__(self, w: QTensor, x: torch.Tensor) -> torch.Tensor:
+        self.xt.copy_(x)  # or aim x.data at the caller's tensor: also one pointer store
+        self.w.contents.data = w.raw.data_ptr()
+        self.g.ggml_graph_compute(self.gf, self._plan_p)
+        return self.yt
+
+    def close(self):
+        self.g.ggml_threadpool_free(self.pool)
+        self.g.ggml_free(self.ctx)
+
+
+def compare_ggml(types, threads_list, n_experts):
+    try:
+        import ggml
+    except ImportError:
+        print("ggml-python is not installed; pip install ggml-python==0.0.45 (builds from source) to compare")
+        return
+    from strata.synth import random_blocks as _rb  # noqa: F401  (same blocks as bench_types)
+
+    print(f"{'type':<8} {'shape':<17} {'thr':>3} | {'strata ms':>16} {'ggml ms':>16} {'ggml/strata':>11} "
+          f"| max rel. diff vs exact (strata, ggml)")
+    for name in types:
+        qtype = T[name]
+        for label, shape in SHAPES.items():
+            ws = experts(qtype, shape, n_experts)
+            x = torch.randn(1, shape[1])
+            ref = kernels.qmatmul_reference(x, ws[0])
+            scale = float(ref.abs().max())
+            for threads in threads_list:
+                torch.set_num_threads(threads)
+                mv = GgmlMatVec(ggml, qtype, shape, threads)
+                e_g = float((mv(ws[0], x) - ref).abs().max()) / scale
+                e_s = float((kernels.qmatmul_fast(x, ws[0], threads=threads) - ref).abs().max()) / scale
+                out = torch.empty(1, shape[0])
+                it = iter(range(10**9))
+                smed, sbest = timed(lambda: kernels.qmatmul_fast(x, ws[next(it) % n_experts], threads=threads,
+                                                                 out=out), 400)
+                gmed, gbest = timed(lambda: mv(ws[next(it) % n_experts], x), 400)
+                mv.close()
+                print(f"{name:<8} {label:<17} {threads:>3} | {smed * 1e3:7.3f} ({sbest * 1e3:6.3f}) "
+                      f"{gmed * 1e3:7.3f} ({gbest * 1e3:6.3f}) {gbest / sbest:11.2f} | {e_s:.1e} {e_g:.1e}",
+                      flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", nargs="*", default=list(_build.KERNEL_TYPES))
@@ -187,6 +264,7 @@ def main(argv=None):
     ap.add_argument("--experts", type=int, default=48, help="matrices cycled per measurement (defeats caches)")
     ap.add_argument("--batches", action="store_true", help="only the batch-size crossover")
     ap.add_argument("--compare-numba", action="store_true", help="only C vs numba on Q4_K")
+    ap.add_argument("--compare-ggml", action="store_true", help="only strata vs ggml (ggml-python) mat-vec")
     args = ap.parse_args(argv)
     if not kernels.available():
         print(f"kernels unavailable: {_build.error()}")
@@ -194,6 +272,9 @@ def main(argv=None):
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; torch {torch.__version__}")
     if args.compare_numba:
         compare_numba(args.threads)
+        return 0
+    if args.compare_ggml:
+        compare_ggml(args.types, args.threads, args.experts)
         return 0
     if args.batches:
         bench_batches(args.threads[0])

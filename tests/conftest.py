@@ -1,5 +1,10 @@
+import os
 import sys
 from pathlib import Path
+
+# Exact activations for the suite (models are checked against transformers); the 8-bit ones
+# (the engine's default) have their own tests in test_kernels.py.
+os.environ.setdefault("STRATA_ACTIVATIONS", "float32")
 
 import pytest
 import torch

@@ -51,17 +51,35 @@ def test_required_types_have_kernels():
         assert {t.name for t in kernels.kernel_types()} == set(ALL)
 
 
-@pytest.fixture(params=[True, False], ids=["int16", "float32"])
-def int16_mode(request):
-    """Run with the int16-activation variants (default) and with float32 activations only."""
-    kernels.set_int16(request.param)
+MODES = ["q8", "int16", "float32"]
+
+
+@pytest.fixture(params=MODES)
+def act_mode(request):
+    """Run with 8-bit activations through ggml's dot products (where that library is installed),
+    int16 activations and float32 activations (the exact path)."""
+    if request.param == "q8" and not kernels.ggml_types():
+        pytest.skip("llama.cpp's CPU library (ggml-python or llama-cpp-python) is not installed")
+    before = kernels.activations()
+    kernels.set_activations(request.param)
     yield request.param
-    kernels.set_int16(True)
+    kernels.set_activations(before)
+
+
+def q8_error_bound(x: torch.Tensor, dense: torch.Tensor, block: int) -> torch.Tensor:
+    """What 8-bit activations may cost: each x in a block of `block` values moves by at most half a
+    step (max |x| / 254) plus the f16 rounding of the block scale (max |x| * 2^-11 * 127 / 127), so
+    |y - y_exact| <= |W| @ e; plus 2e-3 of |W| @ |x| for the f16 sums (q8_1) and float rounding."""
+    xb = x.reshape(x.shape[0], -1, block).abs().amax(-1, keepdim=True)
+    e = (xb * (1 / 254 + 2.0**-10)).expand(-1, -1, block).reshape(x.shape)
+    return e @ dense.abs().T + 2e-3 * (x.abs() @ dense.abs().T)
 
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", ALL)
-def test_kernel_matches_reference(qtype, int16_mode):
+def test_kernel_matches_reference(qtype, act_mode):
+    if act_mode == "q8" and qtype not in kernels.ggml_types():
+        pytest.skip(f"ggml has no {qtype} dot product")
     bs = quant.get(T[qtype]).block_size
     cols = 3 * 256 if bs == 256 else 7 * 32  # several blocks, not a power of two
     for rows, seed in ((37, 1), (5, 2)):  # odd row counts; fewer rows than a tile
@@ -74,8 +92,33 @@ def test_kernel_matches_reference(qtype, int16_mode):
             for threads in (1, 2):
                 got = kernels.qmatmul_fast(x, w, threads=threads)
                 assert got.shape == (batch, rows)
-                assert rel_err(got, ref) < (3e-4 if int16_mode else 1e-5), (qtype, rows, batch, threads)
+                if act_mode == "q8":  # the bound of 8-bit x, and a few percent of the largest output
+                    assert ((got - ref).abs() <= q8_error_bound(x, dense, bs)).all(), (qtype, rows, batch)
+                    assert rel_err(got, ref) < 3e-2, (qtype, rows, batch, threads)
+                    continue
+                assert rel_err(got, ref) < (3e-4 if act_mode == "int16" else 1e-5), (qtype, rows, batch, threads)
                 torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", ["IQ1_S", "IQ2_S", "IQ3_S"])
+def test_ggml_only_types(qtype, act_mode):
+    """Types only ggml multiplies: a kernel in "q8" mode, the reference path otherwise."""
+    w = random_qtensor(qtype, (21, 512), seed=3)
+    dense = w.dequantize()
+    x = torch.randn(3, 512)
+    ref = x @ dense.T
+    assert kernels.has_kernel(w.qtype) == (act_mode == "q8")
+    got = kernels.qmatmul(x, w)
+    if act_mode == "q8":
+        assert ((got - ref).abs() <= q8_error_bound(x, dense, 256)).all() and rel_err(got, ref) < 3e-2
+    else:
+        assert rel_err(got, ref) < 1e-5
+
+
+def test_bad_activation_mode():
+    with pytest.raises(ValueError, match="not one of"):
+        kernels.set_activations("int4")
 
 
 @needs_kernels
@@ -121,11 +164,12 @@ def test_expert_forward_matches_reference(types):
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", ["Q4_K", "IQ2_XS"])
-def test_moe_layer_matches_reference(qtype, int16_mode, monkeypatch):
+def test_moe_layer_matches_reference(qtype, act_mode, monkeypatch):
     """A whole routed-expert layer (ResidentExperts) with and without the kernels.
 
     float32 activations: float rounding only. int16 activations (x, and the hidden h of each
     expert, quantized per row): measured up to 1.5e-4 of the output's max over 200 draws.
+    8-bit activations (ggml's q8 blocks): a few 1e-3, as llama.cpp computes.
     """
     E, k, hidden, ffn = 16, 4, 512, 256
     gate = random_qtensor(qtype, (E, ffn, hidden), seed=4)
@@ -134,7 +178,7 @@ def test_moe_layer_matches_reference(qtype, int16_mode, monkeypatch):
     experts = ResidentExperts(gate, up, down)
     g = torch.Generator().manual_seed(9)
     router = torch.randn(E, hidden, generator=g)
-    tol = 1e-3 if int16_mode else 1e-5
+    tol = {"q8": 3e-2, "int16": 1e-3, "float32": 1e-5}[act_mode]
     for n_tokens in (1, 7, 40):  # 40: some experts get several tokens, batched in the kernel
         x = torch.randn(n_tokens, hidden, generator=g)
         ids, weights = softmax_topk(x @ router.T, k, normalize=True)
@@ -169,7 +213,7 @@ def test_expert_forward_mixed_types():
 
 
 @needs_kernels
-def test_non_finite_activations_propagate(int16_mode):
+def test_non_finite_activations_propagate(act_mode):
     w = random_qtensor("Q4_K", (16, 256))
     x = torch.randn(2, 256)
     x[0, 3] = float("nan")
@@ -181,7 +225,7 @@ def test_non_finite_activations_propagate(int16_mode):
 
 @needs_kernels
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("IQ2_XS", "IQ2_XS", "Q2_K")])
-def test_one_token_moe_in_one_call_equals_expert_by_expert(types, int16_mode, monkeypatch):
+def test_one_token_moe_in_one_call_equals_expert_by_expert(types, act_mode, monkeypatch):
     """strata_moe_token (one C call for a decode token's k experts) against the per-expert path."""
     E, hidden, ffn = 8, 512, 256
     gate, up = (random_qtensor(types[i], (E, ffn, hidden), seed=10 + i) for i in (0, 1))

@@ -9,11 +9,15 @@ top of it, `run_experts_fast` a whole routed-expert layer.
 
 Every fast path has its plain torch reference beside it (`*_reference`: dequantize, then
 matmul). The fast one is used when the type has a kernel, the tensors are on the CPU and the
-batch is at most FAST_BATCH_MAX rows, else the reference runs. For Q4_K, Q5_K, Q6_K, Q8_0,
-IQ2_XXS, IQ2_XS, IQ4_NL, IQ4_XS and MXFP4 (AVX2 builds) x is quantized to int16 per row and
-multiplied with integer instructions (vpmaddwd), relative error ~3e-5; the other types, and
-all of them after `set_int16(False)`, keep x in float32 and differ from the reference only
-in summation order.
+batch is at most FAST_BATCH_MAX rows, else the reference runs. Activations (`set_activations`):
+- "q8" (default): where llama.cpp's CPU library is installed (_ggml.py), x is quantized once per
+  product to ggml's 8-bit blocks (q8_0 / q8_1 / q8_K) and ggml's integer dot products run on
+  this package's thread pool, as llama.cpp itself computes (relative error ~1e-2 of max |y|);
+  it also adds IQ1_S, IQ1_M, IQ2_S and IQ3_S. Without it, as "int16".
+- "int16": for Q4_K, Q5_K, Q6_K, Q8_0, IQ2_XXS, IQ2_XS, IQ4_NL, IQ4_XS and MXFP4 (AVX2 builds)
+  x is quantized to int16 per row (vpmaddwd), relative error ~3e-5; others as "float32".
+- "float32" (`--exact-activations`): x stays float32; differs from the reference only in
+  summation order.
 Without a C compiler, or with STRATA_KERNELS=0, everything takes the reference path.
 """
 
@@ -23,7 +27,7 @@ import ctypes
 
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from strata.kernels import _build
 from strata.models.weights import QTensor
@@ -40,7 +44,7 @@ __all__ = [
     "qmatmul_fast",
     "qmatmul_reference",
     "run_experts_fast",
-    "set_int16",
+    "set_activations",
 ]
 
 # Above this many rows of x, dequantizing once and calling BLAS wins over decoding the blocks
@@ -57,19 +61,40 @@ def available() -> bool:
     return _build.load() is not None
 
 
-def set_int16(on: bool) -> None:
-    """Use the int16-activation variants where a type has one (the default), or float32 only.
+ACTIVATIONS = _build.ACTIVATIONS
+_activations = _build.default_activations()  # STRATA_ACTIVATIONS; the test suite runs "float32" (conftest)
 
-    The int16 variants quantize each row of x with one scale (error <= 1.5e-5 of max |x| per
-    element) and are 1.2-2x faster; tests run both.
-    """
+
+def set_activations(mode: str) -> None:
+    """How the kernels treat x: "q8" (default), "int16" or "float32" (exact); see the module doc."""
+    global _activations
+    if mode not in ACTIVATIONS:
+        raise ValueError(f"activations {mode!r} is not one of {', '.join(ACTIVATIONS)}")
+    _activations = mode
     lib = _build.load()
     if lib is not None:
-        lib.strata_set_int16(1 if on else 0)
+        lib.strata_set_activations(ACTIVATIONS[mode])
+
+
+def activations() -> str:
+    return _activations
+
+
+def ggml_types() -> tuple[str, ...]:
+    """Types whose products take ggml's 8-bit dot products in "q8" mode (empty without ggml)."""
+    return tuple(_build.GGML_TYPES) if available() else ()
 
 
 def kernel_types() -> tuple[GGMLQuantizationType, ...]:
-    return tuple(GGMLQuantizationType[name] for name in _build.KERNEL_TYPES) if available() else ()
+    if not available():
+        return ()
+    names = dict.fromkeys([*_build.KERNEL_TYPES, *_ggml_only()])
+    return tuple(GGMLQuantizationType[name] for name in names)
+
+
+def _ggml_only() -> list[str]:
+    """Types only ggml has kernels for: usable in "q8" mode alone."""
+    return [n for n in _build.GGML_TYPES if n not in _build.KERNEL_TYPES] if _activations == "q8" else []
 
 
 def _type_name(qtype) -> str:
@@ -77,7 +102,10 @@ def _type_name(qtype) -> str:
 
 
 def has_kernel(qtype) -> bool:
-    return _type_name(qtype) in _build.KERNEL_TYPES and available()
+    if not available():
+        return False
+    name = _type_name(qtype)
+    return name in _build.KERNEL_TYPES or name in _ggml_only()
 
 
 def _threads(threads: int | None) -> int:
@@ -102,9 +130,12 @@ def qmatmul_fast(x: torch.Tensor, w: QTensor, threads: int | None = None,
     """
     lib = _build.load()
     name = _type_name(w.qtype)
-    if lib is None or name not in _build.KERNEL_TYPES:
+    if lib is None or not has_kernel(w.qtype):
         raise RuntimeError(f"no fast CPU kernel for {name}" + (f" ({_build.error()})" if lib is None else ""))
-    suffix, qk, ts = _build.KERNEL_TYPES[name]
+    if name in _build.KERNEL_TYPES:
+        suffix, qk, ts = _build.KERNEL_TYPES[name]
+    else:
+        suffix, (qk, ts) = None, GGML_QUANT_SIZES[GGMLQuantizationType[name]]
     if len(w.shape) != 2:
         raise ValueError(f"qmatmul wants a 2-D weight, got shape {w.shape}")
     rows, cols = w.shape
@@ -122,8 +153,11 @@ def qmatmul_fast(x: torch.Tensor, w: QTensor, threads: int | None = None,
         out = torch.empty(b, rows, dtype=torch.float32)
     elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != b * rows:
         raise ValueError(f"out must be a contiguous float32 tensor of {b} x {rows} values")
-    if b:
+    if b and suffix is not None:
         getattr(lib, f"strata_qmm_{suffix}")(_ptr(raw), rows, cols, _ptr(xf), b, _ptr(out), _threads(threads))
+    elif b and not lib.strata_qmm_ext(int(w.qtype), _ptr(raw), rows, cols, _ptr(xf), b, _ptr(out),
+                                      _threads(threads), (cols // qk) * ts):
+        raise RuntimeError(f"ggml's kernel for {name} refused a {rows}x{cols} product")
     return out.reshape(*lead, rows)
 
 
@@ -195,6 +229,8 @@ def _moe_token(x: torch.Tensor, parts, w: list[float], threads, out: torch.Tenso
         return False
     if any(not fast_ok(x, q) for q in parts[0]):
         return False
+    if any(_type_name(q.qtype) not in _build.KERNEL_TYPES for q in parts[0]):
+        return False  # ggml-only types: one product at a time
     fns = [ctypes.cast(getattr(lib, f"strata_qmm_{_build.KERNEL_TYPES[_type_name(q.qtype)][0]}"),
                        ctypes.c_void_p) for q in parts[0]]
     k = len(parts)

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmm.c")
 FLAGS = ["-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno"]
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 # ggml type name -> (C suffix, block size, type size); the types qmm.c implements.
 KERNEL_TYPES = {
@@ -47,11 +47,22 @@ KERNEL_TYPES = {
     "MXFP4": ("mxfp4", 32, 17),
 }
 
+# How the kernels treat x (kernels.set_activations): qmm.c's act_mode values.
+ACTIVATIONS = {"float32": 0, "int16": 1, "q8": 2}
+
+
+def default_activations() -> str:
+    """STRATA_ACTIVATIONS if it names a mode, else "q8"."""
+    mode = os.environ.get("STRATA_ACTIVATIONS", "q8")
+    return mode if mode in ACTIVATIONS else "q8"
+
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _error: str | None = None
 _tables: list[np.ndarray] = []  # kept alive for the library's lifetime
+GGML_TYPES: list[str] = []  # types whose products go through ggml's dot products (see _ggml.py)
 
 
 def _compiler() -> str | None:
@@ -124,8 +135,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_init_tables.argtypes = [p, p, p, p]
     lib.strata_init_tables.restype = None
     lib.strata_abi_version.restype = ctypes.c_int
-    lib.strata_set_int16.argtypes = [ctypes.c_int]
-    lib.strata_set_int16.restype = None
+    lib.strata_set_activations.argtypes = [ctypes.c_int]
+    lib.strata_set_activations.restype = None
+    lib.strata_set_ext.argtypes = [ctypes.c_int, p, p, i64, i64]
+    lib.strata_set_ext.restype = None
+    lib.strata_qmm_ext.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, ctypes.c_int, i64]
+    lib.strata_qmm_ext.restype = ctypes.c_int
 
 
 def load() -> ctypes.CDLL | None:
@@ -147,6 +162,10 @@ def load() -> ctypes.CDLL | None:
             if lib.strata_abi_version() != ABI_VERSION:
                 raise RuntimeError("stale kernel library")
             _init_tables(lib)
+            from strata.kernels import _ggml
+
+            GGML_TYPES[:] = _ggml.register(lib)
+            lib.strata_set_activations(ACTIVATIONS[default_activations()])
             _lib = lib
         except Exception as e:  # noqa: BLE001 -- any failure means "use the reference path"
             _error = str(e)

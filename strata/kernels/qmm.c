@@ -2,8 +2,9 @@
  *
  * W stays in its ggml block format; every 8 weights are decoded into one vector register and
  * used at once for up to 8 batch rows, so an expert is never dequantized as a whole.
- * Arithmetic is float32 throughout (activations are not quantized), so results agree with
- * "dequantize, then matmul" up to summation order and fused multiply-adds.
+ * These decoders keep x in float32 (or int16 for some types), so results agree with "dequantize,
+ * then matmul" up to summation order; by default a product with ggml's kernels loaded quantizes
+ * x to 8 bits and takes their integer dot products instead (see "ggml's dot products").
  *
  * The decoders mirror strata/quant (and so gguf-py) field for field; see those files for the
  * layout of each block. Built by strata/kernels/_build.py with -O3 -march=native -pthread;
@@ -14,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -480,10 +482,15 @@ static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_
         pthread_mutex_unlock(&wake_mu);
     }
     pool_work();
-    while (atomic_load_explicit(&pool_done, memory_order_acquire) < n_tiles) {
+    /* A helper may hold a claimed tile while descheduled: poll briefly, then yield the core to it. */
+    for (int spun = 0; atomic_load_explicit(&pool_done, memory_order_acquire) < n_tiles; spun++) {
+        if (spun < SPIN_ROUNDS) {
 #if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
+            __builtin_ia32_pause();
 #endif
+        } else {
+            sched_yield();
+        }
     }
     pthread_mutex_unlock(&call_mu);
 }
@@ -818,11 +825,77 @@ DEFINE_QMM16(iq4_xs, 256, 136)
 DEFINE_QMM16(mxfp4, 32, 17)
 #endif
 
-/* Set to 0 to use the float32-activation kernels everywhere (tests compare the two). */
-static int use_i16 = 1;
-void strata_set_int16(int on) { use_i16 = on; }
+/* ------------------------------------------------------------------ ggml's dot products
+ *
+ * llama.cpp's own CPU kernels (libggml-cpu, from ggml-python or llama-cpp-python) as a library:
+ * strata/kernels/_ggml.py hands over, per ggml type, the `vec_dot` of its type traits and the
+ * `from_float` of its activation type (q8_0, q8_1 or q8_K). A product then quantizes each row
+ * of x once and takes ggml's integer dot products (AVX-512 VNNI / AVX-VNNI / AVX2, whatever
+ * that library was built for) row by row, on this file's thread pool, not ggml's.
+ */
+typedef void (*ggml_vec_dot_fn)(int n, float *s, size_t bs, const void *x, size_t bx, const void *y, size_t by,
+                                int nrc);
+typedef void (*ggml_from_float_fn)(const float *x, void *y, int64_t k);
 
-#define DEFINE_QMM(NAME, QK, TS)                                                                      \
+typedef struct {
+    ggml_vec_dot_fn dot;
+    ggml_from_float_fn quant;
+    int64_t qblk, qsize; /* block size and bytes per block of the activation type */
+} ext_kernel;
+
+#define MAX_EXT 64
+static ext_kernel EXT[MAX_EXT];
+
+void strata_set_ext(int type, void *dot, void *quant, int64_t qblk, int64_t qsize) {
+    if (type < 0 || type >= MAX_EXT) return;
+    EXT[type].dot = (ggml_vec_dot_fn)dot;
+    EXT[type].quant = (ggml_from_float_fn)quant;
+    EXT[type].qblk = qblk;
+    EXT[type].qsize = qsize;
+}
+
+typedef struct {
+    const uint8_t *W;
+    int64_t rows, cols, B, tile_rows, wrow, xrow;
+    const uint8_t *XQ;
+    float *Y;
+    ggml_vec_dot_fn dot;
+} ext_args;
+
+static void tile_ext(const void *a_, int64_t tile) {
+    const ext_args *a = (const ext_args *)a_;
+    const int64_t t0 = tile * a->tile_rows;
+    const int64_t t1 = t0 + a->tile_rows < a->rows ? t0 + a->tile_rows : a->rows;
+    for (int64_t b = 0; b < a->B; b++)
+        for (int64_t r = t0; r < t1; r++)
+            a->dot((int)a->cols, a->Y + b * a->rows + r, 0, a->W + r * a->wrow, 0, a->XQ + b * a->xrow, 0, 1);
+}
+
+/* Y = X W^T through ggml's kernels for ggml type `type` (wrow bytes per weight row); 0 if none. */
+int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const float *X, int64_t B, float *Y,
+                   int nth, int64_t wrow) {
+    if (type < 0 || type >= MAX_EXT || !EXT[type].dot || cols % EXT[type].qblk || cols > 0x7FFFFFFF) return 0;
+    for (int64_t i = 0; i < B * cols; i++)
+        if (!(X[i] - X[i] == 0.0f)) return 0; /* inf or nan: ggml's quantizer would hide it; the other paths keep it */
+    const ext_kernel *k = &EXT[type];
+    const int64_t xrow = cols / k->qblk * k->qsize;
+    uint8_t *xq = malloc((size_t)(B * xrow) + 64);
+    if (!xq) return 0;
+    for (int64_t b = 0; b < B; b++) k->quant(X + b * cols, xq + b * xrow, cols);
+    int64_t tile_rows = ROW_TILE;
+    while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
+    const ext_args a = {W, rows, cols, B, tile_rows, wrow, xrow, xq, Y, k->dot};
+    pool_run(tile_ext, &a, (rows + tile_rows - 1) / tile_rows, nth < 1 ? 1 : nth);
+    free(xq);
+    return 1;
+}
+
+/* Activations: 2 = 8-bit through ggml where it has the type (else as 1), 1 = int16 variants where a
+ * type has one, 0 = float32 everywhere (the exact path; tests compare them). */
+static int act_mode = 2;
+void strata_set_activations(int mode) { act_mode = mode; }
+
+#define DEFINE_QMM(NAME, QK, TS, GGML_TYPE)                                                                    \
     DEFINE_ROWS(NAME, QK, TS, 1) DEFINE_ROWS(NAME, QK, TS, 2) DEFINE_ROWS(NAME, QK, TS, 4)            \
     DEFINE_ROWS(NAME, QK, TS, 8)                                                                      \
     static void tile_##NAME(const void *a_, int64_t tile) {                                          \
@@ -843,7 +916,8 @@ void strata_set_int16(int on) { use_i16 = on; }
     }                                                                                                \
     void strata_qmm_##NAME(const uint8_t *W, int64_t rows, int64_t cols, const float *X, int64_t B,  \
                            float *Y, int nth) {                                                     \
-        if (use_i16 && qmm16_dispatch_##NAME(W, rows, cols, X, B, Y, nth)) return;                   \
+        if (act_mode >= 2 && strata_qmm_ext(GGML_TYPE, W, rows, cols, X, B, Y, nth, cols / (QK) * (TS))) return; \
+        if (act_mode >= 1 && qmm16_dispatch_##NAME(W, rows, cols, X, B, Y, nth)) return;             \
         int64_t tile_rows = ROW_TILE;                                                                \
         while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;                          \
         const qmm_args a = {W, rows, cols, cols / (QK), B, tile_rows, X, Y};                         \
@@ -865,22 +939,22 @@ NO_I16(q4_0) NO_I16(q4_1) NO_I16(q5_0) NO_I16(q5_1) WITH_I16(q8_0) NO_I16(q2_k) 
 WITH_I16(q4_k) WITH_I16(q5_k) WITH_I16(q6_k) WITH_I16(iq2_xxs) WITH_I16(iq2_xs) NO_I16(iq3_xxs)
 WITH_I16(iq4_nl) WITH_I16(iq4_xs) WITH_I16(mxfp4)
 
-DEFINE_QMM(q4_0, 32, 18)
-DEFINE_QMM(q4_1, 32, 20)
-DEFINE_QMM(q5_0, 32, 22)
-DEFINE_QMM(q5_1, 32, 24)
-DEFINE_QMM(q8_0, 32, 34)
-DEFINE_QMM(q2_k, 256, 84)
-DEFINE_QMM(q3_k, 256, 110)
-DEFINE_QMM(q4_k, 256, 144)
-DEFINE_QMM(q5_k, 256, 176)
-DEFINE_QMM(q6_k, 256, 210)
-DEFINE_QMM(iq2_xxs, 256, 66)
-DEFINE_QMM(iq2_xs, 256, 74)
-DEFINE_QMM(iq3_xxs, 256, 98)
-DEFINE_QMM(iq4_nl, 32, 18)
-DEFINE_QMM(iq4_xs, 256, 136)
-DEFINE_QMM(mxfp4, 32, 17)
+DEFINE_QMM(q4_0, 32, 18, 2)
+DEFINE_QMM(q4_1, 32, 20, 3)
+DEFINE_QMM(q5_0, 32, 22, 6)
+DEFINE_QMM(q5_1, 32, 24, 7)
+DEFINE_QMM(q8_0, 32, 34, 8)
+DEFINE_QMM(q2_k, 256, 84, 10)
+DEFINE_QMM(q3_k, 256, 110, 11)
+DEFINE_QMM(q4_k, 256, 144, 12)
+DEFINE_QMM(q5_k, 256, 176, 13)
+DEFINE_QMM(q6_k, 256, 210, 14)
+DEFINE_QMM(iq2_xxs, 256, 66, 16)
+DEFINE_QMM(iq2_xs, 256, 74, 17)
+DEFINE_QMM(iq3_xxs, 256, 98, 18)
+DEFINE_QMM(iq4_nl, 32, 18, 20)
+DEFINE_QMM(iq4_xs, 256, 136, 23)
+DEFINE_QMM(mxfp4, 32, 17, 39)
 
 /* ------------------------------------------------------------------ routed experts, one token
  *
@@ -906,4 +980,4 @@ void strata_moe_token(const void *const *gate, const void *const *up, const void
     }
 }
 
-int strata_abi_version(void) { return 5; }
+int strata_abi_version(void) { return 6; }

@@ -9,6 +9,7 @@ from typing import Iterator
 
 import torch
 
+from strata import kernels
 from strata.errors import BadOption, StrataError
 from strata.loader import load_model
 from strata.runtime.generate import Response, generate_step, stream_generate
@@ -23,6 +24,7 @@ class EngineOptions(TierOptions):  # tier options (placement, expert cache, trac
     ctx_size: int = 0  # 0 = the model's trained context
     prefill_chunk: int = 8192
     cpu_threads: int = 0  # 0 = torch's default
+    exact_activations: bool = False  # CPU kernels keep x in float32 (else 8-bit, as llama.cpp)
     progress: bool = False  # a progress bar on stderr while loading (the CLI turns it on)
     draft: str = "auto"  # on | off | auto (= on when the model has an MTP layer): speculative decoding
     draft_tokens: int = 2  # tokens the MTP head drafts per verify pass
@@ -57,6 +59,8 @@ class Engine:
         self.options = EngineOptions.from_kwargs(**options)
         if self.options.cpu_threads > 0:
             torch.set_num_threads(self.options.cpu_threads)
+        if self.options.exact_activations:
+            kernels.set_activations("float32")
         t0 = time.perf_counter()
         loaded = load_model(path, getattr(torch, self.options.dtype), self.options.progress)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer

@@ -17,6 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill step")
     p.add_argument("--cpu-threads", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--exact-activations", action="store_true",
+                   help="CPU kernels keep activations in float32 (default: 8-bit blocks, as llama.cpp)")
     p.add_argument("--draft", default="auto", choices=["on", "off", "auto"],
                    help="speculative decoding with the model's MTP layer (auto: on when it has one)")
     p.add_argument("--draft-tokens", type=int, default=2, help="tokens the MTP layer drafts per step")
@@ -28,7 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_options(args) -> dict:
     return dict(ctx_size=args.ctx_size, prefill_chunk=args.prefill_chunk,
-                cpu_threads=args.cpu_threads, dtype=args.dtype, draft=args.draft,
+                cpu_threads=args.cpu_threads, exact_activations=args.exact_activations,
+                dtype=args.dtype, draft=args.draft,
                 draft_tokens=args.draft_tokens, kv_device_budget=getattr(args, "kv_device", None),
                 **tier_options(args))
 
