@@ -62,7 +62,7 @@ def available() -> bool:
 
 
 ACTIVATIONS = _build.ACTIVATIONS
-_activations = _build.default_activations()  # STRATA_ACTIVATIONS; the test suite runs "float32" (conftest)
+_activations = _build.default_activations()  # STRATA_ACTIVATIONS; the test suite runs "int16" (conftest)
 
 
 def set_activations(mode: str) -> None:
