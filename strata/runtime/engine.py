@@ -29,6 +29,10 @@ class EngineOptions(TierOptions):  # tier options (placement, expert cache, trac
     draft: str = "auto"  # on | off | auto (= on when the model has an MTP layer): speculative decoding
     draft_tokens: int = 2  # tokens the MTP head drafts per verify pass
     kv_device_budget: str | None = None  # --kv-device SIZE: tier the attention KV (device blocks + host RAM)
+    expert_parallel: bool = False  # shard experts over a torchrun job's ranks (strata.tiers.expert_parallel)
+    ep_trace: str | None = None  # balance the shards by this routing trace's expert use
+    dist_timeout: float = 120.0  # seconds a rank may take to join or answer
+    ep_comm: str = "broadcast"  # broadcast | alltoall: how a layer's tokens reach the ranks
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineOptions":
@@ -67,7 +71,11 @@ class Engine:
         self.loaded = loaded
         self.ctx_size = self.options.ctx_size or self.config.context_length
         self.tiers = None
-        if tiers_requested(self.options):
+        if self.options.expert_parallel:
+            from strata.tiers.expert_parallel.rank0 import install as install_parallel
+
+            self.tiers = install_parallel(loaded, self.options)
+        elif tiers_requested(self.options):
             from strata.tiers.runtime import install
 
             self.tiers = install(loaded, self.options)

@@ -7,6 +7,7 @@ import json
 import sys
 
 from strata.errors import StrataError
+from strata.tiers.expert_parallel.cli import add_parallel_args, parallel_options, worker_or_none
 from strata.tiers.options import add_tier_args, tier_options
 
 
@@ -26,6 +27,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tier the attention KV: at most SIZE (e.g. 64M) of KV blocks on the device, "
                         "the rest in host RAM")
     add_tier_args(p)
+    add_parallel_args(p)
 
 
 def engine_options(args) -> dict:
@@ -33,7 +35,7 @@ def engine_options(args) -> dict:
                 cpu_threads=args.cpu_threads, exact_activations=args.exact_activations,
                 dtype=args.dtype, draft=args.draft,
                 draft_tokens=args.draft_tokens, kv_device_budget=getattr(args, "kv_device", None),
-                **tier_options(args))
+                **tier_options(args), **parallel_options(args))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -69,6 +71,9 @@ def main(argv: list[str]) -> int:
     from strata.runtime.sampling import SamplingParams
 
     SamplingParams(**sampling)  # a bad value is refused (BadOption) before the model loads
+    worker = worker_or_none(args, engine_options(args))  # --expert-parallel: ranks > 0 serve their share
+    if worker is not None:
+        return worker
     import strata
 
     engine = strata.load(args.model, progress=True, **engine_options(args))
@@ -109,7 +114,11 @@ def main(argv: list[str]) -> int:
                   f"{t['bytes_read_per_token']:.0f} bytes read per token ({t['rows_read_per_token']:.2f} rows of "
                   f"{t['row_bytes']} B; {t['rows_requested'] / max(t['tokens'], 1):.0f} looked up, the rest from "
                   f"a RAM row cache), {1e3 * t['read_s_per_token']:.3f} ms reading per token]", file=sys.stderr)
-        if "tiers" in stats:
+        if "expert_parallel" in stats.get("tiers", {}):
+            from strata.tiers.expert_parallel.cli import describe_stats
+
+            print(describe_stats(stats["tiers"]), file=sys.stderr)
+        elif "tiers" in stats:
             from strata.tiers.stats import describe
 
             print(describe(stats["tiers"]), file=sys.stderr)

@@ -92,6 +92,9 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_concurre
     async def health():
         if sched.closing:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
+        reason = getattr(getattr(engine, "tiers", None), "unavailable", None)
+        if reason:  # an expert-parallel rank died or went silent
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return {"status": "ok", "model": model_name}
 
     @app.get("/metrics")
@@ -213,6 +216,8 @@ def _too_large(size: int, limit: int) -> APIError:
 def _engine_failure(e: BaseException) -> APIError:
     if isinstance(e, SchedulerClosed):
         return _unavailable(e)
+    if getattr(e, "unavailable", False):  # e.g. an expert-parallel rank is gone: the job must restart
+        return APIError(503, str(e), "server_error", None, "service_unavailable")
     return APIError(500, f"generation failed: {type(e).__name__}: {e}", "server_error", None, None)
 
 

@@ -61,6 +61,11 @@ def main(argv: list[str]) -> int:
         from strata.serve.app import create_app
     except ModuleNotFoundError as e:
         raise StrataError(f"serving needs {e.name}", "pip install 'strata[serve]'") from None
+    from strata.tiers.expert_parallel.cli import worker_or_none
+
+    worker = worker_or_none(args, engine_options(args))  # --expert-parallel: ranks > 0 serve their share
+    if worker is not None:
+        return worker
     import strata
 
     engine = strata.load(args.model, progress=True, **engine_options(args))

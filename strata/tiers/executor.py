@@ -85,10 +85,14 @@ class HybridExecutor:
         self.prefill = False  # set per forward: prefill misses go to the reserved slots
         self.positions = None
 
-    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+            experts: set[int] | None = None) -> torch.Tensor:
+        """The layer's output over the routed experts (only those in `experts`, when given: a shard)."""
         if self.tracer is not None:
             self.tracer.record(layer, self.positions, ids, weights)
         used = torch.unique(ids).tolist()
+        if experts is not None:
+            used = [e for e in used if e in experts]
         on_device, on_cpu = self._split(layer, used)
         futures = self.lane.submit(layer, x, ids, weights, on_cpu)  # starts now, runs beside the device
         out = self._device(layer, x, ids, weights, set(on_device))

@@ -1,0 +1,142 @@
+"""One rank's experts in its own tiers: homes (RAM or disk), device cache and hybrid executor.
+
+The shard reads only its experts from the GGUF (explicit reads at their file offsets); expert ids
+stay global (the file's), so disk reads, cache keys and traces mean the same on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from strata.errors import BadOption
+from strata.tiers import hardware
+from strata.tiers.executor import CpuLane, HybridExecutor
+from strata.tiers.plan import make_plan
+from strata.tiers.expert_parallel.share import ShardSource, expert_tensors
+from strata.tiers.stats import TierStats
+from strata.tiers.store import DiskHome, ExpertFormat, FileReader, Part
+
+
+class ShardRamHome:
+    """A share's experts in anonymous RAM (page-locked with CUDA), read once at start, by global id."""
+
+    kind = "ram"
+
+    def __init__(self, formats: dict[int, ExpertFormat], share: dict[int, list[int]], reader: FileReader,
+                 pin: bool = False):
+        self.formats = formats
+        self.row = {layer: {e: i for i, e in enumerate(experts)} for layer, experts in share.items()}
+        self.data: dict[int, tuple[torch.Tensor, ...]] = {}
+        for layer, fmt in formats.items():
+            experts = share[layer]
+            parts = []
+            for p in fmt.parts:
+                out = torch.empty((len(experts), p.nbytes), dtype=torch.uint8, pin_memory=pin)
+                for first, rows in _runs(experts):  # one read per run of consecutive ids
+                    reader.read_into(out[rows].view(-1), p.offset + first * p.nbytes)
+                parts.append(out)
+            self.data[layer] = tuple(parts)
+
+    def to_device(self, device: torch.device) -> None:
+        self.data = {i: tuple(t.to(device) for t in ts) for i, ts in self.data.items()}
+        self.kind = "gpu"
+
+    def parts(self, layer: int, e: int) -> tuple[torch.Tensor, ...]:
+        i = self.row[layer][e]
+        return tuple(t[i] for t in self.data[layer])
+
+    def stats(self) -> dict:
+        return {"home": self.kind, "bytes": sum(t.numel() for ts in self.data.values() for t in ts)}
+
+
+def _runs(experts: list[int]):
+    """(first id, row slice) for each run of consecutive ids in a sorted list."""
+    start = 0
+    for i in range(1, len(experts) + 1):
+        if i == len(experts) or experts[i] != experts[i - 1] + 1:
+            yield experts[start], slice(start, i)
+            start = i
+
+
+def formats_from_file(source, layers) -> dict[int, ExpertFormat]:
+    """Each MoE layer's expert layout, read from the GGUF's tensor table (no weights loaded)."""
+    out = {}
+    for layer, names in expert_tensors(source).items():
+        if layer in layers:
+            infos = [source.file.tensors[n] for n in names]
+            out[layer] = ExpertFormat(tuple(Part(t.qtype, t.shape[1:], t.n_bytes // t.shape[0], t.offset)
+                                            for t in infos))
+    return out
+
+
+class Shard:
+    """Plan, homes, cache and executor for the experts `share` names; `run` computes only those."""
+
+    def __init__(self, source, config, options, share: dict[int, list[int]], with_dense: bool):
+        from strata.tiers.runtime import _cache  # the single-process runtime's cache builder
+
+        if getattr(source, "file", None) is None:
+            raise BadOption(f"{getattr(source, 'description', source)}: --expert-parallel needs a GGUF file",
+                            "convert the model to GGUF; every rank reads its share from the same file")
+        device = hardware.device_info()
+        if options.experts_cache is None and not device.is_cuda:
+            options = replace(options, experts_cache="0")  # a simulated device cache would copy RAM into RAM
+        self.hidden_size = config.hidden_size
+        self.share = {layer: set(experts) for layer, experts in share.items()}
+        self.plan = make_plan(ShardSource(source, share, with_dense), config, options, device)
+        self.formats = formats_from_file(source, share)
+        self.reader = FileReader(source.file.path)
+        self.homes = self._homes(share, device)
+        n_experts = max((source.info(names[0])[1][0] for names in expert_tensors(source).values()), default=1)
+        trunk = getattr(config, "n_layers", None)
+        ticks = max(1, sum(1 for layer in share if trunk is None or layer < trunk))
+        self.cache = _cache(self.plan, options, config, self.homes, self.formats, n_experts, device, ticks) \
+            if self.formats else None
+        self.lane = CpuLane(getattr(options, "cpu_threads", 0) or 1, self.homes, self.formats)
+        self.executor = HybridExecutor(self.homes, self.formats, self.cache, self.lane, TierStats(), n_experts,
+                                       device.torch_device)
+
+    def _homes(self, share, device) -> dict:
+        by_kind: dict[str, list[int]] = {}
+        for layer in self.plan.experts:
+            by_kind.setdefault(layer.home, []).append(layer.layer)
+        homes = {}
+        for kind, layers in by_kind.items():
+            fmts = {i: self.formats[i] for i in layers}
+            if kind == "disk":
+                home = DiskHome(fmts, self.reader, self.plan.ram_cache)
+            else:
+                home = ShardRamHome(fmts, share, self.reader, pin=device.is_cuda and kind == "ram")
+                if kind == "gpu":
+                    home.to_device(device.torch_device)
+            homes.update({i: home for i in layers})
+        return homes
+
+    def holds(self, layer: int, ids: torch.Tensor) -> bool:
+        mine = self.share.get(layer)
+        return bool(mine) and any(e in mine for e in torch.unique(ids).tolist())
+
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the layer's output: its experts' products in the router's weights."""
+        if not self.holds(layer, ids):
+            return torch.zeros_like(x)
+        return self.executor.run(layer, x, ids, weights, experts=self.share[layer])
+
+    def stats(self) -> dict:
+        from strata.tiers.plan_cli import summary
+
+        resident = self.cache.resident_per_layer() if self.cache else {}
+        out = self.executor.stats.as_dict(resident)
+        out["plan"] = summary(self.plan)
+        out["policy"] = self.cache.regions[0].policy.name if self.cache else None
+        out["homes"] = [h.stats() for h in {id(h): h for h in self.homes.values()}.values()]
+        out["experts_held"] = sum(len(v) for v in self.share.values())
+        return out
+
+    def close(self) -> None:
+        self.lane.close()
+        if self.cache is not None:
+            self.cache.copier.close()
+        self.reader.close()
