@@ -7,6 +7,7 @@ import json
 from collections import Counter
 
 from strata.tiers.auto import auto_options, predict_hit_rate
+from strata.tiers.expert_parallel.cli import add_parallel_args
 from strata.tiers.options import TierOptions, add_tier_args, tier_options
 from strata.tiers.plan import Plan, make_plan
 from strata.tiers.sizes import format_size
@@ -21,6 +22,7 @@ def parser() -> argparse.ArgumentParser:
                    help="detect RAM, device memory and disk, and choose the placement flags")
     p.add_argument("--trace", metavar="TRACE", help="predict the cache hit rate by replaying this routing trace")
     add_tier_args(p)
+    add_parallel_args(p, plan=True)
     return p
 
 
@@ -35,8 +37,10 @@ def main(argv: list[str]) -> int:
         opts, detected = auto_options(source, opts, args.model)
     plan = make_plan(source, config, opts)
     prediction = predict_hit_rate(args.trace, plan, opts.cache_policy) if args.trace else None
+    parallel = _parallel(args, source, config, opts)
     if args.json:
-        print(json.dumps({**summary(plan), "auto": detected, "prediction": prediction}))
+        print(json.dumps({**summary(plan), "auto": detected, "prediction": prediction,
+                          "expert_parallel": parallel[1] if parallel else None}))
         return 0
     if detected:
         print(describe_auto(detected, opts))
@@ -45,10 +49,24 @@ def main(argv: list[str]) -> int:
         p = prediction
         print(f"  predicted hit rate {p['hit_rate']:.1%} ({p['policy']}; Belady's MIN {p['min_hit_rate']:.1%}) "
               f"at {p['fraction']:.0%} of experts cached, replaying {p['tokens']} traced routing decisions")
+    if parallel:
+        print("\n" + "\n".join(parallel[0]))
     if args.tensors:
         for name, tier in plan.homes.items():
             print(f"  {tier:<5} {format_size(plan.sizes[name]):>12}  {name}")
     return 0
+
+
+def _parallel(args, source, config, opts):
+    """--expert-parallel --world-size N: each rank's share (its own plan), or None."""
+    if not args.expert_parallel:
+        return None
+    from strata.errors import BadOption
+    from strata.tiers.expert_parallel.cli import plan_lines
+
+    if args.world_size is None:
+        raise BadOption("--expert-parallel needs --world-size N (the ranks to plan for)")
+    return plan_lines(source, config, opts, args.world_size, args.ep_trace)
 
 
 def describe_auto(d: dict, opts) -> str:

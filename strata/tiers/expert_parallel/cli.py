@@ -70,8 +70,11 @@ def plan_lines(source, config, opts, world: int, trace: str | None) -> tuple[lis
     from strata.tiers.plan_cli import summary
     from strata.tiers.sizes import format_size
 
+    from strata.tiers.expert_parallel.shard import shard_options
+
     shares = partition(source, world, trace)
     device = hardware.device_info()
+    opts = shard_options(opts, device)
     lines = [f"expert parallel over {world} ranks (rank 0 also holds the dense weights; "
              f"{'balanced by the trace ' + trace if trace else 'balanced by bytes'})",
              f"  {'rank':>4} {'experts':>8} {'expert bytes':>13} {'gpu':>11} {'ram':>11} {'disk':>11}  homes"]
@@ -83,10 +86,10 @@ def plan_lines(source, config, opts, world: int, trace: str | None) -> tuple[lis
         s.update(rank=rank, experts=sum(len(v) for v in share.values()))
         rows.append(s)
         tb = s["tier_bytes"]
-        homes = ",".join(f"{k} {v}" for k, v in sorted(s["expert_homes"].items())) or "-"
+        homes = ",".join(f"{k} {v} layers" for k, v in sorted(s["expert_homes"].items())) or "-"
         lines.append(f"  {rank:>4} {s['experts']:>8} {format_size(plan.expert_bytes()):>13} "
                      f"{format_size(tb['gpu']):>11} {format_size(tb['ram']):>11} {format_size(tb['disk']):>11}  "
-                     f"{homes} layers")
+                     f"{homes}")
     return lines, rows
 
 

@@ -71,6 +71,13 @@ def formats_from_file(source, layers) -> dict[int, ExpertFormat]:
     return out
 
 
+def shard_options(options, device):
+    """Without CUDA a rank has no device cache unless asked: a simulated one would copy RAM into RAM."""
+    if options.experts_cache is None and not device.is_cuda:
+        return replace(options, experts_cache="0")
+    return options
+
+
 class Shard:
     """Plan, homes, cache and executor for the experts `share` names; `run` computes only those."""
 
@@ -81,8 +88,7 @@ class Shard:
             raise BadOption(f"{getattr(source, 'description', source)}: --expert-parallel needs a GGUF file",
                             "convert the model to GGUF; every rank reads its share from the same file")
         device = hardware.device_info()
-        if options.experts_cache is None and not device.is_cuda:
-            options = replace(options, experts_cache="0")  # a simulated device cache would copy RAM into RAM
+        options = shard_options(options, device)
         self.hidden_size = config.hidden_size
         self.share = {layer: set(experts) for layer, experts in share.items()}
         self.plan = make_plan(ShardSource(source, share, with_dense), config, options, device)
