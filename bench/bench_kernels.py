@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from strata import kernels  # noqa: E402
 from strata.kernels import _build  # noqa: E402
-from strata.models.weights import QTensor  # noqa: E402
+from strata.formats.weights import QTensor  # noqa: E402
 from strata.synth import random_blocks  # noqa: E402
 
 SHAPES = {"gate/up 768x2048": (768, 2048), "down 2048x768": (2048, 768)}

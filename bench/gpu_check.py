@@ -183,7 +183,7 @@ def cycling(calls: list):
 def bench_qmv(device: torch.device, shape: tuple[int, int], peak: float | None, types) -> list[dict]:
     from strata.kernels import gpu
     from strata.kernels.gpu import kernels
-    from strata.models.weights import QTensor
+    from strata.formats.weights import QTensor
 
     rows, cols = shape
     x = torch.randn(1, cols, device=device)

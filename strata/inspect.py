@@ -6,7 +6,7 @@ import argparse
 import json
 from collections import Counter
 
-from strata.loader import open_config
+from strata.formats.checkpoint import open_config
 
 
 def describe(path) -> dict:

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T
 from strata import kernels, quant, synth
 from strata.kernels import _build
 from strata.models.layers import ResidentExperts, softmax_topk
-from strata.models.weights import QTensor
+from strata.formats.weights import QTensor
 from strata.synth import random_blocks
 
 REQUIRED = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ2_XS", "IQ2_XXS", "IQ3_XXS", "IQ4_XS", "MXFP4")

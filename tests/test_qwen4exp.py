@@ -162,7 +162,7 @@ def test_pruning_changes_the_output(checkpoint):
 
 
 def _config_and_loader(path):
-    from strata.loader import open_config
+    from strata.formats.checkpoint import open_config
     from strata.models.weights import WeightLoader
 
     _, config, source, _ = open_config(path)

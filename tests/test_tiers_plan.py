@@ -8,7 +8,7 @@ import torch
 import strata
 from strata.cli import main as cli_main
 from strata.errors import BadOption
-from strata.loader import open_config
+from strata.formats.checkpoint import open_config
 from strata.tiers.hardware import DeviceInfo
 from strata.tiers.options import TierOptions
 from strata.tiers.plan import make_plan

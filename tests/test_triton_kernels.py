@@ -23,8 +23,8 @@ from gguf import GGMLQuantizationType as T
 import strata
 from strata import quant
 from strata.kernels import gpu
-from strata.models.layers import run_experts
-from strata.models.weights import QTensor
+from strata.kernels.grouped import run_experts
+from strata.formats.weights import QTensor
 from strata.synth import random_blocks
 from strata.tiers.store import expert_format
 

@@ -1,7 +1,7 @@
 """Write the demo GGUF from the trained trunk and MTP head, then check it with `strata.load`.
 
 The trunk is saved as transformers saves it, the head's `mtp.*` tensors beside it, and the pair
-goes through Strata's own HF -> GGUF name table (`strata.loader.open_config`), so the file is
+goes through Strata's own HF -> GGUF name table (`strata.formats.checkpoint.open_config`), so the file is
 exactly what the converter makes of a checkpoint with an MTP layer. Types: experts Q8_0, the
 n-gram table F16 (read from disk row by row), other matrices F16, norms, routers and convs F32.
 """
@@ -62,7 +62,7 @@ def demo_metadata(args, results: dict) -> dict:
 
 def write_demo_gguf(hf_dir: Path, out: Path, extra_meta: dict) -> Path:
     from strata.gguf.writer import write_gguf
-    from strata.loader import open_config
+    from strata.formats.checkpoint import open_config
 
     arch, config, source, _ = open_config(hf_dir)
     meta = arch.gguf_metadata(config) | extra_meta

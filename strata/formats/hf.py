@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from strata.errors import BadModelFile
-from strata.models.weights import QTensor
+from strata.formats.weights import QTensor
 
 L = r"model\.layers\.(?P<i>\d+)"
 E = r"\.(?P<e>\d+)\."

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import gguf
 
+from strata.formats.checkpoint import open_config
 from strata.gguf.writer import write_gguf
-from strata.loader import open_config
 
 F32 = gguf.GGMLQuantizationType.F32
 

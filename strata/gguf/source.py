@@ -8,7 +8,7 @@ import torch
 
 from strata import quant
 from strata.gguf.reader import GGUFFile
-from strata.models.weights import QTensor
+from strata.formats.weights import QTensor
 
 
 class GGUFSource:

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from strata.formats.weights import QTensor
 from strata.kernels import _build
-from strata.models.weights import QTensor
 
 __all__ = [
     "FAST_BATCH_MAX",

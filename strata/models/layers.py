@@ -14,7 +14,10 @@ from torch import nn
 
 from strata.models.cache import KVCache, StepInfo
 from strata.models.rope import Rope
-from strata.models.weights import QTensor, WeightLoader
+from strata import kernels
+from strata.formats.weights import QTensor
+from strata.kernels.grouped import run_experts
+from strata.models.weights import WeightLoader
 
 Tap = Callable[[str, torch.Tensor], None]
 
@@ -145,33 +148,9 @@ class ResidentExperts:
                 self.down[e].dequantize(dtype))
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        from strata import kernels  # fast path: multiply by the quantized blocks directly
-
         if kernels.experts_fast_ok(x, self.gate, self.up, self.down):
             return kernels.run_experts_fast(x, ids, weights, lambda e: (self.gate[e], self.up[e], self.down[e]))
         return run_experts(x, ids, weights, lambda e: self.expert_weights(e, x.dtype))
-
-
-def run_experts(x, ids, weights, fetch, experts=None) -> torch.Tensor:
-    """Reference grouped expert product: for each used expert, its tokens in one matmul."""
-    out = torch.zeros_like(x)
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    used, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    token_of = order // ids.shape[1]
-    start = 0
-    for e, n in zip(used.tolist(), counts.tolist()):
-        if experts is not None and e not in experts:
-            start += n
-            continue
-        sel = order[start:start + n]
-        tok = token_of[start:start + n]
-        start += n
-        gate, up, down = fetch(e)
-        xs = x[tok]
-        y = F.linear(F.silu(F.linear(xs, gate)) * F.linear(xs, up), down)
-        out.index_add_(0, tok, y * weights.reshape(-1)[sel, None])
-    return out
 
 
 class Experts(nn.Module):

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from strata import quant
-from strata.models.weights import FLOAT_TYPES, QTensor
+from strata import kernels, quant
+from strata.formats.weights import FLOAT_TYPES, QTensor
 
 Weight = torch.Tensor | QTensor
 
@@ -29,14 +29,10 @@ def keeps_quantized(t: QTensor) -> bool:
     Types without a kernel (and every type when the kernels did not build) would be dequantized
     on every call, far slower than once at load, so they are dequantized at load as before.
     """
-    from strata import kernels
-
     return t.qtype not in FLOAT_TYPES and kernels.has_kernel(t.qtype)
 
 
 def _fast(x: torch.Tensor, w: QTensor) -> bool:
-    from strata import kernels
-
     return kernels.USE_KERNELS and kernels.fast_ok(x, w)
 
 
@@ -103,8 +99,6 @@ class Linear(_StoredWeight):
         if not isinstance(w, QTensor):
             return F.linear(x, w, self.bias)
         if _fast(x, w):
-            from strata import kernels
-
             y = kernels.qmatmul_fast(x, w).to(x.dtype)
             return y if self.bias is None else y + self.bias
         return F.linear(x, w.dequantize(x.dtype), self.bias)  # prefill, another device, or the reference

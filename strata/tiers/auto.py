@@ -12,8 +12,8 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+from strata.formats.names import EXPERT_TENSOR
 from strata.tiers import hardware
-from strata.tiers.plan import EXPERT_TENSOR
 from strata.tiers.sizes import format_size, parse_size
 
 RAM_HEADROOM = 0.85  # experts + other weights may take this share of the RAM budget

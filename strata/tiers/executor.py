@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from strata.kernels import gpu as gpu_kernels
-from strata.models.layers import run_experts
+from strata.kernels.grouped import run_experts
 from strata.tiers.device_cache import DeviceCache
 from strata.tiers.stats import TierStats
 from strata.tiers.store import ExpertFormat

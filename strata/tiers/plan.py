@@ -11,13 +11,15 @@ numbers and the flag to change.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 from strata.errors import BadOption
+from strata.formats.names import EXPERT_TENSOR
 from strata.tiers import hardware
+from strata.tiers.auto import resolve_home
 from strata.tiers.sizes import format_size, parse_fraction, parse_size
 
-EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.")
 TIER_NAMES = {"gpu": "gpu", "cuda": "gpu", "device": "gpu", "cpu": "ram", "ram": "ram",
               "disk": "disk", "ssd": "disk"}
@@ -79,8 +81,6 @@ class Plan:
 
 def make_plan(source, config, opts, device=None) -> Plan:
     """The plan for a model's tensors under `opts` (a TierOptions or EngineOptions)."""
-    from strata.tiers.auto import resolve_home
-
     device = device or hardware.device_info()
     opts = resolve_home(source, opts)
     names = source.names()
@@ -268,3 +268,15 @@ def _ram_cache_bytes(text, plan: Plan, disk: list[ExpertLayer]) -> int:
         raise BadOption(f"--ram-cache {text} is smaller than one expert ({format_size(one)})",
                         f"use at least {one} bytes")
     return min(size, total)
+
+
+def summary(plan: Plan) -> dict:
+    """The plan's numbers, for --json, engine.stats and tests."""
+    per_gib = 2**30 // plan.slot_bytes if plan.slot_bytes else 0
+    return {"device": plan.device, "device_budget": plan.device_budget, "ram_budget": plan.ram_budget,
+            "tier_bytes": plan.tier_bytes(), "gpu_layers": plan.gpu_layers, "n_layers": plan.n_layers,
+            "n_experts": plan.n_experts, "expert_bytes": plan.expert_bytes(),
+            "bytes_per_expert": plan.slot_bytes, "experts_per_gib": per_gib, "slots": plan.slots,
+            "cache_bytes": plan.cache_bytes, "prefill_reserve": plan.prefill_reserve,
+            "ram_cache": plan.ram_cache,
+            "expert_homes": dict(Counter(layer.home for layer in plan.experts))}

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import Counter
 
 from strata.tiers.auto import auto_options, predict_hit_rate
 from strata.tiers.expert_parallel.cli import add_parallel_args
 from strata.tiers.options import TierOptions, add_tier_args, tier_options
-from strata.tiers.plan import Plan, make_plan
+from strata.tiers.plan import Plan, make_plan, summary
 from strata.tiers.sizes import format_size
 
 
@@ -28,7 +27,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    from strata.loader import open_config
+    from strata.formats.checkpoint import open_config
 
     _, config, source, _ = open_config(args.model)
     opts = TierOptions(**tier_options(args))
@@ -76,18 +75,6 @@ def describe_auto(d: dict, opts) -> str:
         f"  --pin-experts {opts.pin_experts}: {d['pin_experts_reason']}",
         f"chosen: --gpu-layers {opts.gpu_layers} --experts-cache {opts.experts_cache} "
         f"--pin-experts {opts.pin_experts} --cpu-threads {d['cpu_threads']}", ""])
-
-
-def summary(plan: Plan) -> dict:
-    """The plan's numbers, for --json, engine.stats and tests."""
-    per_gib = 2**30 // plan.slot_bytes if plan.slot_bytes else 0
-    return {"device": plan.device, "device_budget": plan.device_budget, "ram_budget": plan.ram_budget,
-            "tier_bytes": plan.tier_bytes(), "gpu_layers": plan.gpu_layers, "n_layers": plan.n_layers,
-            "n_experts": plan.n_experts, "expert_bytes": plan.expert_bytes(),
-            "bytes_per_expert": plan.slot_bytes, "experts_per_gib": per_gib, "slots": plan.slots,
-            "cache_bytes": plan.cache_bytes, "prefill_reserve": plan.prefill_reserve,
-            "ram_cache": plan.ram_cache,
-            "expert_homes": dict(Counter(layer.home for layer in plan.experts))}
 
 
 def describe(plan: Plan, model: str) -> str:

@@ -13,7 +13,7 @@ from strata.tiers import hardware
 from strata.tiers.device_cache import Copier, DeviceCache, SlotMemory
 from strata.tiers.executor import CpuLane, HybridExecutor, TieredExperts
 from strata.tiers.placement import place_blocks
-from strata.tiers.plan import Plan, make_plan
+from strata.tiers.plan import Plan, make_plan, summary
 from strata.tiers.policy import half_life_tokens, make_policy, regions
 from strata.tiers.prefetch import Prefetcher, router_predictors
 from strata.tiers.stats import TierStats
@@ -42,8 +42,6 @@ class TierRuntime:
             self.prefetcher(block, x, step.token_mask, self.executor.prefill)
 
     def stats(self) -> dict:
-        from strata.tiers.plan_cli import summary
-
         resident = self.cache.resident_per_layer() if self.cache else {}
         resident.update({x.layer: x.n_experts for x in self.plan.experts if x.home == "gpu"})
         out = self.executor.stats.as_dict(resident)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.models.weights import QTensor
+from strata.formats.weights import QTensor
 
 ALIGN = 4096
 CHUNK = 64 * 2**20

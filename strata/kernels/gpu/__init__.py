@@ -19,9 +19,9 @@ import os
 import torch
 from gguf import GGMLQuantizationType as T
 
+from strata.formats.weights import QTensor
 from strata.kernels import qmatmul_reference
-from strata.models.layers import run_experts
-from strata.models.weights import QTensor
+from strata.kernels.grouped import run_experts
 
 __all__ = [
     "KERNEL_TYPES",
