@@ -19,12 +19,15 @@ class Rope:
         return (freqs.cos() * self.attention_factor)[:, :, None], (freqs.sin() * self.attention_factor)[:, :, None]
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotates in float32 (the tables are float32, as transformers keeps them) and returns x's
+        dtype, so bf16/fp16 q and k stay in the dtype v and the cache have."""
         d = self.cfg.dim
-        rot, rest = x[..., :d], x[..., d:]
+        rot, rest = x[..., :d].float(), x[..., d:]
         if self.cfg.interleaved:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
             out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         else:
             x1, x2 = rot[..., : d // 2], rot[..., d // 2:]
             out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        out = out.to(x.dtype)
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out

@@ -29,8 +29,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor, tap: Tap = no_tap) -> torch.Tensor:
         flat = x[token_mask]  # (N, hidden): real tokens only
-        logits = F.linear(flat, self.router)
+        logits = F.linear(flat.float(), self.router.float())  # fp32, as llama.cpp: bf16 flips near-ties
         ids, weights = self.route(logits)
+        weights = weights.to(flat.dtype)
         tap("ffn_moe_topk", ids)
         routed = self.experts(flat, ids, weights)
         if self.shared is not None:
