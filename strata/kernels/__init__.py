@@ -24,6 +24,8 @@ Without a C compiler, or with STRATA_KERNELS=0, everything takes the reference p
 from __future__ import annotations
 
 import ctypes
+import weakref
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +47,7 @@ __all__ = [
     "qmatmul_reference",
     "run_experts_fast",
     "set_activations",
+    "try_qmatmul",
 ]
 
 # Above this many rows of x, dequantizing once and calling BLAS wins over decoding the blocks
@@ -71,6 +74,7 @@ def set_activations(mode: str) -> None:
     if mode not in ACTIVATIONS:
         raise ValueError(f"activations {mode!r} is not one of {', '.join(ACTIVATIONS)}")
     _activations = mode
+    _plans.clear()  # which types have a kernel depends on the mode
     lib = _build.load()
     if lib is not None:
         lib.strata_set_activations(ACTIVATIONS[mode])
@@ -161,6 +165,78 @@ def qmatmul_fast(x: torch.Tensor, w: QTensor, threads: int | None = None,
     return out.reshape(*lead, rows)
 
 
+class _Plan(NamedTuple):
+    """What a product by one weight needs, worked out once: its kernel bound to its bytes."""
+    call: Callable[[int, int, int, int], None]  # (x pointer, batch rows, y pointer, threads)
+    rows: int
+    cols: int
+    raw: torch.Tensor  # the contiguous bytes the call points at (kept alive here)
+    ptr: int  # raw's address
+    fnptr: int | None  # strata_qmm_<type> for strata_moe_token (None: a ggml-only type)
+
+
+_plans: dict[int, tuple[weakref.ref, tuple, _Plan | None]] = {}  # id(w.raw) -> (ref, key, plan)
+
+
+def _make_plan(w: QTensor) -> _Plan | None:
+    lib = _build.load()
+    if lib is None or len(w.shape) != 2 or w.raw.device.type != "cpu" or not has_kernel(w.qtype):
+        return None
+    name = _type_name(w.qtype)
+    rows, cols = w.shape
+    raw = _raw_bytes(w)
+    if name in _build.KERNEL_TYPES:
+        _, qk, ts = _build.KERNEL_TYPES[name]
+        fn = getattr(lib, f"strata_qmm_{_build.KERNEL_TYPES[name][0]}")
+        ptr, fnptr = raw.data_ptr(), ctypes.cast(fn, ctypes.c_void_p).value
+
+        def call(xp, b, yp, nth):
+            fn(ptr, rows, cols, xp, b, yp, nth)
+    else:
+        qk, ts = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+        fn, t, ptr, wrow = lib.strata_qmm_ext, int(w.qtype), raw.data_ptr(), (cols // qk) * ts
+        fnptr = None
+
+        def call(xp, b, yp, nth):
+            if not fn(t, ptr, rows, cols, xp, b, yp, nth, wrow):
+                raise RuntimeError(f"ggml's kernel for {name} refused a {rows}x{cols} product")
+    if cols % qk or raw.numel() != rows * (cols // qk) * ts:
+        return None
+    return _Plan(call, rows, cols, raw, ptr, fnptr)
+
+
+def _plan(w: QTensor) -> _Plan | None:
+    """The cached plan for w (None: no kernel applies), dropped when w's bytes are freed."""
+    raw = w.raw
+    key = (int(w.qtype), tuple(w.shape))
+    hit = _plans.get(id(raw))
+    if hit is not None and hit[0]() is raw and hit[1] == key:
+        return hit[2]
+    plan = _make_plan(w)
+    k = id(raw)
+    _plans[k] = (weakref.ref(raw, lambda _r: _plans.pop(k, None)), key, plan)
+    return plan
+
+
+def try_qmatmul(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torch.Tensor | None:
+    """`x @ w.T` in x's dtype by the compiled kernel when one applies (CPU tensors, 1 to
+    FAST_BATCH_MAX rows, a kernel for w's type), else None: the decode hot path, a few
+    microseconds of Python per product."""
+    if not USE_KERNELS or x.device.type != "cpu":
+        return None
+    p = _plan(w)
+    if p is None:
+        return None
+    cols = x.shape[-1]
+    b = x.numel() // cols if cols else 0
+    if cols != p.cols or not 0 < b <= FAST_BATCH_MAX:
+        return None
+    xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    out = torch.empty(*x.shape[:-1], p.rows)
+    p.call(xf.data_ptr(), b, out.data_ptr(), threads or torch.get_num_threads())
+    return out if x.dtype is torch.float32 else out.to(x.dtype)
+
+
 def qmatmul_reference(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """The plain path: dequantize w whole, then one matmul (in x's dtype)."""
     return F.linear(x, w.dequantize(x.dtype))
@@ -175,9 +251,8 @@ def fast_ok(x: torch.Tensor, *ws: QTensor) -> bool:
 
 def qmatmul(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torch.Tensor:
     """`x @ w.T` in x's dtype: the fast kernel when one applies, else the reference."""
-    if fast_ok(x, w):
-        return qmatmul_fast(x, w, threads).to(x.dtype)
-    return qmatmul_reference(x, w)
+    y = try_qmatmul(x, w, threads)
+    return y if y is not None else qmatmul_reference(x, w)
 
 
 def expert_forward(x: torch.Tensor, gate_q: QTensor, up_q: QTensor, down_q: QTensor,
@@ -216,29 +291,28 @@ def experts_fast_ok(x: torch.Tensor, *stacked: QTensor) -> bool:
 
 def _moe_token(x: torch.Tensor, parts, w: list[float], threads, out: torch.Tensor) -> bool:
     """One token's routed experts in a single C call (strata_moe_token), accumulated into `out`
-    (float32); False (nothing done) when x or out is not float32 or the experts mix types."""
+    (float32); False (nothing done) when x or out is not float32, a matrix has no own kernel,
+    or the experts' types or shapes differ."""
     lib = _build.load()
     if lib is None or x.dtype != torch.float32 or out.dtype != torch.float32 or not x.is_contiguous():
         return False
-    types = {tuple(int(q.qtype) for q in p) for p in parts}
-    if len(types) != 1:
+    plans = [[_plan(q) for q in p] for p in parts]
+    first = plans[0]
+    if any(pl is None or pl.fnptr is None for pl in first):
         return False
-    gate_q, up_q, down_q = parts[0]
-    ffn, hidden = gate_q.shape
-    if not (gate_q.shape == up_q.shape and down_q.shape == (hidden, ffn) and x.shape[-1] == hidden):
+    g0, u0, d0 = first
+    ffn, hidden = g0.rows, g0.cols
+    if (u0.rows, u0.cols, d0.rows, d0.cols) != (ffn, hidden, hidden, ffn) or x.shape[-1] != hidden:
         return False
-    if any(not fast_ok(x, q) for q in parts[0]):
-        return False
-    if any(_type_name(q.qtype) not in _build.KERNEL_TYPES for q in parts[0]):
-        return False  # ggml-only types: one product at a time
-    fns = [ctypes.cast(getattr(lib, f"strata_qmm_{_build.KERNEL_TYPES[_type_name(q.qtype)][0]}"),
-                       ctypes.c_void_p) for q in parts[0]]
+    for pl in plans[1:]:
+        for a, b in zip(pl, first):
+            if a is None or a.fnptr != b.fnptr or (a.rows, a.cols) != (b.rows, b.cols):
+                return False
     k = len(parts)
-    raws = [[_raw_bytes(p[i]) for p in parts] for i in range(3)]  # alive until the call returns
-    ptrs = [(ctypes.c_void_p * k)(*(r.data_ptr() for r in rs)) for rs in raws]
+    ptrs = [(ctypes.c_void_p * k)(*(pl[i].ptr for pl in plans)) for i in range(3)]
     scratch = torch.empty(3 * ffn + hidden, dtype=torch.float32)
-    lib.strata_moe_token(*ptrs, (ctypes.c_float * k)(*w), k, *fns, hidden, ffn, x.data_ptr(), out.data_ptr(),
-                         scratch.data_ptr(), _threads(threads))
+    lib.strata_moe_token(*ptrs, (ctypes.c_float * k)(*w), k, g0.fnptr, u0.fnptr, d0.fnptr, hidden, ffn,
+                         x.data_ptr(), out.data_ptr(), scratch.data_ptr(), _threads(threads))
     return True
 
 

@@ -32,10 +32,6 @@ def keeps_quantized(t: QTensor) -> bool:
     return t.qtype not in FLOAT_TYPES and kernels.has_kernel(t.qtype)
 
 
-def _fast(x: torch.Tensor, w: QTensor) -> bool:
-    return kernels.USE_KERNELS and kernels.fast_ok(x, w)
-
-
 def apply_linear(x: torch.Tensor, w: Linear | torch.Tensor) -> torch.Tensor:
     """x W^T for a `Linear` or a plain weight tensor (a layer whose weights a subclass regroups
     as floats at load holds either)."""
@@ -98,8 +94,8 @@ class Linear(_StoredWeight):
         w = self.weight
         if not isinstance(w, QTensor):
             return F.linear(x, w, self.bias)
-        if _fast(x, w):
-            y = kernels.qmatmul_fast(x, w).to(x.dtype)
+        y = kernels.try_qmatmul(x, w)  # None: prefill, another device, no kernel, or kernels off
+        if y is not None:
             return y if self.bias is None else y + self.bias
         return F.linear(x, w.dequantize(x.dtype), self.bias)  # prefill, another device, or the reference
 
