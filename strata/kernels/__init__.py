@@ -214,7 +214,7 @@ def _plan(w: QTensor) -> _Plan | None:
         return hit[2]
     plan = _make_plan(w)
     k = id(raw)
-    _plans[k] = (weakref.ref(raw, lambda _r: _plans.pop(k, None)), key, plan)
+    _plans[k] = (weakref.ref(raw, lambda _r, k=k, plans=_plans: plans.pop(k, None)), key, plan)
     return plan
 
 
