@@ -36,8 +36,7 @@ class GGUFFile:
         self.path = Path(path)
         _check_header(self.path)
         size = self.path.stat().st_size
-        # Copy-on-write private mapping: pages are read on first touch and never written back.
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="c")
+        self._map = _map_read_only(self.path, size)
         try:
             self.metadata, entries, data_start = parse_header(self._map)
         except HeaderError as e:
@@ -74,6 +73,17 @@ class GGUFFile:
             raise BadModelFile(f"{self.path}: GGUF metadata key {key!r} is missing",
                                "convert the model with a current llama.cpp converter")
         return self.metadata[key]
+
+
+def _map_read_only(path: Path, size: int) -> np.ndarray:
+    """A shared read-only mapping: pages are read on first touch and count as page cache, not
+    as the process's memory. A private writable ("c") mapping of a file larger than RAM is
+    refused under the kernel's default overcommit rules, so it is never used."""
+    try:
+        return np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
+    except (OSError, ValueError) as e:
+        raise BadModelFile(f"{path}: cannot memory-map the file ({e})",
+                           "check the file is readable and on a local filesystem") from None
 
 
 def _check_header(path: Path) -> None:
