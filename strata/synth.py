@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -548,15 +549,22 @@ def _tensor_data(shape, qtype: T, kind: str, rng: np.random.Generator) -> np.nda
 
 class _Streamed:
     """A tensor's random data produced and written a slice of its outer dimension at a time, so a
-    table of tens of GB never sits in memory (gguf's writer needs only `nbytes` and `tofile`)."""
+    table of tens of GB never sits in memory (gguf's writer needs only `nbytes` and `tofile`).
+    `row_scale` (F32 tensors only) scales each row: the routers' skew."""
 
     CHUNK_BYTES = 64 << 20
 
-    def __init__(self, shape, qtype: T, kind: str, rng: np.random.Generator):
+    def __init__(self, shape, qtype: T, kind: str, rng: np.random.Generator, row_scale=None):
         self.shape, self.qtype, self.kind, self.rng = tuple(shape), qtype, kind, rng
         self.nbytes = quant.row_bytes(qtype, shape[-1]) * math.prod(shape[:-1])
+        self.row_scale = row_scale
+        self.written = None  # the data, when rows were scaled (a router: small), for `routing_skew`
 
     def tofile(self, f) -> None:
+        if self.row_scale is not None:
+            self.written = _tensor_data(self.shape, self.qtype, self.kind, self.rng) * self.row_scale[:, None]
+            self.written.astype(np.float32).tofile(f)
+            return
         outer = self.shape[0]
         step = max(1, outer * self.CHUNK_BYTES // max(self.nbytes, 1))
         for start in range(0, outer, step):
@@ -564,11 +572,33 @@ class _Streamed:
             _tensor_data((n, *self.shape[1:]), self.qtype, self.kind, self.rng).tofile(f)
 
 
+def router_scales(n_experts: int, skew: float, rng: np.random.Generator) -> np.ndarray:
+    """Row norms of one router for `--router-skew S`: the expert of popularity rank r (a seeded
+    permutation) has its row scaled by (1 + r) ** -S. Logits of larger rows spread wider, so they
+    win the top-k more often: a Zipf-like popularity, stronger with S (0 = uniform)."""
+    rank = rng.permutation(n_experts)
+    return ((1.0 + rank) ** -skew).astype(np.float32)
+
+
+def routing_skew(router: np.ndarray, k: int, tokens: int = 4096, seed: int = 0) -> dict:
+    """Routing shares of one router over isotropic random hidden states: the hottest expert's share
+    of all routings, and the share the top 30 % of experts take (uniform: 1/E and 30 %)."""
+    x = torch.from_numpy(np.random.default_rng(seed).standard_normal((tokens, router.shape[1]), dtype=np.float32))
+    ids = (x @ torch.from_numpy(np.ascontiguousarray(router, dtype=np.float32)).T).topk(k, dim=-1).indices
+    counts = torch.bincount(ids.reshape(-1), minlength=router.shape[0]).double().sort(descending=True).values
+    top = max(1, int(0.3 * router.shape[0]))
+    return {"hottest_share": float(counts[0] / counts.sum()), "top30_share": float(counts[:top].sum() / counts.sum())}
+
+
 def write(path, like_name: str = "qwen3-30b-a3b", layers: int = 4, quant_name: str = "Q4_K_M",
           vocab: int | None = None, seed: int = 0, log=None, experts: int | None = None,
-          ngram_rows: int | None = None) -> Path:
+          ngram_rows: int | None = None, router_skew: float = 0.0, sparse: bool = False,
+          report: dict | None = None) -> Path:
     """Write the synthetic model; returns its path. `experts` shrinks the expert count (tests);
-    `ngram_rows` sizes qwen4exp's n-gram table (default SMALL_NGRAM_ROWS)."""
+    `ngram_rows` sizes qwen4exp's n-gram table (default SMALL_NGRAM_ROWS); `router_skew` skews
+    expert popularity (`router_scales`); `sparse` writes the header only and extends the file with
+    holes (`truncate`): every weight reads as zero and no disk is used, for tests at full size.
+    `report`, when given, receives the first skewed router's `routing_skew`."""
     if like_name not in LIKE:
         raise BadOption(f"unknown --like {like_name!r}", f"known: {', '.join(LIKE)}")
     if quant_name not in QUANTS:
@@ -599,8 +629,26 @@ def write(path, like_name: str = "qwen3-30b-a3b", layers: int = 4, quant_name: s
     writer.write_header_to_file(path)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
+    if sparse:
+        end = writer.fout[0].tell()
+        align = writer.data_alignment
+        pad = lambda n: -(-n // align) * align  # noqa: E731
+        total = pad(end) + sum(pad(ti.nbytes) for ti in writer.tensors[0].values())
+        writer.close()
+        os.truncate(path, total)
+        return path
+    if router_skew < 0:
+        raise BadOption(f"--router-skew must be >= 0, got {router_skew}", "use 0 (uniform) to about 0.5")
+    skew_rng = np.random.default_rng([seed, 1])
+    n_experts = experts or like.experts
     for name, shape, qtype, kind in plan:  # at most one slice of one tensor in memory
-        writer.write_tensor_data(_Streamed(shape, qtype, kind, rng))
+        scale = None
+        if router_skew and kind == "router" and shape[0] == n_experts and qtype == T.F32:
+            scale = router_scales(n_experts, router_skew, skew_rng)
+        data = _Streamed(shape, qtype, kind, rng, scale)
+        writer.write_tensor_data(data)
+        if data.written is not None and report is not None and "router_skew" not in report:
+            report["router_skew"] = routing_skew(data.written, min(like.experts_used, n_experts))
         if log:
             log(f"  {name:<28} {qtype.name:<8} {list(shape)}")
     writer.close()
@@ -621,15 +669,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ngram-rows", type=int, default=None,
                     help=f"qwen4exp: rows of the n-gram table (default {SMALL_NGRAM_ROWS}; the real model's "
                          f"{LIKE['qwen4exp'].ngram_rows:,} rows of 160 values are 28.8 GB at Q4_0)")
+    ap.add_argument("--router-skew", type=float, default=0.0, metavar="S",
+                    help="Zipf-like expert popularity: router rows scaled by (1 + rank) ** -S over a seeded "
+                         "ranking (0 = uniform, the default; 0.2 gives the top 30%% of experts ~70%% of routings)")
+    ap.add_argument("--sparse", action="store_true",
+                    help="write the header only and extend the file with holes: full size, no disk used, "
+                         "every weight zero (for tests of size)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-v", "--verbose", action="store_true", help="list the tensors as they are written")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
+    report: dict = {}
     path = write(args.out, args.like, args.layers, args.quant, args.vocab, args.seed,
-                 log=print if args.verbose else None, experts=args.experts, ngram_rows=args.ngram_rows)
+                 log=print if args.verbose else None, experts=args.experts, ngram_rows=args.ngram_rows,
+                 router_skew=args.router_skew, sparse=args.sparse, report=report)
     size = path.stat().st_size
     print(f"wrote {path}: {args.like} shapes, {args.layers} layers, {args.quant}, "
-          f"{size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s")
+          f"{size / 2**30:.2f} GiB{' (sparse: holes, no data)' if args.sparse else ''} "
+          f"in {time.perf_counter() - t0:.1f} s")
+    if "router_skew" in report:
+        r = report["router_skew"]
+        print(f"  router skew {args.router_skew}: hottest expert takes {r['hottest_share']:.2%} of routings "
+              f"(uniform {1 / (args.experts or LIKE[args.like].experts):.2%}), the top 30% of experts take "
+              f"{r['top30_share']:.1%} (layer 0's router over 4096 random hidden states)")
     if LIKE[args.like].arch == "qwen4exp":
         print("  a qwen4exp file: Strata loads it, llama.cpp does not know the architecture")
     return 0

@@ -33,11 +33,14 @@ def test_auto_pins_experts_in_ram_when_they_fit(capsys):
     p = plan_json(capsys, "--auto", "--ram-memory", "1G")
     assert p["expert_homes"] == {"ram": moe_blocks()}
     assert p["auto"]["cpu_threads"] >= 1 and p["auto"]["free_disk"] > 0
-    assert p["slots"] == p["n_experts"]  # auto fills the (simulated) device
+    import torch
+
+    # auto fills a CUDA device; without one it allocates no stand-in (that would copy RAM into RAM)
+    assert p["slots"] == (p["n_experts"] if torch.cuda.is_available() else 0)
 
 
 def test_auto_reads_experts_from_disk_when_ram_is_short(capsys):
-    p = plan_json(capsys, "--auto", "--ram-memory", "12M")
+    p = plan_json(capsys, "--auto", "--ram-memory", "20M")
     assert p["expert_homes"] == {"disk": moe_blocks()}
     assert "exceed" in p["auto"]["pin_experts_reason"]
 
@@ -58,6 +61,6 @@ def test_prediction_replays_the_trace_at_the_planned_size(tmp_path, capsys):
 def test_pin_experts_auto_loads_and_matches_the_resident_run():
     ids = strata.load(DEMO).tokenizer.encode("import os\n")
     plain = strata.load(DEMO).generate(ids, 12, stop_at_eos=False)
-    tiered = strata.load(DEMO, pin_experts="auto", experts_cache="30%", ram_memory="12M")
+    tiered = strata.load(DEMO, pin_experts="auto", experts_cache="30%", ram_memory="23M")
     assert tiered.generate(ids, 12, stop_at_eos=False) == plain
     assert tiered.tiers.stats()["plan"]["expert_homes"] == {"disk": moe_blocks()}

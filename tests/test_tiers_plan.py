@@ -57,9 +57,28 @@ def test_plan_counts_bytes_per_tier_and_slots(gguf_path):
 
 def test_auto_cache_fills_what_the_device_has_left(gguf_path):
     small = 2 * MiB
-    plan = plan_for(gguf_path, gpu_memory=str(small), experts_cache="auto")
+    _, config, source, _ = open_config(gguf_path)
+    cuda = DeviceInfo("test cuda", torch.device("cuda"), 64 * MiB)  # planning only: nothing is allocated
+    plan = make_plan(source, config, TierOptions(gpu_memory=str(small), experts_cache="auto"), cuda)
     assert plan.slots == min((small - plan.dense_bytes("gpu")) // PER_EXPERT, N_EXPERTS)
     assert plan.tier_bytes()["gpu"] <= small
+
+
+def test_without_cuda_auto_allocates_no_stand_in_cache(gguf_path):
+    plan = plan_for(gguf_path, gpu_memory="2M", experts_cache="auto")
+    assert plan.slots == 0 and plan.memory.device_standin == 0
+    asked = plan_for(gguf_path, experts_cache="30%")  # asked for explicitly: it is built, and counted in RAM
+    assert asked.slots == int(0.3 * N_EXPERTS) and asked.memory.device_standin == asked.slots * PER_EXPERT
+
+
+def test_ram_budget_counts_every_line_and_refuses_with_the_numbers(gguf_path):
+    plan = plan_for(gguf_path, pin_experts="disk")
+    m = plan.memory
+    assert m.ctx_chosen and m.ctx_size >= 256 and m.kv > 0 and m.scratch > 0 and m.ram_cache == plan.ram_cache
+    assert m.total <= plan.ram_budget
+    with pytest.raises(BadOption) as e:
+        plan_for(gguf_path, pin_experts="ram", ram_memory=str(N_EXPERTS * PER_EXPERT))
+    assert "experts" in str(e.value) and "--pin-experts disk" in str(e.value)
 
 
 def test_disk_home_and_ram_cache(gguf_path):

@@ -149,12 +149,12 @@ class GatedDeltaNet(nn.Module):
             self.wqkv, self.wz = fused.split_rows(lambda rows: split_ssm_in(rows, n_k_heads, n_v_heads, dk, dv))
         r = n_v_heads // n_k_heads
         if w.has(f"{p}.ssm_beta.weight"):  # Qwen3.5 layout: two tensors, value-head order
-            self.wb = w.dense(f"{p}.ssm_beta.weight", (n_v_heads, hidden))
-            self.wa = w.dense(f"{p}.ssm_alpha.weight", (n_v_heads, hidden))
-        else:
-            ba = w.dense(f"{p}.ssm_ba.weight", (2 * n_v_heads, hidden)).reshape(n_k_heads, 2, r, hidden)
-            self.wb = ba[:, 0].reshape(n_v_heads, hidden).contiguous()  # beta logits, value-head order
-            self.wa = ba[:, 1].reshape(n_v_heads, hidden).contiguous()  # alpha (decay) logits
+            self.wb = w.linear(f"{p}.ssm_beta.weight", (n_v_heads, hidden))
+            self.wa = w.linear(f"{p}.ssm_alpha.weight", (n_v_heads, hidden))
+        else:  # rows per key head: [beta (r) | alpha (r)]; split by rows, so blocks stay blocks
+            ba = w.linear(f"{p}.ssm_ba.weight", (2 * n_v_heads, hidden))
+            self.wb, self.wa = ba.split_rows(
+                lambda rows: [rows.reshape(n_k_heads, 2, r, -1)[:, j].reshape(n_v_heads, -1) for j in (0, 1)])
         self.conv_w = w.dense(f"{p}.ssm_conv1d.weight", (self.conv_dim, kernel))
         self.dt_bias = w.dense(f"{p}.ssm_dt.bias", (n_v_heads,)).float()
         self.a = w.dense(f"{p}.ssm_a", (n_v_heads,)).float()  # -exp(A_log)

@@ -42,9 +42,9 @@ class HyperConnection(nn.Module):
         self.hidden, self.hc, self.eps = hidden, hc, eps
         width = hc * hidden
         self.norm = w.dense(f"{prefix}_norm.weight", (width,))
-        self.down = w.dense(f"{prefix}_down.weight", (rank, width))
-        self.up = w.dense(f"{prefix}_up.weight", (width, rank))
-        self.inject = w.dense(f"{prefix}_inject.weight", (hc, width)) if inject else None
+        self.down = w.linear(f"{prefix}_down.weight", (rank, width))  # kept as stored (F16 or blocks)
+        self.up = w.linear(f"{prefix}_up.weight", (width, rank))
+        self.inject = w.linear(f"{prefix}_inject.weight", (hc, width)) if inject else None
 
     def mix(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (..., hc*hidden) -> (block input (..., hidden), per-stream weights (..., hc) or None)."""

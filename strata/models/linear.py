@@ -2,8 +2,10 @@
 
 A quantized weight (Q4_K, Q6_K, IQ2_XS, ...) is kept as its blocks, 4-8x smaller than float32,
 and multiplied by the compiled kernels (`kernels.qmatmul`) for the few rows of a decode step;
-a large batch (prefill) dequantizes it once per call and uses BLAS. An embedding dequantizes only
-the rows it looks up. Float weights (F32/F16/BF16) are plain torch tensors, as before, and
+a large batch (prefill) dequantizes it a bounded slab of rows at a time (`SCRATCH_BYTES`) and
+uses BLAS, so a 2.5 GB-as-float output head never exists whole. An embedding dequantizes only
+the rows it looks up. Float weights are plain torch tensors in their stored type (an F16 matrix
+stays F16 and is multiplied in F16, as llama.cpp does, not widened to F32 at load), and
 `kernels.USE_KERNELS = False` sends quantized ones down the reference path (dequantize, then
 `F.linear`), so tests can compare the two.
 
@@ -21,6 +23,7 @@ from strata import kernels, quant
 from strata.formats.weights import FLOAT_TYPES, QTensor
 
 Weight = torch.Tensor | QTensor
+SCRATCH_BYTES = 64 << 20  # the most floats one dequantized slab of a weight may take
 
 
 def keeps_quantized(t: QTensor) -> bool:
@@ -36,6 +39,20 @@ def apply_linear(x: torch.Tensor, w: Linear | torch.Tensor) -> torch.Tensor:
     """x W^T for a `Linear` or a plain weight tensor (a layer whose weights a subclass regroups
     as floats at load holds either)."""
     return w(x) if isinstance(w, Linear) else F.linear(x, w)
+
+
+def dequantized_product(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T through dequantized floats, `SCRATCH_BYTES` of W's rows at a time (one slab when W is small)."""
+    rows, cols = w.shape
+    step = max(1, SCRATCH_BYTES // max(cols * x.element_size(), 1))
+    if step >= rows:
+        return F.linear(x, w.dequantize(x.dtype), bias)
+    out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        slab = QTensor(w.raw[start:stop], w.qtype, (stop - start, cols))
+        out[..., start:stop] = F.linear(x, slab.dequantize(x.dtype))
+    return out if bias is None else out + bias
 
 
 class _StoredWeight:
@@ -93,11 +110,14 @@ class Linear(_StoredWeight):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if not isinstance(w, QTensor):
+            if w.dtype != x.dtype:  # a float16/bfloat16 matrix kept as stored: multiplied in its type
+                y = F.linear(x.to(w.dtype), w).to(x.dtype)
+                return y if self.bias is None else y + self.bias
             return F.linear(x, w, self.bias)
         y = kernels.try_qmatmul(x, w)  # None: prefill, another device, no kernel, or kernels off
         if y is not None:
             return y if self.bias is None else y + self.bias
-        return F.linear(x, w.dequantize(x.dtype), self.bias)  # prefill, another device, or the reference
+        return dequantized_product(x, w, self.bias)  # prefill, another device, or the reference
 
     def split_rows(self, regroup) -> list[Linear]:
         """Linears over row groups of W: `regroup(rows)` reorders or splits a (rows, ...) tensor
@@ -132,6 +152,32 @@ class Linear(_StoredWeight):
         return NotImplemented
 
 
+class InputPermutedLinear(Linear):
+    """y = x[..., order] W^T: a weight whose input columns the file stores in another order is
+    used as stored (quantized blocks cannot be reordered by column), and the activation is
+    reordered instead, a gather of one row per token."""
+
+    __slots__ = ("order",)
+
+    def __init__(self, weight: Weight, order: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight, bias)
+        self.order = order  # long (in,): input column i of W reads x[..., order[i]]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return super().__call__(x.index_select(-1, self.order.to(x.device)))
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The equivalent weight over x in its own order (a float copy)."""
+        w = super().dense(dtype)
+        out = torch.empty_like(w)
+        out[:, self.order.to(w.device)] = w
+        return out
+
+    def to_device(self, device: torch.device) -> InputPermutedLinear:
+        self.order = self.order.to(device)
+        return super().to_device(device)
+
+
 class Embedding(_StoredWeight):
     """Rows of a (vocab, hidden) table by token id; a quantized table decodes only those rows."""
 
@@ -144,7 +190,7 @@ class Embedding(_StoredWeight):
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if not isinstance(w, QTensor):
-            return F.embedding(ids, w)
+            return F.embedding(ids, w).to(self.dtype)
         hidden = w.shape[-1]
         rows = w.raw[ids.reshape(-1).to(w.raw.device)]  # (N, row_bytes)
         out = quant.dequantize(rows, w.qtype, (rows.shape[0], hidden)).to(self.dtype)

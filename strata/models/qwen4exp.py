@@ -34,6 +34,7 @@ from strata.models.cache import LayerCache, ModelCache, PLECache, StepInfo
 from strata.models.gated_deltanet import GatedDeltaNet
 from strata.models.hyper_connections import HyperConnection, grouped_rms_norm
 from strata.models.layers import Experts, SharedExpert, Tap, no_tap, softmax_topk
+from strata.models.linear import InputPermutedLinear, Linear
 from strata.models.mtp import load_mtp
 from strata.models.ngram_table import open_table
 from strata.models.qsa import QSAAttention, QSAIndexer
@@ -50,13 +51,17 @@ class TiledGatedDeltaNet(GatedDeltaNet):
         super().__init__(w, prefix, c.hidden_size, c.linear_k_heads, c.linear_v_heads, c.linear_k_dim,
                          c.linear_v_dim, c.conv_kernel, c.rms_eps, gate_act=c.gate_act)
         key_dim, dv = self.key_dim, c.linear_v_dim
-        self.wqkv, self.wz, self.wo = (lin.dense(w.dtype) for lin in (self.wqkv, self.wz, self.wo))  # regrouped as floats
-        self.wqkv = torch.cat([self.wqkv[:2 * key_dim], untile_value_heads(self.wqkv[2 * key_dim:], 0, c, dv)])
+        # rows are regrouped as stored (blocks stay blocks); ssm_out's columns cannot be, so its
+        # input is put back in the file's order instead
+        untile = lambda rows, head: [untile_value_heads(rows, 0, c, head)]  # noqa: E731
+        self.wqkv = self.wqkv.split_rows(lambda rows: [torch.cat([rows[:2 * key_dim],
+                                                                  untile_value_heads(rows[2 * key_dim:], 0, c, dv)])])[0]
         self.conv_w = torch.cat([self.conv_w[:2 * key_dim], untile_value_heads(self.conv_w[2 * key_dim:], 0, c, dv)])
-        self.wz = untile_value_heads(self.wz, 0, c, dv)
-        self.wb, self.wa = untile_value_heads(self.wb, 0, c, 1), untile_value_heads(self.wa, 0, c, 1)
+        self.wz = self.wz.split_rows(lambda rows: untile(rows, dv))[0]
+        self.wb, self.wa = (lin.split_rows(lambda rows: untile(rows, 1))[0] for lin in (self.wb, self.wa))
         self.dt_bias, self.a = untile_value_heads(self.dt_bias, 0, c, 1), untile_value_heads(self.a, 0, c, 1)
-        self.wo = untile_value_heads(self.wo, 1, c, dv)
+        order = tile_value_heads(torch.arange(self.value_dim), 0, c, dv)
+        self.wo = InputPermutedLinear(self.wo.weight, order, self.wo.bias)
 
 
 class PLE(nn.Module):
@@ -68,8 +73,8 @@ class PLE(nn.Module):
         self.hidden, self.hc, self.eps = h, c.hc_count, c.rms_eps
         self.kernel, self.dilation = c.ple_conv_kernel, c.ple_hash.ngram_size
         self.state_len = (self.kernel - 1) * self.dilation
-        self.key = w.dense(f"{prefix}.ple_key.weight", (width, e))
-        self.value = w.dense(f"{prefix}.ple_value.weight", (h, e))
+        self.key = w.linear(f"{prefix}.ple_key.weight", (width, e))
+        self.value = w.linear(f"{prefix}.ple_value.weight", (h, e))
         self.norm_key = w.dense(f"{prefix}.ple_norm_key.weight", (width,))
         self.norm_query = w.dense(f"{prefix}.ple_norm_query.weight", (width,))
         self.norm_conv = w.dense(f"{prefix}.ple_norm_conv.weight", (width,))
@@ -159,13 +164,13 @@ class Model(nn.Module):
     def __init__(self, c: Config, w: WeightLoader):
         super().__init__()
         self.config = c
-        self.tok_embd = w.dense("token_embd.weight", (c.vocab_size, c.hidden_size))
+        self.tok_embd = w.embedding("token_embd.weight", (c.vocab_size, c.hidden_size))
         self.rope = Rope(c.rope)
         self.blocks = nn.ModuleList([Block(c, w, i, self.rope) for i in range(c.n_layers)])
         self.output_mixer = HyperConnection(w, "output_hc", c.hidden_size, c.hc_count, c.hc_rank, c.rms_eps,
                                             inject=False)
-        self.output = w.dense("output.weight", (c.vocab_size, c.hidden_size)) if w.has("output.weight") \
-            else self.tok_embd
+        self.output = w.linear("output.weight", (c.vocab_size, c.hidden_size)) if w.has("output.weight") \
+            else Linear(self.tok_embd.weight)
         self.ple_layer = c.ple_layers[0] if c.ple_layers else None
         self.ple_hash = c.ple_hash
         self.ple_table = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from strata.errors import BadModelFile
-from strata.formats.weights import QTensor, WeightSource
+from strata.formats.weights import FLOAT_TYPES, QTensor, WeightSource
 from strata.models.linear import Embedding, Linear, keeps_quantized
 
 
@@ -50,9 +50,15 @@ class WeightLoader:
         return self.dense(name, shape) if name in self._available else None
 
     def _kept(self, name: str, shape: tuple[int, ...]):
-        """The stored tensor when it stays quantized (see `linear.keeps_quantized`), else floats."""
+        """The stored tensor when it stays quantized (see `linear.keeps_quantized`); a float16 or
+        bfloat16 matrix in its stored type (a view of the file, no copy); other types as floats."""
         t = self.quantized(name, shape)
-        return t if keeps_quantized(t) else t.dequantize(self.dtype)
+        if keeps_quantized(t):
+            return t
+        stored = FLOAT_TYPES.get(t.qtype)
+        if stored is not None and stored != torch.float32 and len(shape) == 2:
+            return t.dequantize(stored)
+        return t.dequantize(self.dtype)
 
     def linear(self, name: str, shape: tuple[int, ...], bias: str | None = None):
         """A `Linear` for weight `name` (out, in), with the optional bias tensor `bias` when present."""

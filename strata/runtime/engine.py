@@ -56,6 +56,24 @@ class EngineOptions(TierOptions):  # tier options (placement, expert cache, trac
         return opts
 
 
+def resident_memory(loaded, options):
+    """The all-resident path's RAM lines: weights stay views of the file (page cache), so only the
+    context and scratch are counted; the default context is the longest that fits the budget."""
+    from strata.tiers import budget, hardware
+    from strata.tiers.sizes import parse_size
+
+    ram = parse_size(options.ram_memory, "--ram-memory") if options.ram_memory else hardware.ram_default_budget()
+    dtype_bytes = 2 if options.dtype in ("bfloat16", "float16") else 4
+    sizes = budget.state_sizes(loaded.source, loaded.config, dtype_bytes)
+    trained = getattr(loaded.config, "context_length", 0) or 4096
+    ctx = options.ctx_size or budget.choose_context(sizes, loaded.config, ram, trained, options.prefill_chunk,
+                                                    dtype_bytes) or budget.MIN_CONTEXT
+    kv = budget.context_bytes(sizes, ctx)
+    chunk = budget.choose_chunk(loaded.config, ctx, min(options.prefill_chunk, ctx), max(ram - kv, 0), dtype_bytes)
+    return budget.MemoryPlan(ram, 0, 0, 0, 0, kv, budget.scratch_bytes(loaded.config, chunk, ctx, dtype_bytes),
+                             ctx, not options.ctx_size, chunk)
+
+
 class Engine:
     """Load once, then `logits`, `generate` or `stream`; `stats` describes the last call."""
 
@@ -69,7 +87,6 @@ class Engine:
         loaded = load_model(path, getattr(torch, self.options.dtype), self.options.progress)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.loaded = loaded
-        self.ctx_size = self.options.ctx_size or self.config.context_length
         self.tiers = None
         if self.options.expert_parallel:
             from strata.tiers.expert_parallel.rank0 import install as install_parallel
@@ -79,6 +96,13 @@ class Engine:
             from strata.tiers.runtime import install
 
             self.tiers = install(loaded, self.options)
+            memory = self.tiers.plan.memory
+        else:
+            memory = resident_memory(loaded, self.options)
+        self.memory = memory  # the RAM budget's lines (tiers/budget.py)
+        self.ctx_size = memory.ctx_size if memory is not None else (self.options.ctx_size or self.config.context_length)
+        if memory is not None and memory.prefill_chunk < self.options.prefill_chunk:
+            self.options.prefill_chunk = memory.prefill_chunk  # the scratch a longer chunk needs does not fit
         self.kv_tier = None
         if self.options.kv_device_budget is not None:  # after the tiers: they may move attention layers
             from strata.models import kv_tiers
@@ -107,7 +131,9 @@ class Engine:
                      f"({p['cache_bytes'] / 2**20:.1f} MiB) on {p['device']}, "
                      f"{p['gpu_layers']}/{p['n_layers']} blocks on the device")
         draft = f", drafts {self.options.draft_tokens}" if self.drafting else ""
-        return f"loaded {what} in {self.stats['load_s']:.1f} s; {where}{draft}; context {self.ctx_size}"
+        chosen = " (the longest that fits the RAM budget; --ctx-size sets it)" if self.memory.ctx_chosen else ""
+        return (f"loaded {what} in {self.stats['load_s']:.1f} s; {where}{draft}; context {self.ctx_size}{chosen}; "
+                f"RAM planned {self.memory.describe()} of {self.memory.budget / 2**30:.2f} GiB")
 
     def close(self) -> str | None:
         """Stop the tiers' threads and write the expert trace, if asked; returns its path."""

@@ -4,8 +4,11 @@ Built from tensor names, types and sizes only (`source.info`), so `strata plan` 
 before a byte of weights is read. Rules, in order: `--override-tensor` regexes (first match
 wins); experts go to `--pin-experts` (ram or disk); other weights go to the device for the
 first `--gpu-layers` blocks, to RAM otherwise (embedding and output
-projection included: they run where the generate loop runs). A plan that cannot fit is refused with the
-numbers and the flag to change.
+projection included: they run where the generate loop runs). RAM is counted whole (`budget.py`):
+dense weights as held, RAM experts, the RAM cache, a CPU stand-in for the device cache, the KV
+cache and recurrent state at the context, and prefill scratch; without `--ctx-size` the context is
+the longest that fits. A plan that cannot fit is refused with the numbers and the flag to change.
+Without CUDA, `--experts-cache auto` (the default) allocates no stand-in: it would copy RAM into RAM.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 
 from strata.errors import BadOption
 from strata.formats.names import EXPERT_TENSOR
-from strata.tiers import hardware
+from strata.tiers import budget, hardware
 from strata.tiers.auto import resolve_home
 from strata.tiers.sizes import format_size, parse_fraction, parse_size
 
@@ -55,6 +58,8 @@ class Plan:
     slot_bytes: int = 0
     prefill_reserve: int = 0
     ram_cache: int = 0
+    device_is_cuda: bool = False
+    memory: budget.MemoryPlan | None = None  # every RAM line, checked against ram_budget
     overrides: list[tuple[str, str, int]] = field(default_factory=list)  # regex, tier, tensors matched
 
     def dense_bytes(self, tier: str) -> int:
@@ -94,11 +99,11 @@ def make_plan(source, config, opts, device=None) -> Plan:
     for name in names:
         homes[name] = _home(name, rules, matched, opts.pin_experts or "ram", gpu_layers)
     plan = Plan(homes, sizes, _expert_layers(source, names, homes), device.name, device_budget,
-                ram_budget, gpu_layers, n_layers,
+                ram_budget, gpu_layers, n_layers, device_is_cuda=device.is_cuda,
                 overrides=[(r.pattern, t, n) for (r, t), n in zip(rules, matched)])
     _check_disk_source(plan, source)
     _size_cache(plan, opts)
-    _size_ram_cache(plan, opts)
+    _size_ram_cache(plan, opts, source, config)
     return plan
 
 
@@ -213,8 +218,8 @@ def _size_cache(plan: Plan, opts) -> None:
 
 def _requested_slots(text, plan: Plan, n_cacheable: int, free: int) -> int:
     text = "auto" if text is None else str(text).strip()
-    if text.lower() == "auto":
-        return free // plan.slot_bytes
+    if text.lower() == "auto":  # without CUDA a stand-in would only copy RAM into RAM
+        return free // plan.slot_bytes if plan.device_is_cuda else 0
     frac = parse_fraction(text)
     if frac is not None:
         want = int(frac * n_cacheable) * plan.slot_bytes
@@ -239,29 +244,67 @@ def _check_reserve(plan: Plan, reserve) -> None:
     plan.prefill_reserve = reserve
 
 
-def _size_ram_cache(plan: Plan, opts) -> None:
-    """RAM must hold its dense weights and RAM-homed experts, or the disk experts' cache."""
-    need = plan.dense_bytes("ram") + plan.expert_bytes("ram")
-    if need > plan.ram_budget:
-        raise BadOption(f"RAM needs {format_size(need)} ({format_size(plan.expert_bytes('ram'))} of experts) "
-                        f"but its budget is {format_size(plan.ram_budget)}",
-                        "use --pin-experts disk, raise --gpu-layers, or raise --ram-memory")
+def _size_ram_cache(plan: Plan, opts, source, config) -> None:
+    """RAM must hold its dense weights, RAM-homed experts, the context and scratch (`budget.py`),
+    and the disk experts' cache in what is left; refused, with every line, when it cannot."""
+    in_ram = ("ram",) if plan.device_is_cuda else ("ram", "gpu")  # a simulated device is RAM too
+    dense = budget.dense_held_bytes(source, [n for n, home in plan.homes.items()
+                                             if home in in_ram and not EXPERT_TENSOR.match(n)])
+    experts = sum(plan.expert_bytes(home) for home in in_ram)
+    standin = 0 if plan.device_is_cuda else plan.cache_bytes
+    fixed = dense + experts + standin
+    mem = _context_budget(plan, opts, source, config, fixed)
+    mem.dense, mem.experts, mem.device_standin = dense, experts, standin
+    plan.memory = mem
+    if mem.total > plan.ram_budget:
+        raise BadOption(f"RAM needs {mem.describe()} but its budget is {format_size(plan.ram_budget)}",
+                        _fix(plan, mem))
     disk = [layer for layer in plan.experts if layer.home == "disk"]
     if not disk:
         return
-    plan.ram_cache = _ram_cache_bytes(opts.ram_cache, plan, disk)
-    if need + plan.ram_cache > plan.ram_budget:
-        raise BadOption(f"--ram-cache {format_size(plan.ram_cache)} does not fit: RAM has "
-                        f"{format_size(plan.ram_budget - need)} left of {format_size(plan.ram_budget)}",
-                        "lower --ram-cache or raise --ram-memory")
+    plan.ram_cache = mem.ram_cache = _ram_cache_bytes(opts.ram_cache, plan, disk, plan.ram_budget - mem.total)
+    if mem.total > plan.ram_budget:
+        raise BadOption(f"--ram-cache {format_size(plan.ram_cache)} does not fit: RAM needs {mem.describe()} "
+                        f"but its budget is {format_size(plan.ram_budget)}",
+                        "lower --ram-cache or --ctx-size, or raise --ram-memory")
 
 
-def _ram_cache_bytes(text, plan: Plan, disk: list[ExpertLayer]) -> int:
+def _context_budget(plan: Plan, opts, source, config, fixed: int) -> budget.MemoryPlan:
+    """The context (given, or the longest that fits), its prefill chunk, and their bytes."""
+    dtype_bytes = 2 if getattr(opts, "dtype", "float32") in ("bfloat16", "float16") else 4
+    sizes = budget.state_sizes(source, config, dtype_bytes)
+    trained = getattr(config, "context_length", 0) or 4096
+    chunk = getattr(opts, "prefill_chunk", 8192) or 8192
+    given = getattr(opts, "ctx_size", 0) or 0
+    free = plan.ram_budget - fixed
+    ctx = given or budget.choose_context(sizes, config, free, trained, chunk, dtype_bytes)
+    if not ctx:
+        raise BadOption(f"RAM has {format_size(free)} left of its budget {format_size(plan.ram_budget)} after "
+                        f"{format_size(fixed)} of weights and caches: not even a {budget.MIN_CONTEXT}-token "
+                        f"context fits", _fix(plan, None))
+    kv = budget.context_bytes(sizes, ctx)
+    room = free if given else int(free * budget.CONTEXT_SHARE)  # a chosen context leaves the rest to caches
+    chunk = budget.choose_chunk(config, ctx, min(chunk, ctx), max(room - kv, 0), dtype_bytes)
+    return budget.MemoryPlan(plan.ram_budget, 0, 0, 0, 0, kv, budget.scratch_bytes(config, chunk, ctx, dtype_bytes),
+                             ctx, not given, chunk)
+
+
+def _fix(plan: Plan, mem) -> str:
+    hints = []
+    if plan.expert_bytes("ram"):
+        hints.append("use --pin-experts disk")
+    if mem is not None and not mem.ctx_chosen:
+        hints.append("lower --ctx-size")
+    if plan.cache_bytes and not plan.device_is_cuda:
+        hints.append("lower --experts-cache")
+    return ", ".join(hints + ["raise --ram-memory"])
+
+
+def _ram_cache_bytes(text, plan: Plan, disk: list[ExpertLayer], free: int) -> int:
     total = sum(layer.nbytes for layer in disk)
     one = max(layer.bytes_per_expert for layer in disk)
-    if text is None:  # a quarter of the disk experts, within half the free RAM
-        free = plan.ram_budget - plan.dense_bytes("ram") - plan.expert_bytes("ram")
-        return max(one, min(total // 4, free // 2))
+    if text is None:  # a quarter of the disk experts, within what the budget leaves
+        return max(one, min(total // 4, free))
     frac = parse_fraction(text)
     size = int(frac * total) if frac is not None else parse_size(text, "--ram-cache")
     if size < one:
@@ -279,4 +322,5 @@ def summary(plan: Plan) -> dict:
             "bytes_per_expert": plan.slot_bytes, "experts_per_gib": per_gib, "slots": plan.slots,
             "cache_bytes": plan.cache_bytes, "prefill_reserve": plan.prefill_reserve,
             "ram_cache": plan.ram_cache,
+            "memory": plan.memory.as_dict() if plan.memory else None,
             "expert_homes": dict(Counter(layer.home for layer in plan.experts))}

@@ -91,6 +91,11 @@ def describe(plan: Plan, model: str) -> str:
              f" + experts ({format_size(plan.expert_bytes('ram'))})"
              + (f" + disk experts' RAM cache ({format_size(plan.ram_cache)})" if plan.ram_cache else ""),
              f"  {'disk':<5} {format_size(tb['disk']):>12}  experts read on demand from the file", ""]
+    if plan.memory is not None:
+        m = plan.memory
+        lines += [f"  RAM budget {format_size(m.budget)}: {m.describe()}",
+                  f"  context {m.ctx_size}" + (" (the longest that fits the budget; --ctx-size sets it)"
+                                               if m.ctx_chosen else " (--ctx-size)"), ""]
     lines += _expert_lines(plan, s)
     lines += [f"  override {pat}={tier}: {n} tensors" for pat, tier, n in plan.overrides]
     return "\n".join(lines)
