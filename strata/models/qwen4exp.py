@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.formats.ngram_hash import TABLE
-from strata.formats.qwen4exp import Config, check_hash_buffers, untile_value_heads
+from strata.formats.qwen4exp import Config, check_hash_buffers, tile_value_heads, untile_value_heads
 from strata.models.cache import LayerCache, ModelCache, PLECache, StepInfo
 from strata.models.gated_deltanet import GatedDeltaNet
 from strata.models.hyper_connections import HyperConnection, grouped_rms_norm
