@@ -54,7 +54,7 @@ def run_one(args) -> dict:
 
     sys.path.insert(0, str(ROOT))
     import strata
-    from strata.models.kv_tiers import model_device_bytes
+    from strata.tiers.kv_tiers import model_device_bytes
     from strata.runtime.generate import prefill
 
     torch.set_num_threads(args.threads)

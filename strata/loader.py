@@ -12,6 +12,7 @@ from strata.errors import BadModelFile, StrataError
 from strata.formats.checkpoint import open_config
 from strata.models import registry
 from strata.models.weights import WeightLoader
+from strata.tiers.ngram_table import open_table
 
 
 @dataclass(slots=True)
@@ -28,8 +29,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, progress: b
     from strata.runtime.progress import tensor_bar
 
     arch, config, source, meta = open_config(path)
+    seams = {"table_reader": open_table} if getattr(config, "ple_layers", ()) else {}  # an n-gram table (PLE)
     with tensor_bar(len(source.names()), progress) as advance:
-        model = registry.model_class(arch.ARCH)(config, WeightLoader(source, dtype, on_tensor=advance)).eval()
+        model = registry.model_class(arch.ARCH)(config, WeightLoader(source, dtype, on_tensor=advance), **seams).eval()
     return LoadedModel(model, model.config, arch, _tokenizer(Path(path), meta), source, meta)
 
 

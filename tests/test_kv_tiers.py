@@ -9,8 +9,8 @@ from tiny import write_tiny_llama
 
 import strata
 from strata.errors import BadOption
-from strata.models import kv_tiers
-from strata.models.kv_tiers import TieredKVCache, TieredQSACache, model_device_bytes
+from strata.tiers import kv_tiers
+from strata.tiers.kv_tiers import TieredKVCache, TieredQSACache, model_device_bytes
 
 BLOCK = 8
 
@@ -226,7 +226,7 @@ def test_speculative_decoding_with_tiered_kv_equals_plain(qwen3next_mtp):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # float64: the portable (CUDA) path
 def test_block_attention_merges_to_full_attention(dtype):
     """Blocks attended one by one and merged by log-sum-exp equal one softmax over all keys."""
-    from strata.models.kv_tiers import _block_attention, merge
+    from strata.tiers.kv_tiers import _block_attention, merge
 
     g = torch.Generator().manual_seed(0)
     h, grp, n, d, s = 2, 2, 5, 8, 24

@@ -1,4 +1,4 @@
-"""The PLE n-gram table on disk (`strata.models.ngram_table`): the hash equals transformers', only
+"""The PLE n-gram table on disk (`strata.tiers.ngram_table`): the hash equals transformers', only
 the rows a token needs are read (counted by the reader and by the kernel's /proc/self/io), an EOS
 resets the n-gram context, and a table that does not fit its metadata is refused before any read.
 
@@ -21,7 +21,7 @@ from strata.errors import BadModelFile
 from strata.gguf.reader import GGUFFile
 from strata.gguf.writer import write_gguf
 from strata.formats.ngram_hash import TABLE, NgramHash, head_vocab_sizes, layer_multipliers
-from strata.models.ngram_table import NgramTable
+from strata.tiers.ngram_table import NgramTable
 
 ARCH = "qwen4exp"
 VOCAB, EOS, NGRAM, PER_NGRAM, DIM = 1000, 7, 3, 4, 32

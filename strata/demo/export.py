@@ -74,12 +74,12 @@ def write_demo_gguf(hf_dir: Path, out: Path, extra_meta: dict) -> Path:
     return write_gguf(out, arch.ARCH, meta, tensors)
 
 
-def export_demo(out: Path, trunk, mtp, tok, args, results: dict, held_data: torch.Tensor) -> bool:
-    from strata.demo.train import tokenizer_metadata
-
+def export_demo(out: Path, trunk, mtp, tok, tok_metadata: dict, args, results: dict,
+                held_data: torch.Tensor) -> bool:
+    """`tok_metadata`: the trained tokenizer's GGUF keys (`train.tokenizer_metadata`)."""
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = write_hf(trunk, mtp, Path(tmp) / "hf")
-        write_demo_gguf(hf_dir, out, demo_metadata(args, results) | tokenizer_metadata(tok))
+        write_demo_gguf(hf_dir, out, demo_metadata(args, results) | tok_metadata)
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)", flush=True)
     return verify(out, trunk, mtp, tok, held_data)
 

@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     from strata.demo.trainable import train_mtp
 
     mtp, mtp_results = train_mtp(model, train_data, held_data, args)
-    ok = export_demo(args.out, model, mtp, tok, args, results | mtp_results, held_data)
+    ok = export_demo(args.out, model, mtp, tok, tokenizer_metadata(tok), args, results | mtp_results, held_data)
     print(f"total {(time.perf_counter() - t_start) / 60:.1f} min")
     return 0 if ok else 1
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(slots=True)
@@ -53,6 +54,17 @@ class KVCache:
         self.k.scatter_(2, idx, k)
         self.v.scatter_(2, idx.expand(b, h, t, v.shape[-1]), v)
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInfo,
+               allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """Write this step's `(B, H, T, D)` keys/values, then attend `q` `(B, Hq, T, D)` to every key
+        (causal, and where `allowed` `(B, 1, T, S)` says, as a QSA indexer's choice). Every
+        attention cache, tiered ones included, offers this."""
+        keys, values = self.update_and_fetch(k, v, step)
+        mask = step.attention_mask(keys.shape[2]).to(q.device)  # (B, 1, T, S)
+        if allowed is not None:
+            mask = mask & allowed
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[1])
 
     def _reserve(self, b, h, end, k, v):
         cap = 0 if self.k is None else self.k.shape[2]

@@ -161,7 +161,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = w.dense(f"{p}.ssm_norm.weight", (dv,))
         self.wo = w.linear(f"{p}.ssm_out.weight", (hidden, self.value_dim))
 
-    def new_cache(self) -> GDNCache:
+    def new_cache(self, kv_cache=None) -> GDNCache:  # a recurrent state: no KV
         return GDNCache()
 
     def forward(self, x: torch.Tensor, cache: GDNCache, step: StepInfo, rope_cs=None, tap=None):

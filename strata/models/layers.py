@@ -65,15 +65,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(w.dense(f"{prefix}.attn_q_norm.weight", (head_dim,)), eps) if qk_norm else None
         self.k_norm = RMSNorm(w.dense(f"{prefix}.attn_k_norm.weight", (head_dim,)), eps) if qk_norm else None
         self.rope = rope
-        self.kv_tier = None  # a `kv_tiers.KVTierConfig` when the KV is tiered (--kv-device)
 
-    def new_cache(self):
-        """A `KVCache`, or a `TieredKVCache` bounded on the device when `kv_tier` is set."""
-        if self.kv_tier is not None:
-            from strata.models.kv_tiers import TieredKVCache
-
-            return TieredKVCache(self.kv_tier)
-        return KVCache()
+    def new_cache(self, kv_cache=None):
+        """A `KVCache`, or what the model's KV-cache factory `kv_cache(attention)` makes (the tiers'
+        bounded device pool for --kv-device)."""
+        return kv_cache(self) if kv_cache is not None else KVCache()
 
     def forward(self, x, cache: KVCache, step: StepInfo, rope_cs, tap: Tap = no_tap):
         b, t, _ = x.shape
@@ -90,13 +86,7 @@ class Attention(nn.Module):
         q, k = self.rope.apply(q, *rope_cs), self.rope.apply(k, *rope_cs)
         tap("Qcur", q)
         tap("Kcur", k)
-        if hasattr(cache, "attend"):  # tiered KV: block by block, bounded device memory
-            out = cache.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), step)
-        else:
-            keys, values = cache.update_and_fetch(k.transpose(1, 2), v.transpose(1, 2), step)
-            mask = step.attention_mask(keys.shape[2])  # (B, 1, T, S)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                                 enable_gqa=self.n_kv != self.n_heads)
+        out = cache.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), step)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H*D)
         if gate is not None:
             out = out * torch.sigmoid(gate)

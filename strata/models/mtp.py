@@ -66,6 +66,10 @@ class MTPHead(nn.Module):
     holding the pair (h_p, x_{p+1}), rolled back like the model's (`ModelCache.rollback`).
     """
 
+    # the KV-cache factory: kv_cache(attention) -> that layer's cache; None makes a `KVCache`.
+    # `strata.tiers.kv_tiers.install` sets the tiered one (--kv-device)
+    kv_cache = None
+
     def __init__(self, config, w: WeightLoader, block: nn.Module, rope: Rope, embed: torch.Tensor,
                  output: torch.Tensor, output_norm: RMSNorm | None = None):
         super().__init__()
@@ -101,7 +105,7 @@ class MTPHead(nn.Module):
         return F.linear(torch.cat([e, self.hnorm(hidden.to(e.dtype))], dim=-1), self.eh_proj)
 
     def new_cache(self, batch: int = 1) -> ModelCache:
-        return ModelCache([self.block.new_cache()], batch)
+        return ModelCache([self.block.new_cache(self.kv_cache)], batch)
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: ModelCache,
                 n_new: torch.Tensor | None = None, last_only: bool = False, tap: Tap = no_tap):

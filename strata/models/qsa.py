@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from strata.models.cache import KVCache, StepInfo, _pad_seq
@@ -142,12 +141,10 @@ class QSAAttention(Attention):
         super().__init__(w, prefix, hidden, n_heads, n_kv, head_dim, rope, eps, qk_norm=True, gated=True)
         self.indexer = indexer
 
-    def new_cache(self) -> QSACache:
-        if self.kv_tier is not None:  # tiered KV (--kv-device): keep the most selected blocks resident
-            from strata.models.kv_tiers import TieredQSACache
-
-            return TieredQSACache(self.kv_tier, frequency=self.indexer is not None)
-        return QSACache()
+    def new_cache(self, kv_cache=None) -> QSACache:
+        """A `QSACache`, or what the model's KV-cache factory makes (tiered: the most selected blocks
+        stay resident)."""
+        return kv_cache(self) if kv_cache is not None else QSACache()
 
     def forward(self, x, cache: QSACache, step: StepInfo, rope_cs, tap: Tap = no_tap):
         b, t, _ = x.shape
@@ -159,18 +156,8 @@ class QSAAttention(Attention):
         q, k = self.rope.apply(q, *rope_cs), self.rope.apply(k, *rope_cs)
         tap("Qcur", q)
         tap("Kcur", k)
-        if hasattr(cache, "attend"):  # tiered KV: only the blocks the indexer chose are read
-            chosen = self.indexer(x, cache, step, rope_cs) if self.indexer is not None else None
-            out = cache.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), step, chosen)
-        else:
-            keys, values = cache.update_and_fetch(k.transpose(1, 2), v.transpose(1, 2), step)
-            mask = step.attention_mask(keys.shape[2]).to(x.device)  # (B, 1, T, S)
-            if self.indexer is not None:
-                chosen = self.indexer(x, cache, step, rope_cs)
-                if chosen is not None:
-                    mask = mask & chosen
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                                 enable_gqa=self.n_kv != self.n_heads)
+        chosen = self.indexer(x, cache, step, rope_cs) if self.indexer is not None else None  # (B, 1, T, S)
+        out = cache.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), step, chosen)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim) * torch.sigmoid(gate)
         tap("kqv_out", out)
         return self.wo(out)

@@ -9,8 +9,9 @@ A Qwen3-Next-style hybrid with three additions:
   * QSA (`qsa.py`): the full-attention layers keep, per query, the best `budget // ratio` blocks
     of `ratio` tokens (scored by a small indexer) plus the incomplete tail; exactly dense while
     a query has no more complete blocks than that.
-  * PLE: on the layer(s) the config names, an n-gram hash embedding (`ngram_table.py`, read
-    from disk row by row) gates a value into every stream, plus a dilated causal conv.
+  * PLE: on the layer(s) the config names, an n-gram hash embedding (its table read from disk row
+    by row by the `table_reader` passed in, `strata/tiers/ngram_table.py`) gates a value into
+    every stream, plus a dilated causal conv.
 
 The rest: Gated DeltaNet layers (`gated_deltanet.py`; the output gate is sigmoid when the config
 says so), gated attention with zero-centred q/k norms and partial NEOX rope, and a softmax
@@ -36,7 +37,6 @@ from strata.models.hyper_connections import HyperConnection, grouped_rms_norm
 from strata.models.layers import Experts, SharedExpert, Tap, no_tap, softmax_topk
 from strata.models.linear import InputPermutedLinear, Linear
 from strata.models.mtp import load_mtp
-from strata.models.ngram_table import open_table
 from strata.models.qsa import QSAAttention, QSAIndexer
 from strata.models.qwen4exp_mtp import HyperMTPHead
 from strata.models.rope import Rope
@@ -136,8 +136,8 @@ class Block(nn.Module):
                        shared=SharedExpert(w, p, h, c.shared_ffn_size))
         self.ffn_norm = self.ffn_hc  # hidden state -> MoE input, for the tiers' router prefetch
 
-    def new_cache(self):
-        mixer = self.attn.new_cache()
+    def new_cache(self, kv_cache=None):
+        mixer = self.attn.new_cache(kv_cache)
         return LayerCache(mixer, PLECache()) if self.ple is not None else mixer
 
     def forward(self, x, cache, step: StepInfo, rope_cs, tap: Tap = no_tap, ple_emb=None) -> torch.Tensor:
@@ -160,8 +160,11 @@ class Model(nn.Module):
     """
 
     before_block = None  # set by the tiers, as for `DecoderLM`
+    kv_cache = None  # the KV-cache factory, as for `DecoderLM`
 
-    def __init__(self, c: Config, w: WeightLoader):
+    def __init__(self, c: Config, w: WeightLoader, table_reader=None):
+        """`table_reader(source, hash, row_dim, rows)` opens the n-gram table (the tiers'
+        `open_table`); a model with a PLE layer needs one."""
         super().__init__()
         self.config = c
         self.tok_embd = w.embedding("token_embd.weight", (c.vocab_size, c.hidden_size))
@@ -175,27 +178,17 @@ class Model(nn.Module):
         self.ple_hash = c.ple_hash
         self.ple_table = None
         if self.ple_layer is not None:
+            if table_reader is None:
+                raise ValueError("a qwen4exp model with a PLE layer needs a table_reader")
             check_hash_buffers(w.source, c)
-            self.ple_table = open_table(w.source, c.ple_hash, c.ple_row_dim, c.ple_rows)
+            self.ple_table = table_reader(w.source, c.ple_hash, c.ple_row_dim, c.ple_rows)
         # the MTP draft head (`qwen4exp_mtp`): block n_layers; a file with only part of it loads without
         self.mtp = load_mtp(self, w, lambda i: Block(c, w, i, self.rope), head=HyperMTPHead)
         skipped = () if self.mtp is not None else tuple(f"blk.{c.n_layers + k}." for k in range(c.nextn_layers))
         w.finish(ignore=(TABLE, *skipped, "hf:mtp.", "hf:model.mtp."))
 
     def new_cache(self, batch: int = 1) -> ModelCache:
-        return ModelCache([b.new_cache() for b in self.blocks], batch)
-
-    def prefetch_ple(self, tokens: torch.Tensor, cache: ModelCache, n_new: torch.Tensor | None = None) -> None:
-        """Start reading the n-gram rows of the tokens the next forward on `cache` will get (a prompt,
-        a sampled or drafted token) without waiting; that forward then finds them read or reading.
-        A forward starts its own reads anyway, at its top; this only starts them earlier."""
-        if self.ple_layer is None:
-            return
-        state = cache.layers[self.ple_layer].ple
-        context = state.context if state.context is not None else self.ple_hash.initial_context(tokens.shape[0])
-        rows = self.ple_hash.rows(tokens.cpu(), context)
-        real = cache.step(tokens.shape[1], n_new).token_mask
-        self.ple_table.request(rows[real])
+        return ModelCache([b.new_cache(self.kv_cache) for b in self.blocks], batch)
 
     def _start_ple(self, tokens: torch.Tensor, cache: ModelCache, step: StepInfo):
         """Hash this step's tokens and start reading their rows; the PLE layer waits for them."""

@@ -65,10 +65,9 @@ class Block(nn.Module):
             out = self.ffn(normed)
         return h + out
 
-    def new_cache(self):
-        """A `KVCache`, or the mixer's own cache when it keeps one (a recurrent layer's state)."""
-        make = getattr(self.attn, "new_cache", None)
-        return make() if make is not None else KVCache()
+    def new_cache(self, kv_cache=None):
+        """The mixer's cache: keys/values (from the model's KV-cache factory, if any) or a recurrent state."""
+        return self.attn.new_cache(kv_cache)
 
 
 class DecoderLM(nn.Module):
@@ -76,6 +75,9 @@ class DecoderLM(nn.Module):
 
     # before_block(i, x, step): set by the tiers to prefetch block i+1's experts while block i runs
     before_block = None
+    # the KV-cache factory: kv_cache(attention) -> that layer's cache; None makes a `KVCache`.
+    # `strata.tiers.kv_tiers.install` sets the tiered one (--kv-device)
+    kv_cache = None
 
     def __init__(self, config, w: WeightLoader, blocks: list[nn.Module], rope: Rope, eps: float):
         super().__init__()
@@ -91,7 +93,7 @@ class DecoderLM(nn.Module):
         self.rope = rope
 
     def new_cache(self, batch: int = 1) -> ModelCache:
-        return ModelCache([b.new_cache() for b in self.blocks], batch)
+        return ModelCache([b.new_cache(self.kv_cache) for b in self.blocks], batch)
 
     def forward(self, tokens: torch.Tensor, cache: ModelCache, n_new: torch.Tensor | None = None,
                 tap: Tap = no_tap, last_only: bool = False, hidden: bool = False):

@@ -105,7 +105,7 @@ class Engine:
             self.options.prefill_chunk = memory.prefill_chunk  # the scratch a longer chunk needs does not fit
         self.kv_tier = None
         if self.options.kv_device_budget is not None:  # after the tiers: they may move attention layers
-            from strata.models import kv_tiers
+            from strata.tiers import kv_tiers
 
             self.kv_tier = kv_tiers.install(self.model, self.options.kv_device_budget,
                                             getattr(torch, self.options.dtype))

@@ -66,8 +66,7 @@ def plan_lines(source, config, opts, world: int, trace: str | None) -> tuple[lis
     """Each rank's share: experts, bytes, and the tiers its own plan puts them in."""
     from strata.tiers import hardware
     from strata.tiers.expert_parallel.share import ShardSource, partition
-    from strata.tiers.plan import make_plan
-    from strata.tiers.plan_cli import summary
+    from strata.tiers.plan import make_plan, summary
     from strata.tiers.sizes import format_size
 
     from strata.tiers.expert_parallel.shard import shard_options

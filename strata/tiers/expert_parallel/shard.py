@@ -13,7 +13,7 @@ import torch
 from strata.errors import BadOption
 from strata.tiers import hardware
 from strata.tiers.executor import CpuLane, HybridExecutor
-from strata.tiers.plan import make_plan
+from strata.tiers.plan import make_plan, summary
 from strata.tiers.expert_parallel.share import ShardSource, expert_tensors
 from strata.tiers.stats import TierStats
 from strata.tiers.store import DiskHome, ExpertFormat, FileReader, Part
@@ -131,8 +131,6 @@ class Shard:
         return self.executor.run(layer, x, ids, weights, experts=self.share[layer])
 
     def stats(self) -> dict:
-        from strata.tiers.plan_cli import summary
-
         resident = self.cache.resident_per_layer() if self.cache else {}
         out = self.executor.stats.as_dict(resident)
         out["plan"] = summary(self.plan)

@@ -32,7 +32,7 @@ def _file_size(source) -> int:
 
 def serve(model: str, options, rank: int, world: int) -> int:
     """Rank `rank`'s whole life: its share of every MoE layer, computed on request."""
-    from strata.loader import open_config
+    from strata.formats.checkpoint import open_config
     from strata.tiers.expert_parallel.share import partition
     from strata.tiers.expert_parallel.shard import Shard
 

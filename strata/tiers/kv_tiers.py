@@ -40,7 +40,9 @@ import torch
 
 from strata.errors import BadOption
 from strata.models.cache import StepInfo
-from strata.models.qsa import IndexKeys
+from strata.models.layers import Attention
+from strata.models.qsa import IndexKeys, QSAAttention
+from strata.tiers.sizes import format_size, parse_size
 
 DEFAULT_BLOCK = 256
 FEW_QUERIES = 16  # a step with at most this many queries per row attends in two parts
@@ -65,8 +67,6 @@ def layer_configs(text, attn_layers: list, dtype: torch.dtype, block: int = DEFA
                   flag: str = "--kv-device") -> KVTierConfig:
     """Parse `--kv-device SIZE` and split it evenly over `attn_layers`; a clear `BadOption` when it
     cannot hold one block per layer."""
-    from strata.tiers.sizes import format_size, parse_size
-
     total = parse_size(text, flag)
     if not attn_layers:
         raise BadOption(f"{flag} given, but the model has no attention layer to tier")
@@ -400,21 +400,6 @@ class TieredKVCache:
             row.n = starts[r] + n_new[r]
             self._dirty = self._dirty or self._n_blocks(row) != before
 
-    # ---- the KVCache interface ----------------------------------------------------------------
-    def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor, step: StepInfo):
-        """As `KVCache.update_and_fetch`: write, then return every key and value `(B, H, S, D)`,
-        gathered from host memory (outside the device budget; `attend` is the bounded path)."""
-        b, h, t, d = k.shape
-        self._write_step(k, v, step)
-        end = int((step.start + t).max())
-        keys, values = k.new_zeros(b, h, end, d), v.new_zeros(b, h, end, d)
-        for r, row in enumerate(self.rows):
-            if row.k is not None:
-                m = min(end, row.k.shape[1])
-                keys[r, :, :m] = row.k[:, :m].to(k.device)
-                values[r, :, :m] = row.v[:, :m].to(v.device)
-        return keys, values
-
     def select(self, rows: torch.Tensor) -> None:
         if not self.rows:
             return
@@ -508,12 +493,24 @@ def model_device_bytes(cache) -> int:
     return total
 
 
-def install(model, text, dtype: torch.dtype, block: int = DEFAULT_BLOCK) -> KVTierConfig:
-    """Make every attention layer of `model` (MTP's included) build tiered caches."""
-    from strata.models.layers import Attention
+class TieredKV:
+    """The KV-cache factory of tiered attention (`model.kv_cache`): each attention layer's cache
+    keeps at most `config.budget` bytes on the device."""
 
+    def __init__(self, config: KVTierConfig):
+        self.config = config
+
+    def __call__(self, attention: Attention) -> TieredKVCache:
+        if isinstance(attention, QSAAttention):  # keep the most selected blocks resident
+            return TieredQSACache(self.config, frequency=attention.indexer is not None)
+        return TieredKVCache(self.config)
+
+
+def install(model, text, dtype: torch.dtype, block: int = DEFAULT_BLOCK) -> KVTierConfig:
+    """Make every attention layer of `model` (its MTP head's included) build tiered caches."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     config = layer_configs(text, layers, dtype, block)
-    for a in layers:
-        a.kv_tier = config
+    model.kv_cache = TieredKV(config)
+    if getattr(model, "mtp", None) is not None:
+        model.mtp.kv_cache = model.kv_cache
     return config
