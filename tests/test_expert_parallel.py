@@ -217,3 +217,26 @@ def test_serve_answers_503_with_the_reason_when_a_rank_dies(qwen3moe_path):
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
             p.communicate(timeout=10)
+
+
+def test_partition_by_a_recorded_trace_splits_each_layers_hot_experts(tmp_path):
+    import torch
+
+    from strata.loader import open_config
+    from strata.tiers.trace import TraceRecorder
+
+    _, _, source, _ = open_config(DEMO)
+    layers = sorted(_shares(DEMO, 2).layers)
+    rec = TraceRecorder(32)
+    hot = torch.tensor([[0, 1]] * 24 + [[2, 3]] * 8)  # experts 0 and 1 three times as busy as 2 and 3
+    for layer in layers:
+        rec.next_step()
+        rec.record(layer, None, hot, torch.full(hot.shape, 0.5))
+    trace = rec.save(tmp_path / "trace.npz")
+    by_trace, by_bytes = partition(source, 2, str(trace)), partition(source, 2)
+    load = {0: 24, 1: 24, 2: 8, 3: 8}
+    for layer in layers:
+        ranks = by_trace.layers[layer]
+        assert [len(r) for r in ranks] == [len(r) for r in by_bytes.layers[layer]]  # same bytes per rank
+        assert [sum(load.get(e, 0) for e in r) for r in ranks] == [32, 32]
+        assert [sum(load.get(e, 0) for e in r) for r in by_bytes.layers[layer]] == [48, 16]  # contiguous ranges

@@ -30,6 +30,11 @@ def main(argv: list[str]) -> int:
     if args.quick:
         args.runs, args.tokens, args.long_tokens, args.concurrency, args.prefill = 2, 16, 64, "1,2", "64"
     options = engine_options(args)
+    if options["expert_parallel"]:  # its cold-start regime starts fresh single processes
+        from strata.errors import BadOption
+
+        raise BadOption("strata bench does not run under --expert-parallel",
+                        "use bench/bench_expert_parallel.py, which launches the ranks itself")
     import strata
 
     result = {"model": args.model, "flags": ["strata", "bench", *argv], "machine": machine.describe()}

@@ -74,6 +74,10 @@ def install(loaded, options) -> ParallelRuntime:
         raise RuntimeError("expert_parallel.install runs on rank 0 only")
     shares = partition(loaded.source, world, options.ep_trace)
     shard = Shard(loaded.source, loaded.config, options, shares.of(0), with_dense=True)
+    if shard.device.is_cuda:  # rank 0's non-expert blocks on its device, as the single-process runtime does
+        from strata.tiers.placement import place_blocks
+
+        place_blocks(loaded.model, shard.plan, shard.device.torch_device)
     try:
         handshake(shares, loaded.source, rank, world)
         dist.barrier()  # every shard loaded

@@ -87,7 +87,7 @@ class Shard:
         if getattr(source, "file", None) is None:
             raise BadOption(f"{getattr(source, 'description', source)}: --expert-parallel needs a GGUF file",
                             "convert the model to GGUF; every rank reads its share from the same file")
-        device = hardware.device_info()
+        device = self.device = hardware.device_info()
         options = shard_options(options, device)
         self.hidden_size = config.hidden_size
         self.share = {layer: set(experts) for layer, experts in share.items()}
