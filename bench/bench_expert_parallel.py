@@ -44,6 +44,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=24, help="tokens generated per measured run")
     p.add_argument("--repeats", type=int, default=3, help="measured runs per configuration (median)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--rounds", type=int, default=2,
+                   help="times the three configurations run in turn (a shared machine's load drifts)")
     p.add_argument("--role", choices=["driver", "single", "parallel"], default="driver", help=argparse.SUPPRESS)
     p.add_argument("--comm", default="broadcast", help=argparse.SUPPRESS)
     return p.parse_args()
@@ -166,6 +168,16 @@ def child(args, role: str, comm: str = "broadcast") -> dict:
     return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
 
 
+def merge(runs: list[dict]) -> dict:
+    """One configuration's rounds: the median of each figure."""
+    out = dict(runs[0])
+    out["results"] = [{k: statistics.median(r["results"][i][k] for r in runs) for k in runs[0]["results"][i]}
+                      for i in range(len(runs[0]["results"]))]
+    if "exchange_s" in out:
+        out["exchange_s"] = {b: statistics.median(r["exchange_s"][b] for r in runs) for b in out["exchange_s"]}
+    return out
+
+
 def synth_model(args) -> str:
     path = Path(args.workdir) / f"qwen4exp-{args.layers}x{args.experts}-iq2_xs.gguf"
     if not path.exists():
@@ -184,8 +196,15 @@ def main() -> None:
         return parallel(args)
     args.model = args.model or synth_model(args)
     print(f"load average before: {os.getloadavg()[0]:.1f} (2 cores; other work shares the machine)")
-    base = child(args, "single")
-    runs = {comm: child(args, "parallel", comm) for comm in ("broadcast", "alltoall")}
+    rounds = []
+    for _ in range(args.rounds):  # in turn, so a change in the machine's load hits every configuration
+        rounds.append({"single": child(args, "single"),
+                       **{comm: child(args, "parallel", comm) for comm in ("broadcast", "alltoall")}})
+    base = merge([r["single"] for r in rounds])
+    runs = {comm: merge([r[comm] for r in rounds]) for comm in ("broadcast", "alltoall")}
+    print("decode tok/s per round: " + "; ".join(
+        f"{name} " + "/".join(f"{r[name]['results'][0]['decode_tok_s']:.2f}" for r in rounds)
+        for name in ("single", "broadcast", "alltoall")) + f" (batch {args.batch[0]})")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     p = base["plan"]
     print(f"\nmodel {args.model}: {p['n_experts']} experts, {p['expert_bytes'] / MiB:.0f} MiB of experts, "

@@ -92,6 +92,7 @@ class Engine:
             from strata.tiers.expert_parallel.rank0 import install as install_parallel
 
             self.tiers = install_parallel(loaded, self.options)
+            memory = self.tiers.plan.memory  # rank 0's share: its dense weights, experts, context
         elif tiers_requested(self.options):
             from strata.tiers.runtime import install
 

@@ -35,6 +35,11 @@ class ParallelRuntime:
         self.closed = False
 
     @property
+    def plan(self):
+        """Rank 0's own plan (its dense weights and its share of the experts)."""
+        return self.shard.plan
+
+    @property
     def unavailable(self) -> str | None:
         """Why the job can no longer serve (a rank died or went silent), or None."""
         return str(self.link.broken) if self.link.broken is not None else None
