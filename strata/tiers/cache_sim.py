@@ -3,7 +3,9 @@
 The replay drives the runtime's own policy classes through the same `access` / `place`
 calls, one request per (forward pass, layer), with the same global slot pool, so a
 simulated hit rate is the one the engine would see. MIN evicts the resident expert whose
-next use is farthest (Belady); it bounds what any policy without foresight can reach.
+next use is farthest (Belady) and copies every miss in; `opt` is Belady free to leave a miss
+on the CPU, as an admitting policy may. `opt` bounds every policy here without foresight,
+so ratios are quoted against it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 from strata.errors import BadOption
-from strata.tiers.policy import Policy, SlotMap, half_life_tokens, make_policy, regions
+from strata.tiers.policy import Policy, SlotMap, make_policy, regions
 from strata.tiers.stats import TierStats
 from strata.tiers.trace import Trace, load_trace
 
@@ -110,7 +112,7 @@ def replay(requests: list[tuple[int, list[int]]], policy: Policy, n_experts: int
     before that record as the runtime issues them; `reserve` slots form the prefill region."""
     result = SimResult()
     slots = SlotMap(regions(policy, reserve), n_experts)
-    slots.preload()
+    unpaid = {k for k, _ in slots.preload()}  # a preloaded expert costs one copy, charged at its first use
     predictions = predictions or {}
     for i, (layer, experts) in enumerate(requests):
         in_prefill = bool(prefill[i]) if prefill else False  # a prediction shares its record's forward
@@ -121,13 +123,17 @@ def replay(requests: list[tuple[int, list[int]]], policy: Policy, n_experts: int
             result.stats.prefetched(p_layer, [k for k, _ in copies], _nbytes(expert_bytes, p_layer))
         keys = [layer * n_experts + e for e in experts]
         hits, copies, cpu = slots.request(keys, in_prefill)
-        result.stats.step(layer, keys, hits, [k for k, _ in copies], cpu, _nbytes(expert_bytes, layer))
+        copied = [k for k, _ in copies]
+        if unpaid:
+            paid = unpaid.intersection(hits)
+            hits, copied, unpaid = [k for k in hits if k not in paid], copied + sorted(paid), unpaid - paid
+        result.stats.step(layer, keys, hits, copied, cpu, _nbytes(expert_bytes, layer))
     return result
 
 
 def _nbytes(expert_bytes, layer: int) -> int:
     """Bytes of one expert of `layer`; 1 when the trace does not say (bytes then count copies)."""
-    return int(expert_bytes[layer]) if expert_bytes is not None and layer < len(expert_bytes) else 1
+    return (int(expert_bytes[layer]) or 1) if expert_bytes is not None and layer < len(expert_bytes) else 1
 
 
 def replay_trace(trace: Trace, policy: str, slots: int, reserve: int = 0, prefetch: bool = True,
@@ -180,7 +186,9 @@ def simulate(trace: Trace, policies, fractions, prefetch: bool = True, reserve: 
         rows.append(row)
     return {"requests": len(requests), "layers": layers, "n_experts": trace.n_experts,
             "tokens": int(trace.tokens.sum()), "n_tokens": n_tokens, "reserve": reserve, "trace_version": trace.version,
-            "expert_bytes": trace.expert_bytes is not None, "sizes": rows}
+            "expert_bytes": trace.expert_bytes is not None and bool(trace.expert_bytes.any()),
+            "predictions_from": trace.meta.get("predictions", "an unnamed predictor") if prefetch else None,
+            "sizes": rows}
 
 
 def _prefetch_row(with_prefetch: SimResult, demand: SimResult, n_tokens: int) -> dict:
@@ -194,10 +202,8 @@ def _prefetch_row(with_prefetch: SimResult, demand: SimResult, n_tokens: int) ->
 
 
 def _policy(name: str, slots: int, n_keys: int, trace: Trace, ranking: list[int]) -> Policy:
-    """The runtime's policy with the runtime's settings (half-life from experts and top-k)."""
-    k = trace.ids.shape[1] if trace.ids.ndim == 2 else 1
-    return make_policy(name, slots, n_keys, n_layers=len(trace.layers),
-                       ranking=ranking if name == "static" else None, half_life=half_life_tokens(trace.n_experts, k))
+    """The runtime's policy with the runtime's settings."""
+    return make_policy(name, slots, n_keys, n_experts=trace.n_experts, ranking=ranking if name == "static" else None)
 
 
 def _ranking(keyed: list[list[int]]) -> list[int]:
@@ -238,16 +244,17 @@ def table(result: dict, policies: list[str], per_layer: bool = True) -> str:
     head = f"{'size':>6} {'slots':>7} " + " ".join(f"{c:>9}" for c in cols)
     lines = [(f"{result['requests']} requests, {result['tokens']} token-routings, "
              f"{len(result['layers'])} layers x {result['n_experts']} experts (trace format v{result['trace_version']})"),
-             ("static: the trace's most used experts, preloaded (hindsight); min: Belady, every miss "
-             "copied in; opt: Belady free to leave a miss on the CPU; both are demand-paging optima"
+             ("static: the trace's most used experts, preloaded (hindsight), each preloaded expert charged "
+             "one miss at its first use; min: Belady, every miss copied in; opt: Belady free to leave a miss "
+             "on the CPU (the bound quoted below); both are demand-paging optima"
              + (f"; policies keep {result['reserve']} slots for prefill" if result["reserve"] else "")),
              "", "demand paging (no prefetch): overall hit rate", head]
     for row in result["sizes"]:
         rates = " ".join(f"{row['hit_rate'][c]:>9.1%}" for c in cols)
         lines.append(f"{row['fraction']:>6.0%} {row['slots']:>7} {rates}")
-    if "adaptive" in policies:
-        lines += ["", "demand paging, adaptive / MIN: " + ", ".join(
-            f"{row['fraction']:.0%}: {_ratio(row['hit_rate']['adaptive'], row['hit_rate'])}" for row in result["sizes"])]
+    lines += ["", "demand paging, % of opt: " + "; ".join(
+        f"{c} " + ", ".join(f"{row['fraction']:.0%}: {_ratio(row['hit_rate'][c], row['hit_rate'])}" for row in result["sizes"])
+        for c in policies)]
     lines += _prefetch_lines(result, policies)
     for row in result["sizes"] if per_layer else []:
         lines += ["", f"demand paging, per layer at {row['fraction']:.0%} ({row['slots']} slots)",
@@ -261,16 +268,17 @@ def _prefetch_lines(result: dict, policies: list[str]) -> list[str]:
     """The with-prefetch table: hit rate and its ratio to MIN (demand paging), then prefetch's cost."""
     rows = [row for row in result["sizes"] if "prefetch" in row]
     if not rows:
-        return ["", "with prefetch: n/a (this trace has no recorded predictions; record one with this Strata)"]
+        return ["", "with prefetch: n/a (this trace has no recorded predictions; record one with "
+                "strata run --trace-experts, whose prefetcher writes them)"]
     unit = "MiB" if result["expert_bytes"] else "experts"
     scale = 2**20 if result["expert_bytes"] else 1
-    lines = ["", ("with prefetch (next layer's router on the current hidden state, predicted misses copied in "
-             "ahead of use): hit rate (/ MIN's demand-paging hit rate)"),
-             f"{'size':>6} {'slots':>7} " + " ".join(f"{c:>16}" for c in policies) + f" {'min':>9}"]
+    lines = ["", (f"with prefetch (predictions recorded in the trace by {result['predictions_from']}; "
+             "predicted misses copied in ahead of use): hit rate (/ opt's demand-paging hit rate)"),
+             f"{'size':>6} {'slots':>7} " + " ".join(f"{c:>16}" for c in policies) + f" {'opt':>9}"]
     for row in rows:
         cells = " ".join(f"{row['prefetch'][c]['hit_rate']:>8.1%} ({_ratio(row['prefetch'][c]['hit_rate'], row['hit_rate'])})"
                          .rjust(16) for c in policies)
-        lines.append(f"{row['fraction']:>6.0%} {row['slots']:>7} {cells} {row['hit_rate']['min']:>9.1%}")
+        lines.append(f"{row['fraction']:>6.0%} {row['slots']:>7} {cells} {row['hit_rate']['opt']:>9.1%}")
     lines += ["", (f"prefetch cost per token ({result['n_tokens']} tokens): prediction accuracy (used experts "
               f"predicted), copies per token demand -> with prefetch, extra {unit} copied per token"),
               f"{'size':>6} {'policy':>9} {'accuracy':>9} {'precision':>9} {'copies':>14} {'extra':>9}"]
@@ -284,7 +292,7 @@ def _prefetch_lines(result: dict, policies: list[str]) -> list[str]:
 
 
 def _ratio(rate: float, rates: dict) -> str:
-    return f"{rate / rates['min']:.1%}" if rates["min"] else "n/a"
+    return f"{rate / rates['opt']:.1%}" if rates["opt"] else "n/a"
 
 
 def plot(result: dict, policies: list[str], path: str, title: str = "") -> None:

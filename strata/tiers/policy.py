@@ -1,42 +1,45 @@
 """Which experts the device cache keeps: replacement and admission, shared by runtime and simulator.
 
 Keys are integers (`layer * n_experts + expert`). Per step, `access(keys)` records that
-keys were used; `place(misses, protected)` decides, per miss, whether to copy it in (and
-whom it evicts) or leave it to the CPU lane. Keys of the current step are protected.
+one layer used keys; `place(misses, protected)` decides, per miss, whether to copy it in
+(and whom it evicts) or leave it to the CPU lane. Keys of the current step are protected.
 
 - `lru`: recency only; every miss is copied in.
 - `lfu`: frequency only (ties broken by recency); every miss is copied in.
-- `adaptive`: frequency with recency (an exponentially aged count, LRFU), so it learns a
-  conversation's hot set and forgets an old one; a miss is copied in only when its aged
-  count reaches the victim's (frequency admission), so one-off experts stay on the CPU.
+- `adaptive` (the default): the probability that an expert is used the next time its layer
+  runs, learned online from the routing itself: a table of how often an expert was used
+  given how many runs of its layer ago it was last used and how often it is used (relative
+  to the layer's mean). It evicts the least likely expert and copies a miss in only when the
+  miss is likelier than that victim, so a one-off expert stays on the CPU. Real routing
+  differs in what predicts reuse (Mixtral's is close to memoryless, batched Qwen1.5-MoE's
+  is all frequency); the table learns which, instead of a fixed blend of the two.
 - `static`: a fixed hot set (a ranking from a trace, or the first experts seen); never evicts.
+
+Measured with bench/bench_cache_policy.py on public vLLM routing logs (Mixtral-8x7B-Instruct,
+Qwen1.5-MoE-A2.7B-Chat) and the demo's trace; the tables are in bench/routing_logs.md.
+Rejected there: LRFU with a fixed half-life (the previous default: at LRU's level on
+Mixtral), a table with aged instead of lifetime frequency, following whichever of LFU and
+the table has hit more lately (no better, three times slower), and admitting every miss.
 
 `SlotMap` puts a policy to work over the cache's regions (decode, prefill) and prefetches;
 the runtime's `DeviceCache` and `strata cache-sim` both drive it, so they count alike.
-Measured on the demo's held-out trace at 30 % of experts (76 slots, bench_cache_policy.py),
-demand paging: adaptive 62.4 % beats ARC (57.7), LeCaR (59.9), a fixed per-layer split of
-the slots (60.8) and also admitting recently evicted experts (62.3); MIN is 79.2. With
-prefetch: adaptive 82.1 %, LeCaR 80.2, ARC 79.2, LRU 77.8.
 """
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
-# The adaptive policy's memory, in mean gaps between two uses of one expert (E / k tokens):
-# a use counts half after 2 gaps. Swept on the demo's held-out trace (bench_cache_policy.py):
-# 1-2 gaps beat 4 at every cache size (+1.2 points at 30 %, +0.5 at 70 %); much shorter
-# degrades to LRU, much longer to plain LFU. With prefetch, 2 gaps is also best (30 %: 82.3
-# vs 82.2 at 1 gap and 81.5 at 0.5).
-HALF_LIFE_GAPS = 2.0
-
-
-def half_life_tokens(n_experts: int, k: int) -> float:
-    return HALF_LIFE_GAPS * n_experts / max(k, 1)
+# Buckets of the adaptive policy's table. Lag: runs of the key's layer since its last use
+# (0 = used in the latest run): 0, 1, 2, 3, 4-6, 7-12, 13-24, 25+, never used. Frequency: the
+# key's share of its layer's runs over the layer's mean share (k / E), in these steps.
+LAG_EDGES = np.array([1, 2, 3, 4, 7, 13, 25])
+SHARE_EDGES = np.array([0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 6.0, 16.0, 64.0, 256.0])
+HORIZON = 2  # the table's target: the key is used within this many runs of its layer
+PRIOR = 2.0  # pseudo-observations at the layer's mean share, so an empty cell starts at the mean
+TIE = 1e-3  # weight of the frequency share inside one cell: equal cells evict the rarer key
 
 Placement = tuple[list[tuple[int, int | None]], list[int]]  # (admitted (key, victim)), rejected
 
@@ -60,8 +63,16 @@ class Policy:
     def admit(self, key: int, victim: int) -> bool:
         return self.admit_all
 
-    def place(self, misses: list[int], protected: set[int], force: bool = False) -> Placement:
-        """Per miss: copy in (evicting the victim) or reject; `force` skips admission (prefetch)."""
+    def value(self, key: int) -> float | None:
+        """The chance, by this policy's estimate, that `key` is used when its layer next runs;
+        None for policies that keep no such estimate."""
+        return None
+
+    def place(self, misses: list[int], protected: set[int], force: bool = False,
+              confidence: float | None = None) -> Placement:
+        """Per miss: copy in (evicting the victim) or reject. `force` skips admission (prefetch);
+        with a `confidence` (the chance a prediction is right) a forced copy still evicts only a
+        victim that the policy values below that chance."""
         admitted, rejected = [], []
         for key in misses:
             if len(self.resident) < self.capacity:
@@ -69,13 +80,19 @@ class Policy:
                 self._insert(key)
                 continue
             victim = self.victim(protected)
-            if victim is None or not (force or self.admit(key, victim)):
+            if victim is None or not (force or self.admit(key, victim)) or not self._worth(victim, confidence):
                 rejected.append(key)
                 continue
             self._remove(victim)
             self._insert(key)
             admitted.append((key, victim))
         return admitted, rejected
+
+    def _worth(self, victim: int, confidence: float | None) -> bool:
+        if confidence is None:
+            return True
+        value = self.value(victim)
+        return value is None or value < confidence
 
     def _insert(self, key: int) -> None:
         self.resident.add(key)
@@ -108,25 +125,28 @@ class LRU(Policy):
         self.order.pop(key, None)
 
 
-class Scored(Policy):
-    """Keeps a score per key (resident or not) in an array; the victim has the lowest score."""
+class Packed(Policy):
+    """Resident keys packed in an array, so a victim is one vectorised argmin over them."""
 
-    def __init__(self, capacity: int, n_keys: int):
+    def __init__(self, capacity: int):
         super().__init__(capacity)
-        self.score = np.full(n_keys, -np.inf)
-        self.keys = np.zeros(capacity, dtype=np.int64)  # resident keys, packed
+        self.keys = np.zeros(capacity, dtype=np.int64)
         self.index: dict[int, int] = {}  # key -> position in self.keys
+
+    def ranks(self, resident: np.ndarray) -> np.ndarray:
+        """Per resident key, lower = evicted first."""
+        raise NotImplementedError
 
     def victim(self, protected):
         if not self.index:
             return None
         resident = self.keys[:len(self.index)]
-        scores = self.score[resident].copy()
+        ranks = np.asarray(self.ranks(resident), dtype=np.float64).copy()
         for k in protected:
             if k in self.index:
-                scores[self.index[k]] = np.inf
-        i = int(np.argmin(scores))
-        return None if scores[i] == np.inf else int(resident[i])
+                ranks[self.index[k]] = np.inf
+        i = int(np.argmin(ranks))
+        return None if ranks[i] == np.inf else int(resident[i])
 
     def _insert(self, key):
         super()._insert(key)
@@ -139,6 +159,17 @@ class Scored(Policy):
         if i != last:  # move the last resident key into the hole
             moved = int(self.keys[last])
             self.keys[i], self.index[moved] = moved, i
+
+
+class Scored(Packed):
+    """Keeps a score per key (resident or not) in an array; the victim has the lowest score."""
+
+    def __init__(self, capacity: int, n_keys: int):
+        super().__init__(capacity)
+        self.score = np.full(n_keys, -np.inf)
+
+    def ranks(self, resident):
+        return self.score[resident]
 
 
 class LFU(Scored):
@@ -154,32 +185,80 @@ class LFU(Scored):
     def access(self, keys):
         self.clock += 1
         for k in keys:
-            self.score[k] = math.floor(self.score[k]) + 1 + self.clock * 1e-9
+            self.score[k] = np.floor(self.score[k]) + 1 + self.clock * 1e-9
 
 
-class Adaptive(Scored):
-    """LRFU: score = sum over past uses of 2^(-age / half_life), stored in log form.
+class Adaptive(Packed):
+    """Evicts the expert least likely to be used at its layer's next run, by a table learned online.
 
-    `score[k]` holds log(count aged to time 0); comparing at one instant only needs the
-    stored numbers, and they never overflow (they grow linearly with time).
+    Each access of a layer first scores the table: for every expert of that layer, its cell
+    (lag since last use, frequency share) saw one more run, and one more use if it was used.
+    The cell's smoothed use rate is then the estimate for any key in that cell. Ages and
+    frequencies count runs of the key's own layer, so a layer that runs less often (an MTP
+    draft layer, a batched forward) is measured on its own clock.
     """
 
     name = "adaptive"
     admit_all = False
 
-    def __init__(self, capacity: int, n_keys: int, half_life: float = 256.0):
-        super().__init__(capacity, n_keys)
-        self.rate = math.log(2) / half_life
-        self.clock = 0
+    def __init__(self, capacity: int, n_keys: int, n_experts: int, horizon: int = HORIZON):
+        super().__init__(capacity)
+        self.n_experts = max(n_experts, 1)
+        self.horizon = horizon
+        self.waiting: dict[int, deque] = {}  # layer -> (run, lag cells, share cells) not yet scored
+        n_layers = max(-(-n_keys // self.n_experts), 1)
+        self.runs = np.zeros(n_layers, dtype=np.int64)  # runs of each layer so far
+        self.mean_share = np.zeros(n_layers)  # experts used per run / E, running mean
+        self.last = np.full(n_layers * self.n_experts, -1, dtype=np.int64)  # run of the last use
+        self.uses = np.zeros(n_layers * self.n_experts)
+        shape = (len(LAG_EDGES) + 2, len(SHARE_EDGES) + 1)
+        self.seen = np.zeros(shape)  # per cell: (key, run) pairs observed
+        self.used = np.zeros(shape)  # of those, the key was used
+
+    def _cells(self, keys: np.ndarray):
+        layer = keys // self.n_experts
+        runs = self.runs[layer]
+        never = self.last[keys] < 0
+        lag = np.searchsorted(LAG_EDGES, runs - self.last[keys], side="right")
+        lag = np.where(never, len(LAG_EDGES) + 1, lag)
+        mean = np.maximum(self.mean_share[layer], 1e-9)
+        share = self.uses[keys] / np.maximum(runs, 1)
+        return lag, np.searchsorted(SHARE_EDGES, share / mean, side="right"), mean, share
+
+    def estimate(self, keys: np.ndarray) -> np.ndarray:
+        lag, freq, mean, _ = self._cells(keys)
+        return (self.used[lag, freq] + PRIOR * mean) / (self.seen[lag, freq] + PRIOR)
+
+    def value(self, key):
+        return float(self.estimate(np.array([key]))[0])
 
     def access(self, keys):
-        self.clock += 1
-        now = self.clock * self.rate
-        for k in keys:
-            self.score[k] = np.logaddexp(self.score[k], now)
+        if not keys:
+            return
+        layer = keys[0] // self.n_experts
+        every = np.arange(layer * self.n_experts, (layer + 1) * self.n_experts)
+        lag, freq, _, _ = self._cells(every)
+        waiting = self.waiting.setdefault(layer, deque())
+        waiting.append((int(self.runs[layer]), lag, freq))
+        used = np.asarray(keys, dtype=np.int64)
+        self.runs[layer] += 1
+        self.mean_share[layer] += (len(keys) / self.n_experts - self.mean_share[layer]) / min(self.runs[layer], 64)
+        self.uses[used] += 1
+        self.last[used] = self.runs[layer]
+        if self.runs[layer] - waiting[0][0] >= self.horizon:  # the oldest observation's horizon has passed
+            run, lag, freq = waiting.popleft()
+            np.add.at(self.seen, (lag, freq), 1)
+            np.add.at(self.used, (lag[self.last[every] > run], freq[self.last[every] > run]), 1)
+
+    def ranks(self, resident):
+        _, _, _, share = self._cells(resident)
+        return self.estimate(resident) + TIE * share + 1e-12 * self.last[resident]
 
     def admit(self, key, victim):
-        return self.admit_all or self.score[key] >= self.score[victim]
+        if self.admit_all:
+            return True
+        new, old = self.ranks(np.array([key, victim]))
+        return bool(new > old)
 
 
 class Static(Policy):
@@ -218,9 +297,11 @@ class SlotMap:
     evicts the decode hot set nor outweighs it in later admissions.
 
     A prefetch skips admission (admission weighs a demand miss against computing it on the
-    CPU; a prediction says the expert is about to be used), and every predicted expert on
-    the device is pinned until its layer has run, so no other placement evicts it unused. A
-    prediction is not a use: it changes no recency or frequency.
+    CPU; a prediction says the expert is about to be used) but evicts only an expert that
+    the policy values below the prediction's confidence: the share of this layer's past
+    predictions that were used (smoothed, so the first ones count as even odds). Every
+    predicted expert on the device is pinned until its layer has run, so no other placement
+    evicts it unused. A prediction is not a use: it changes no recency or frequency.
     """
 
     def __init__(self, regions: list[Region], n_experts: int):
@@ -228,6 +309,8 @@ class SlotMap:
         self.n_experts = n_experts  # keys are layer * n_experts + expert
         self.where: dict[int, int] = {}  # key -> slot
         self.pinned: set[int] = set()  # prefetched for a layer that has not run yet
+        self.pending: dict[int, set[int]] = {}  # layer -> keys predicted for its next run
+        self.outcomes: dict[int, list[int]] = {}  # layer -> [predicted keys used, predicted keys]
 
     def request(self, keys: list[int], prefill: bool) -> tuple[list[int], Copies, list[int]]:
         """(hits, misses copied in with their slots, misses left to the CPU) for one step's keys."""
@@ -237,6 +320,8 @@ class SlotMap:
         for r in self.regions:
             if not (prefill and r.name == "main" and region is not None and region.name == "prefill"):
                 r.policy.access(keys)
+        if keys:
+            self._score_prediction(keys)
         if keys and self.pinned:
             layer = keys[0] // self.n_experts
             self.pinned = {k for k in self.pinned if k // self.n_experts != layer}
@@ -250,12 +335,28 @@ class SlotMap:
         until their layer runs."""
         region = self.region(prefill)
         misses = [k for k in keys if k not in self.where]
+        if keys:
+            self.pending.setdefault(keys[0] // self.n_experts, set()).update(keys)
         if region is None:
             return []
-        admitted, _ = region.policy.place(misses, set(keys) | self.pinned, force=True) if misses else ([], [])
+        confidence = self.confidence(keys[0] // self.n_experts) if keys else None
+        admitted, _ = (region.policy.place(misses, set(keys) | self.pinned, force=True, confidence=confidence)
+                       if misses else ([], []))
         copies = self._assign(region, admitted)
         self.pinned.update(k for k in keys if k in self.where)
         return copies
+
+    def confidence(self, layer: int) -> float:
+        """The chance that an expert predicted for `layer` is used: (used + 1) / (predicted + 2)."""
+        used, predicted = self.outcomes.get(layer, (0, 0))
+        return (used + 1) / (predicted + 2)
+
+    def _score_prediction(self, keys: list[int]) -> None:
+        predicted = self.pending.pop(keys[0] // self.n_experts, None)
+        if predicted:
+            counts = self.outcomes.setdefault(keys[0] // self.n_experts, [0, 0])
+            counts[0] += len(predicted.intersection(keys))
+            counts[1] += len(predicted)
 
     def preload(self) -> Copies:
         """A static hot set known up front, placed before any request."""
@@ -287,19 +388,17 @@ def regions(policy: Policy, reserve: int = 0) -> list[Region]:
     return out
 
 
-def make_policy(name: str, capacity: int, n_keys: int, admission: str = "auto", n_layers: int = 1,
-                ranking=None, half_life: float = 64.0) -> Policy:
+def make_policy(name: str, capacity: int, n_keys: int, admission: str = "auto", n_experts: int | None = None,
+                ranking=None) -> Policy:
     """A policy by name; `admission` may override its own rule (always / frequency).
 
-    `half_life` is in tokens; policies tick once per layer step, so it is scaled by the layers.
-    """
-    half_life = half_life * max(n_layers, 1)
+    Keys are `layer * n_experts + expert` (`n_experts` defaults to all keys in one layer)."""
     if name == "lru":
         policy = LRU(capacity)
     elif name == "lfu":
         policy = LFU(capacity, n_keys)
     elif name == "adaptive":
-        policy = Adaptive(capacity, n_keys, half_life)
+        policy = Adaptive(capacity, n_keys, n_experts or n_keys)
     elif name == "static":
         policy = Static(capacity, ranking)
     else:
@@ -309,4 +408,6 @@ def make_policy(name: str, capacity: int, n_keys: int, admission: str = "auto", 
     elif admission == "frequency" and isinstance(policy, Scored):
         policy.admit_all = False
         policy.admit = lambda key, victim: policy.score[key] >= policy.score[victim]
+    elif admission == "frequency" and isinstance(policy, Adaptive):
+        policy.admit_all = False
     return policy

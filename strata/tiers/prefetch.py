@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from strata.tiers.stats import TierStats
 
+SOURCE = "Strata's prefetcher (layer L+1's router on layer L's input)"
+
 
 class Prefetcher:
     def __init__(self, predictors: dict[int, Callable], cache, stats: TierStats, n_experts: int,
@@ -31,7 +33,7 @@ class Prefetcher:
             ids = predict(x[token_mask])  # (N, k) for the real tokens
         experts = torch.unique(ids).tolist()
         if self.tracer is not None:
-            self.tracer.predicted(layer, experts)
+            self.tracer.predicted(layer, experts, SOURCE)
         keys = [layer * self.n_experts + e for e in experts]
         self.stats.predicted(layer, set(keys))
         if self.cache is not None and layer in self.cached_layers:

@@ -14,7 +14,7 @@ from strata.tiers.device_cache import Copier, DeviceCache, SlotMemory
 from strata.tiers.executor import CpuLane, HybridExecutor, TieredExperts
 from strata.tiers.placement import place_blocks
 from strata.tiers.plan import Plan, make_plan, summary
-from strata.tiers.policy import half_life_tokens, make_policy, regions
+from strata.tiers.policy import make_policy, regions
 from strata.tiers.prefetch import Prefetcher, router_predictors
 from strata.tiers.stats import TierStats
 from strata.tiers.store import DiskHome, FileReader, RamHome, expert_format
@@ -84,7 +84,7 @@ def install(loaded, options) -> TierRuntime:
     n_experts = max((m.n_experts for m in modules.values()), default=1)
     reader = FileReader(loaded.source.file.path) if hasattr(loaded.source, "file") and modules else None
     homes = _homes(plan, modules, formats, reader, device)
-    cache = _cache(plan, options, loaded.config, homes, formats, n_experts, device, _ticks_per_token(modules, loaded.config))
+    cache = _cache(plan, options, homes, formats, n_experts, device)
     tracer = TraceRecorder(n_experts, {"model": str(getattr(loaded.source, "description", ""))},
                            {i: f.nbytes for i, f in formats.items()}) if options.trace_experts else None
     lane = CpuLane(getattr(options, "cpu_threads", 0) or 1, homes, formats)
@@ -136,22 +136,13 @@ def _homes(plan: Plan, modules, formats, reader, device) -> dict:
     return homes
 
 
-def _ticks_per_token(modules: dict, config) -> int:
-    """MoE layers one forward runs: the policy's clock ticks this often per token. An MTP draft
-    layer (numbered after the trunk) runs only while drafting, so it is not counted."""
-    trunk = getattr(config, "n_layers", None)
-    return max(1, sum(1 for layer in modules if trunk is None or layer < trunk))
-
-
-def _cache(plan: Plan, options, config, homes, formats, n_experts: int, device, n_moe_layers: int):
+def _cache(plan: Plan, options, homes, formats, n_experts: int, device):
     if plan.slots == 0:
         return None
     n_keys = (max(formats) + 1) * n_experts
     main = plan.slots - plan.prefill_reserve
     ranking = _ranking(options.hot_set, n_experts) if options.hot_set else None
-    k = getattr(config, "n_experts_used", 0) or 1
-    policy = make_policy(options.cache_policy, main, n_keys, options.admission, n_moe_layers, ranking,
-                         half_life_tokens(n_experts, k))
+    policy = make_policy(options.cache_policy, main, n_keys, options.admission, n_experts, ranking)
     memory = SlotMemory(plan.slots, plan.slot_bytes, device.torch_device)
     cache = DeviceCache(memory, Copier(memory, homes, formats), regions(policy, plan.prefill_reserve), n_experts)
     cache.preload()

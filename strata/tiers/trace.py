@@ -12,6 +12,7 @@ every record counts as decode and there are no predictions.
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,8 +49,11 @@ class TraceRecorder:
                           weights.detach().float().cpu().numpy().astype(np.float16)))
         self.prefill.append(self.in_prefill)
 
-    def predicted(self, layer: int, experts: list[int]) -> None:
-        """The prefetcher named `experts` for `layer`, before the next record."""
+    def predicted(self, layer: int, experts: list[int], source: str | None = None) -> None:
+        """The prefetcher named `experts` for `layer`, before the next record; `source` says how it
+        predicts (kept in the trace's meta, so a replay can say where its predictions came from)."""
+        if source:
+            self.meta.setdefault("predictions", source)
         self.predictions.append((len(self.rows), layer, np.asarray(experts, dtype=np.int32)))
 
     def save(self, path) -> Path:
@@ -95,6 +99,7 @@ class Trace:
     prefill: np.ndarray | None = None  # per record; None in version 1 (all decode)
     predictions: list[tuple[int, int, list[int]]] = field(default_factory=list)
     expert_bytes: np.ndarray | None = None  # per layer, bytes of one expert; None when unknown
+    meta: dict = field(default_factory=dict)  # what recorded it: model, prediction source, log files
 
     @property
     def layers(self) -> list[int]:
@@ -123,17 +128,36 @@ class Trace:
         return out
 
 
+def trace_path(path) -> Path:
+    """`path` itself, or `path.npz` when only that exists (`--trace-experts t` writes t.npz)."""
+    path = Path(path)
+    with_suffix = path.with_name(path.name + ".npz")
+    return with_suffix if not path.exists() and path.suffix != ".npz" and with_suffix.exists() else path
+
+
 def load_trace(path) -> Trace:
+    path = trace_path(path)
+    if not path.exists():
+        raise StrataError(f"{path}: no such trace", "record one with strata run --trace-experts FILE")
     try:
         with np.load(path, allow_pickle=False) as z:
             trace = Trace(z["step"], z["layer"], z["tokens"], z["position"], z["ids"], z["weights"],
                           int(z["n_experts"]))
             if "version" in z.files:
                 _load_v2(trace, z)
+            trace.meta = _meta(z)
             return trace
     except (OSError, KeyError, ValueError) as e:
         raise StrataError(f"{path}: not an expert trace ({e})",
                           "record one with strata run --trace-experts FILE") from None
+
+
+def _meta(z) -> dict:
+    try:
+        meta = ast.literal_eval(str(z["meta"])) if "meta" in z.files else {}
+    except (ValueError, SyntaxError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def _load_v2(trace: Trace, z) -> None:
