@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"strata: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        print(f"strata: error: unknown command {name!r} (commands: {', '.join(COMMANDS)}; "
+              "strata --help describes them)", file=sys.stderr)
         return 2
     try:
         module = importlib.import_module(COMMANDS[name][0])
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return module.main(rest) or 0
     except StrataError as e:
-        print(f"strata {name}: error: {e}", file=sys.stderr)
+        one_line = " ".join(str(e).split())  # a message quoting file contents may hold newlines
+        print(f"strata {name}: error: {one_line}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         return 130

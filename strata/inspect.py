@@ -6,6 +6,7 @@ import argparse
 import json
 from collections import Counter
 
+from strata.argparser import ArgumentParser
 from strata.formats.checkpoint import open_config
 
 
@@ -48,7 +49,7 @@ def _mb(n: float) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="strata inspect", description="Describe a model file.")
+    p = ArgumentParser(prog="strata inspect", description="Describe a model file.")
     p.add_argument("path")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

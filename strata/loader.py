@@ -42,11 +42,13 @@ def _tokenizer(path: Path, meta: dict):
         return None
     from strata.formats.tokenizer import Tokenizer
 
-    if path.is_dir():
-        return Tokenizer.from_dir(path)
+    where = path / "tokenizer.json" if path.is_dir() else f"{path}: GGUF tokenizer metadata"
     try:
-        return Tokenizer.from_gguf_metadata(meta)
+        return Tokenizer.from_dir(path) if path.is_dir() else Tokenizer.from_gguf_metadata(meta)
     except StrataError:
         raise
-    except Exception as e:  # a tokenizer the converter wrote in a shape we do not know
-        raise BadModelFile(f"cannot build the tokenizer from GGUF metadata ({e})") from None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - the tokenizers library's PanicException is a BaseException
+        raise BadModelFile(f"{where}: cannot build the tokenizer ({type(e).__name__}: {str(e)[:200]})",
+                           "the tokenizer data is corrupt; re-convert or re-download the model") from None

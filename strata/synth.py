@@ -33,6 +33,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from strata import quant
+from strata.argparser import ArgumentParser
 from strata.errors import BadOption, UnsupportedQuantType
 
 WEIGHT_RMS = 0.02
@@ -656,7 +657,7 @@ def write(path, like_name: str = "qwen3-30b-a3b", layers: int = 4, quant_name: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="strata synth", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="strata synth", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="the .gguf file to write")
     ap.add_argument("--like", default="qwen3-30b-a3b",
                     help=f"model whose shapes to copy: {', '.join(LIKE)} (qwen4exp files load in Strata only: "

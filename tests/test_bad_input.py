@@ -136,3 +136,17 @@ def test_cli_in_a_fresh_process_prints_no_traceback(tmp_path):
     exe = shutil.which("strata") or f"{sys.prefix}/bin/strata"
     r = subprocess.run([exe, "run", "--model", str(bad), "--prompt", "x"], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "not a GGUF file" in r.stderr
+
+
+@pytest.mark.parametrize("argv", [["run", "--model"], ["run", "--model", "m.gguf", "--max-tokens", "many"],
+                                  ["serve", "--bogus"], ["inspect"], ["plan", "--model", "m", "--nope"],
+                                  ["cache-sim"], ["bench", "--model", "m", "--threads", "x"], ["synth"]])
+def test_bad_flags_are_one_line(argv, capsys):
+    err = run_cli(argv, capsys)
+    assert err.startswith(f"strata {argv[0]}: error: ") and "--help" in err
+
+
+def test_unknown_command_is_one_line(capsys):
+    assert main(["nonsense"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith("\n") and "nonsense" in err

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from strata.argparser import ArgumentParser
 from strata.bench import machine, regimes, report
 from strata.runtime.run_cli import add_engine_args, engine_options
 
@@ -13,7 +14,7 @@ PROMPT = 'import os\n\n\ndef read_config(path):\n    """Read a JSON config file 
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="strata bench", description=__doc__)
+    p = ArgumentParser(prog="strata bench", description=__doc__)
     add_engine_args(p)
     p.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md, bench.png")
     p.add_argument("--runs", type=int, default=9, help="serial warm runs (the report used 9)")

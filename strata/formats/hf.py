@@ -57,9 +57,37 @@ def read_config(path: Path) -> dict:
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise BadModelFile(f"{path}: no config.json", "pass a .gguf file or a Hugging Face model directory")
-    cfg = json.loads(cfg_path.read_text())
+    try:
+        cfg = json.loads(cfg_path.read_bytes())
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BadModelFile(f"{cfg_path}: not valid JSON ({str(e)[:120]})", "download config.json again") from None
+    if not isinstance(cfg, dict):
+        raise BadModelFile(f"{cfg_path}: holds a JSON {type(cfg).__name__}, not an object",
+                           "download config.json again")
+    text = cfg.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise BadModelFile(f"{cfg_path}: text_config is a {type(text).__name__}, not an object",
+                           "download config.json again")
     # multimodal / nested configs keep the language model under text_config
-    return {**cfg, **cfg["text_config"]} if "text_config" in cfg else cfg
+    return {**cfg, **text} if text else cfg
+
+
+def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape in the directory's shards, from the safetensors headers only."""
+    shapes = {}
+    for file in _shard_files(Path(path)):
+        f = _open(file)
+        for key in f.keys():
+            shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def _open(file: str):
+    try:
+        return safe_open(file, "pt")
+    except Exception as e:  # SafetensorError: a truncated, garbage or non-safetensors file
+        raise BadModelFile(f"{file}: not a readable safetensors file ({str(e)[:160]})",
+                           "the download was cut short; fetch the shard again") from None
 
 
 class HFSource:
@@ -70,7 +98,7 @@ class HFSource:
         self.description = str(path)
         self._files = _shard_files(self.path)
         # one memory-mapped handle per shard, opened once; tensors are read from them on demand
-        self._handles = {file: safe_open(file, "pt") for file in self._files}
+        self._handles = {file: _open(file) for file in self._files}
         self._where: dict[str, str] = {}  # HF name -> file
         for file, f in self._handles.items():
             for key in f.keys():
@@ -107,7 +135,14 @@ class HFSource:
         else:
             parts = sorted(self._parts[name])
             tensors = [self._read(key) for _, key in parts]
+            if parts[0][0] >= 0 and len({x.shape for x in tensors}) > 1:
+                shapes = sorted({tuple(x.shape) for x in tensors})
+                raise BadModelFile(f"{self.path}: the experts of {name} have different shapes {shapes[:3]}",
+                                   "every expert of a layer must have the same shape; re-download the model")
             t = torch.stack(tensors) if parts[0][0] >= 0 else tensors[0]
+        if t.dim() == 0:
+            raise BadModelFile(f"{self.path}: {self.locate(name)[0][1]} (for {name}) is a 0-d scalar, not a tensor",
+                               "the checkpoint is corrupt; re-download it")
         if self._sanitize is not None:
             t = self._sanitize(name, t, self.config)
         return QTensor.from_float(t)
@@ -164,7 +199,18 @@ def _cat_order(value: str) -> tuple:
 def _shard_files(path: Path) -> list[str]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_bytes()).get("weight_map")
+        except (ValueError, RecursionError, AttributeError):  # not JSON, or JSON but not an object
+            weight_map = None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise BadModelFile(f"{index}: not a safetensors index (a JSON object with a weight_map of "
+                               "tensor names to shard files)", "download model.safetensors.index.json again")
+        files = sorted(set(weight_map.values()))
+        outside = [f for f in files if Path(f).is_absolute() or ".." in Path(f).parts]
+        if outside:
+            raise BadModelFile(f"{index}: shard {outside[0]!r} is outside the model directory",
+                               "download model.safetensors.index.json again")
         missing = [f for f in files if not (path / f).exists()]
         if missing:
             raise BadModelFile(f"{path}: safetensors shard {missing[0]} is missing "

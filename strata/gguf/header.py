@@ -8,6 +8,7 @@ Types, sizes and alignment rules are gguf-py's constants; tests check the result
 
 from __future__ import annotations
 
+import math
 import struct
 
 import gguf
@@ -22,6 +23,11 @@ class HeaderError(ValueError):
     pass
 
 
+MAX_ARRAY_DEPTH = 8  # llama.cpp writes flat arrays; deeper nesting is a corrupt or hostile file
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ELEMENTS = 2**63 - 1  # ggml's int64 element counts
+
+
 class _Cursor:
     def __init__(self, data):
         self.data, self.pos = data, 0
@@ -34,14 +40,17 @@ class _Cursor:
         self.pos += struct.calcsize(fmt)
         return value
 
+    def left(self) -> int:
+        return len(self.data) - self.pos
+
     def string(self) -> str:
         n = self.take("<Q")
-        if self.pos + n > len(self.data):
+        if n > self.left():
             raise HeaderError(f"string of {n} bytes runs past the end of the file")
         self.pos += n
         return bytes(self.data[self.pos - n: self.pos]).decode("utf-8", errors="replace")
 
-    def value(self, kind: int):
+    def value(self, kind: int, depth: int = 0):
         if kind == V.STRING:
             return self.string()
         if kind != V.ARRAY:
@@ -49,12 +58,18 @@ class _Cursor:
                 raise HeaderError(f"unknown value type {kind}")
             value = self.take(_SCALAR[kind])
             return bool(value) if kind == V.BOOL else value
+        if depth >= MAX_ARRAY_DEPTH:
+            raise HeaderError(f"arrays nested more than {MAX_ARRAY_DEPTH} deep")
         item, count = self.take("<I"), self.take("<Q")
+        if item not in _SCALAR and item not in (V.STRING, V.ARRAY):
+            raise HeaderError(f"array of unknown value type {item}")
+        # every item takes at least its fixed part, so a count the bytes left cannot hold is a lie
+        least = 8 if item == V.STRING else 12 if item == V.ARRAY else struct.calcsize(_SCALAR[item])
+        if count * least > self.left():
+            raise HeaderError(f"array of {count} items runs past the end of the file")
         if item in (V.STRING, V.ARRAY):
-            return [self.value(item) for _ in range(count)]
+            return [self.value(item, depth + 1) for _ in range(count)]
         dtype = np.dtype(_SCALAR[item].replace("?", "b1"))
-        if self.pos + count * dtype.itemsize > len(self.data):
-            raise HeaderError("array runs past the end of the file")
         out = np.frombuffer(self.data, dtype, count, self.pos).tolist()
         self.pos += count * dtype.itemsize
         return out
@@ -69,15 +84,34 @@ def parse_header(data) -> tuple[dict, list[tuple[str, tuple[int, ...], int, int]
     if version not in (2, 3):
         raise HeaderError(f"unsupported GGUF version {version}")
     n_tensors, n_kv = c.take("<Q"), c.take("<Q")
+    if n_kv * 12 > c.left() or n_tensors * 28 > c.left():  # a key/value or a tensor entry takes that much at least
+        raise HeaderError(f"{n_kv} key/values and {n_tensors} tensors do not fit in the file")
     meta = {}
     for _ in range(n_kv):
         key = c.string()
+        if key in meta:
+            raise HeaderError(f"metadata key {key!r} appears twice")
         meta[key] = c.value(c.take("<I"))
-    tensors = []
+    alignment = meta.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 \
+            or alignment & (alignment - 1):
+        raise HeaderError(f"general.alignment = {alignment!r} is not a positive power of two")
+    tensors, names = [], set()
     for _ in range(n_tensors):
         name = c.string()
-        dims = tuple(c.take("<Q") for _ in range(c.take("<I")))
-        tensors.append((name, dims, c.take("<I"), c.take("<Q")))
-    alignment = int(meta.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+        if name in names:
+            raise HeaderError(f"tensor {name!r} appears twice")
+        names.add(name)
+        n_dims = c.take("<I")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise HeaderError(f"tensor {name!r} has {n_dims} dimensions (GGUF allows 1 to {MAX_DIMS})")
+        dims = tuple(c.take("<Q") for _ in range(n_dims))
+        if math.prod(dims) > MAX_ELEMENTS:
+            raise HeaderError(f"tensor {name!r} has dims {list(dims)}, more elements than an int64 holds")
+        type_id, offset = c.take("<I"), c.take("<Q")
+        if offset % alignment:
+            raise HeaderError(f"tensor {name!r} starts at offset {offset}, not a multiple of the alignment "
+                              f"{alignment}")
+        tensors.append((name, dims, type_id, offset))
     start = c.pos + (-c.pos % alignment)
     return meta, tensors, start

@@ -7,6 +7,7 @@ llama.cpp's, and they are the engine's own parameter names.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,9 @@ def _tensor_info(path: Path, name: str, dims, type_id: int, offset: int) -> Tens
         raise UnsupportedQuantType(f"{path}: tensor {name} has unknown ggml type id {type_id}",
                                    "this file needs a newer Strata") from None
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    n_values = int(np.prod(dims)) if dims else 1
+    if dims[0] % block:
+        raise BadModelFile(f"{path}: tensor {name} has rows of {dims[0]} values, not a multiple of "
+                           f"{qtype.name}'s block of {block}", "the file is corrupt; fetch it again")
+    n_values = math.prod(dims)  # Python ints: no overflow (the header checked the int64 range)
     return TensorInfo(name, qtype, tuple(int(d) for d in reversed(dims)), offset,
                       n_values // block * type_size)

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from strata.argparser import ArgumentParser
 from strata.errors import StrataError
 from strata.tiers.expert_parallel.cli import add_parallel_args, parallel_options, worker_or_none
 from strata.tiers.options import add_tier_args, tier_options
@@ -39,7 +40,7 @@ def engine_options(args) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="strata run", description="Generate text with a model.")
+    p = ArgumentParser(prog="strata run", description="Generate text with a model.")
     add_engine_args(p)
     p.add_argument("--prompt", "-p", help="text to complete; without it, an interactive chat")
     p.add_argument("--file", "-f", help="read the prompt from this file (kept byte for byte)")

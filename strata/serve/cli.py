@@ -8,13 +8,14 @@ import os
 import sys
 from pathlib import Path
 
+from strata.argparser import ArgumentParser
 from strata.errors import StrataError
 from strata.runtime.run_cli import add_engine_args, engine_options
 from strata.serve.protocol import DEFAULT_MAX_BODY_BYTES
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="strata serve", description="Serve a model over OpenAI's HTTP API.")
+    p = ArgumentParser(prog="strata serve", description="Serve a model over OpenAI's HTTP API.")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")

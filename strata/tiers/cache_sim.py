@@ -17,6 +17,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 
+from strata.argparser import ArgumentParser
 from strata.errors import BadOption
 from strata.tiers.policy import Policy, SlotMap, make_policy, regions
 from strata.tiers.stats import TierStats
@@ -322,7 +323,7 @@ def plot(result: dict, policies: list[str], path: str, title: str = "") -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="strata cache-sim", description="Replay an expert trace under cache policies.")
+    p = ArgumentParser(prog="strata cache-sim", description="Replay an expert trace under cache policies.")
     p.add_argument("trace", help="a trace written by strata run --trace-experts")
     p.add_argument("--policy", default=",".join(ALL_POLICIES), help="comma list of lru,lfu,adaptive,static")
     p.add_argument("--sizes", default="10%,30%,50%,70%,90%", help="cache sizes, %% of all experts (default %(default)s)")

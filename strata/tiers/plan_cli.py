@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from strata.argparser import ArgumentParser
 from strata.tiers.auto import auto_options, predict_hit_rate
 from strata.tiers.expert_parallel.cli import add_parallel_args
 from strata.tiers.options import TierOptions, add_tier_args, tier_options
@@ -13,7 +14,7 @@ from strata.tiers.sizes import format_size
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="strata plan", description="Show the placement plan for a model.")
+    p = ArgumentParser(prog="strata plan", description="Show the placement plan for a model.")
     p.add_argument("--model", "-m", required=True, help="a .gguf file or a Hugging Face directory")
     p.add_argument("--tensors", action="store_true", help="list every tensor with its home")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
