@@ -153,8 +153,8 @@ def write_seeds(out: Path) -> list[Path]:
     import torch
 
     from strata.gguf.writer import write_gguf
-    from strata.models import llama, qwen3moe
-    from strata.models.rope import RopeConfig
+    from strata.formats import llama, qwen3moe
+    from strata.formats.hparams import RopeConfig
     from strata.synth import tokenizer_metadata
 
     out.mkdir(parents=True, exist_ok=True)
@@ -474,9 +474,7 @@ def run_cases(seeds: list[Path], cases: int, seed: int, jobs: int, timeout: floa
     import strata.formats.tokenizer  # noqa: F401
     import strata.loader  # noqa: F401
     import strata.runtime.run_cli  # noqa: F401
-    from strata.models import registry
-
-    registry.architectures()
+    import strata.models.registry  # noqa: F401 - every architecture's model code
     docs = [read_doc(p) for p in seeds]
     work.mkdir(parents=True, exist_ok=True)
     running: dict[int, tuple[int, float, Path, Path, list[str]]] = {}

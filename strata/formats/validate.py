@@ -22,11 +22,10 @@ _COUNT = re.compile(r"(count|length|size|rank|kernel|interval|top_k|dimension_co
 _POSITIVE = ("block_count", "embedding_length", "context_length", "vocab_size", "attention.head_count",
              "attention.head_count_kv", "attention.key_length", "attention.value_length")
 # sizes a model allocates by before its tensors are read: each must be some tensor's dimension or less
-_WIDTHS = ("embedding_length", "feed_forward_length", "expert_feed_forward_length", "expert_shared_feed_forward_length",
-           "attention.key_length", "attention.value_length", "rope.dimension_count", "attention.head_count",
-           "attention.head_count_kv", "expert_count", "expert_used_count", "vocab_size")
-_HF_WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "head_dim", "num_attention_heads",
-              "num_key_value_heads", "vocab_size", "shared_expert_intermediate_size")
+# (FFN widths are not here: a MoE file may name a dense width that no layer of it uses)
+_WIDTHS = ("embedding_length", "attention.key_length", "attention.value_length", "rope.dimension_count",
+           "attention.head_count", "attention.head_count_kv", "expert_count", "expert_used_count", "vocab_size")
+_HF_WIDTHS = ("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads", "vocab_size")
 _FLOAT = re.compile(r"(epsilon|freq_base|factor|scale|_multiplier)$")
 _STRING = ("rope.scaling.type", "ssm.output_gate_type")
 _LAYER = re.compile(r"^blk\.(\d+)\.")
