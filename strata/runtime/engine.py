@@ -79,6 +79,9 @@ class Engine:
 
     def __init__(self, path, **options):
         self.options = EngineOptions.from_kwargs(**options)
+        from strata.tiers.budget import return_large_frees_to_the_os
+
+        return_large_frees_to_the_os()  # so anonymous memory stays what the RAM budget counts
         if self.options.cpu_threads > 0:
             torch.set_num_threads(self.options.cpu_threads)
         if self.options.exact_activations:

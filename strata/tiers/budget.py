@@ -192,3 +192,22 @@ class AnonPeak:
         self._stop.set()
         self._thread.join()
         return self.peak
+
+
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def return_large_frees_to_the_os(threshold: int = 1 << 20) -> bool:
+    """Make glibc serve allocations of `threshold` bytes or more by mmap, fixed (setting it turns
+    the dynamic threshold off). Otherwise, after the first free of a large buffer, glibc raises its
+    threshold up to 32 MiB and keeps freed expert reads and dequantized slabs in per-thread arenas:
+    anonymous memory far above what the engine holds (measured: 112-178 MiB above the baseline under
+    a 160 MiB budget, 51 MiB with the threshold fixed). False where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
+    except (OSError, AttributeError):
+        return False

@@ -63,6 +63,9 @@ class CpuLane:
         if not experts:
             return []
         x, ids, weights = x.cpu(), ids.cpu(), weights.cpu()
+        home = self.homes[layer]
+        if hasattr(home, "request"):  # disk: start every read now, several in flight; compute as they land
+            home.request(layer, experts)
         groups = [experts[i::self.threads] for i in range(min(self.threads, len(experts)))]
         return [self.pool.submit(self._run, layer, x, ids, weights, set(g)) for g in groups]
 

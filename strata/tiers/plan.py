@@ -22,6 +22,7 @@ from strata.formats.names import EXPERT_TENSOR
 from strata.tiers import budget, hardware
 from strata.tiers.auto import resolve_home
 from strata.tiers.sizes import format_size, parse_fraction, parse_size
+from strata.tiers.store import READERS
 
 LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.")
 TIER_NAMES = {"gpu": "gpu", "cuda": "gpu", "device": "gpu", "cpu": "ram", "ram": "ram",
@@ -262,6 +263,8 @@ def _size_ram_cache(plan: Plan, opts, source, config) -> None:
     disk = [layer for layer in plan.experts if layer.home == "disk"]
     if not disk:
         return
+    # each reader holds one expert (its read lands in a fresh buffer) and its O_DIRECT staging buffer
+    mem.scratch += 2 * READERS * max(layer.bytes_per_expert for layer in disk)
     plan.ram_cache = mem.ram_cache = _ram_cache_bytes(opts.ram_cache, plan, disk, plan.ram_budget - mem.total)
     if mem.total > plan.ram_budget:
         raise BadOption(f"--ram-cache {format_size(plan.ram_cache)} does not fit: RAM needs {mem.describe()} "

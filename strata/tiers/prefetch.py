@@ -19,10 +19,11 @@ SOURCE = "Strata's prefetcher (layer L+1's router on layer L's input)"
 
 class Prefetcher:
     def __init__(self, predictors: dict[int, Callable], cache, stats: TierStats, n_experts: int,
-                 nbytes: dict[int, int], cached_layers: set[int], tracer=None):
+                 nbytes: dict[int, int], cached_layers: set[int], tracer=None, disk_homes=None):
         self.predictors, self.cache, self.stats = predictors, cache, stats
         self.n_experts, self.nbytes, self.cached_layers = n_experts, nbytes, cached_layers
         self.tracer = tracer  # records each prediction, so `strata cache-sim` replays the prefetches
+        self.disk_homes = disk_homes or {}  # layer -> DiskHome: predictions are read ahead into its RAM cache
 
     def __call__(self, block: int, x: torch.Tensor, token_mask: torch.Tensor, prefill: bool = False) -> None:
         layer = block + 1
@@ -36,6 +37,9 @@ class Prefetcher:
             self.tracer.predicted(layer, experts, SOURCE)
         keys = [layer * self.n_experts + e for e in experts]
         self.stats.predicted(layer, set(keys))
+        home = self.disk_homes.get(layer)
+        if home is not None:  # reads start now, while this block computes
+            home.request(layer, experts, ahead=True)
         if self.cache is not None and layer in self.cached_layers:
             self.stats.prefetched(layer, self.cache.prefetch(keys, prefill), self.nbytes[layer])
 

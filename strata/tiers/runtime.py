@@ -58,6 +58,9 @@ class TierRuntime:
         self.executor.lane.close()
         if self.cache is not None:
             self.cache.copier.close()
+        for home in _unique(self.homes.values()):
+            if hasattr(home, "close"):
+                home.close()  # the disk readers, before the file closes
         path = None
         if self.trace_path and self.executor.tracer is not None:
             path = str(self.executor.tracer.save(self.trace_path))
@@ -167,5 +170,6 @@ def _prefetcher(model, options, cache, executor: HybridExecutor, formats, plan: 
         return None
     cached = {layer.layer for layer in plan.experts if layer.home != "gpu"}
     return Prefetcher(router_predictors(model), cache, executor.stats, executor.n_experts,
-                      {i: f.nbytes for i, f in formats.items()}, cached, executor.tracer)
+                      {i: f.nbytes for i, f in formats.items()}, cached, executor.tracer,
+                      {i: h for i, h in executor.homes.items() if h.kind == "disk"})
 

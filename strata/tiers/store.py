@@ -11,7 +11,9 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +22,7 @@ from strata.formats.weights import QTensor
 
 ALIGN = 4096
 CHUNK = 64 * 2**20
+READERS = 8  # disk reads in flight at once: an NVMe/virtio disk needs several to reach its bandwidth
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,18 +173,37 @@ class RamHome:
 class DiskHome:
     """Experts read from the file on demand into a RAM cache of `capacity` bytes (LRU).
 
-    Each read lands in a fresh buffer, so a CPU worker still computing from an evicted
-    entry keeps its bytes alive; the cache only drops its own reference.
+    Reads run on a pool of `readers` threads, so a layer's missing experts (and the next layer's
+    predicted ones, `request(..., ahead=True)`) are read several at a time while the CPU computes
+    on those already here. Each read lands in a fresh buffer, so a CPU worker still computing
+    from an evicted entry keeps its bytes alive; the cache only drops its own reference.
+    Counted: hits, misses, reads started ahead, reads in flight (most at once), time waited.
     """
 
     kind = "disk"
 
-    def __init__(self, formats: dict[int, ExpertFormat], reader: FileReader, capacity: int):
+    def __init__(self, formats: dict[int, ExpertFormat], reader: FileReader, capacity: int, readers: int = READERS):
         self.formats, self.reader, self.capacity = formats, reader, capacity
         self.entries: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self.inflight: dict[tuple[int, int], Future] = {}
+        self.pool = ThreadPoolExecutor(max(1, readers), thread_name_prefix="strata-read")
+        self.readers = max(1, readers)
         self.held = 0
         self.hits = self.misses = 0
+        self.read_ahead = 0  # reads started from a prediction, before the layer asked
+        self.wait_s = 0.0  # time compute threads waited for a read
+        self.reading = self.max_reading = 0  # reads in progress now / at most
         self._lock = threading.Lock()
+
+    def request(self, layer: int, experts, ahead: bool = False) -> None:
+        """Start reading each of `experts` that is neither cached nor being read; returns at once."""
+        with self._lock:
+            for e in experts:
+                key = (layer, int(e))
+                if key in self.entries or key in self.inflight:
+                    continue
+                self.inflight[key] = self.pool.submit(self._fetch, key)
+                self.read_ahead += ahead
 
     def parts(self, layer: int, e: int) -> tuple[torch.Tensor, ...]:
         key = (layer, e)
@@ -191,11 +213,29 @@ class DiskHome:
                 self.entries.move_to_end(key)
                 self.hits += 1
                 return self.formats[layer].split(flat)
-        flat = self._read(layer, e)
-        with self._lock:
             self.misses += 1
-            self._insert(key, flat)
+            future = self.inflight.get(key)
+            if future is None:
+                future = self.inflight[key] = self.pool.submit(self._fetch, key)
+        t0 = time.perf_counter()
+        flat = future.result()
+        with self._lock:
+            self.wait_s += time.perf_counter() - t0
         return self.formats[layer].split(flat)
+
+    def _fetch(self, key: tuple[int, int]) -> torch.Tensor:
+        with self._lock:
+            self.reading += 1
+            self.max_reading = max(self.max_reading, self.reading)
+        try:
+            flat = self._read(*key)
+        finally:
+            with self._lock:
+                self.reading -= 1
+        with self._lock:
+            self._insert(key, flat)
+            self.inflight.pop(key, None)
+        return flat
 
     def _read(self, layer: int, e: int) -> torch.Tensor:
         fmt = self.formats[layer]
@@ -213,6 +253,9 @@ class DiskHome:
             _, old = self.entries.popitem(last=False)
             self.held -= old.numel()
 
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
     @property
     def bytes_read(self) -> int:
         return self.reader.bytes_read
@@ -223,4 +266,5 @@ class DiskHome:
                 "ram_cache_hits": self.hits, "disk_reads": self.misses,
                 "ram_cache_hit_rate": self.hits / total if total else 0.0,
                 "bytes_read": self.reader.bytes_read, "device_bytes_read": self.reader.device_bytes,
-                "o_direct": self.reader.direct}
+                "o_direct": self.reader.direct, "readers": self.readers, "read_ahead": self.read_ahead,
+                "max_reads_in_flight": self.max_reading, "read_wait_s": self.wait_s}
