@@ -8,6 +8,11 @@ each row samples with its own parameters and seeded generator and applies its ow
 (EOS, stop strings with `stream_generate`'s hold-back, its length limit). A finished or
 cancelled row leaves the batch at once (`ModelCache.select`).
 
+With drafting on (the engine's `--draft`, a model with an MTP head), a request admitted while no
+other runs drafts: each step is one speculative round (`speculative.DraftState`), 1..k+1 tokens,
+greedy output unchanged. When another request joins, the drafting row stops drafting and both
+decode as a batch.
+
 torch is not async: callers talk to the thread through thread-safe queues. A `Request` is
 iterated synchronously (`for r in request`) or asynchronously (`async for r in request`) and
 yields `Response`s; `cancel()` frees its slot before the next decode step.
@@ -31,6 +36,7 @@ import torch
 from strata.errors import StrataError
 from strata.runtime.generate import Response, _find_stop, _stop_safe_end, prefill
 from strata.runtime.sampling import SamplingParams, sample
+from strata.runtime.speculative import DraftState, DraftStats
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +167,8 @@ class _Row:
     generator: torch.Generator | None
     seen: list[int] = field(default_factory=list)  # context, kept only for repetition_penalty
     last: int = 0  # the token the next decode step feeds
+    draft: DraftState | None = None  # drafting (it runs alone)
+    committed: list[int] = field(default_factory=list)  # prompt and tokens, while drafting
 
 
 class StopText:
@@ -226,6 +234,8 @@ class Scheduler:
         self.vocab_size = engine.config.vocab_size
         options = getattr(engine, "options", None)
         self.prefill_chunk = getattr(options, "prefill_chunk", 8192)
+        self.drafter = engine.drafter if getattr(engine, "drafting", False) else None
+        self.draft_stats = DraftStats(getattr(options, "draft_tokens", 2))
         self.max_concurrent = max_concurrent
         self.max_waiting = 4 * max_concurrent if max_waiting is None else max_waiting
         if self.max_waiting < 0:
@@ -324,6 +334,7 @@ class Scheduler:
                 "max_waiting": self.max_waiting,
                 "tokens_per_s": tokens_per_s,
                 "kv_cache_bytes": cache.nbytes if cache is not None else 0,
+                "draft": self.draft_stats.as_dict() if self.drafter is not None else None,
                 "closing": self.closing,
             }
 
@@ -395,12 +406,12 @@ class Scheduler:
                 self._finish(req, Response(None, "", CANCELLED))
             else:
                 with self._failing(req, "admitting a request"):
-                    self._admit(req)
+                    self._admit(req, alone=len(admit) == 1 and not self._rows and not self._waiting)
         if self._rows:
             self._decode()
         return True
 
-    def _admit(self, req: Request) -> None:
+    def _admit(self, req: Request, alone: bool = False) -> None:
         limit = min(req.max_tokens, self.ctx_size - len(req.prompt))
         if limit <= 0:
             self._finish(req, Response(None, "", "length"))
@@ -412,7 +423,12 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             cache = self.model.new_cache(1)
-            logits = prefill(self.model, [req.prompt], cache, self.prefill_chunk)
+            if alone and self.drafter is not None:  # the head reads the prompt too
+                row.draft = DraftState(self.model, self.drafter, p, row.generator, cache, self.draft_stats)
+                logits = row.draft.prefill(list(req.prompt), self.prefill_chunk)[None]
+                row.committed = list(req.prompt)
+            else:
+                logits = prefill(self.model, [req.prompt], cache, self.prefill_chunk)
         except Exception as e:
             log.exception("prefill failed")
             self._finish(req, e)
@@ -423,13 +439,24 @@ class Scheduler:
         req.first_token_at = time.perf_counter()
         if self._emit(row, logits):
             return
+        if row.draft is not None:
+            row.draft.start()
+        for other in self._rows:  # a batch of several rows decodes without drafts
+            self._stop_drafting(other)
         if self._cache is None:
             self._cache = cache
         else:
             self._cache.extend(cache)
         self._rows.append(row)
 
+    def _stop_drafting(self, row: _Row) -> None:
+        if row.draft is not None:
+            row.draft.stop()
+            row.draft, row.committed = None, []
+
     def _decode(self) -> None:
+        if len(self._rows) == 1 and self._rows[0].draft is not None:
+            return self._draft_round(self._rows[0])
         t0 = time.perf_counter()
         tokens = torch.tensor([[row.last] for row in self._rows], dtype=torch.long)
         try:
@@ -453,12 +480,48 @@ class Scheduler:
             self.counters["decode_seconds"] += time.perf_counter() - t0
         self._keep(keep)
 
+    def _draft_round(self, row: _Row) -> None:
+        """One speculative round for the only running row; its tokens are emitted one by one."""
+        t0 = time.perf_counter()
+        req = row.req
+        k = min(row.draft.stats.draft_tokens, row.text.limit - row.text.n - 1)  # never past the limit
+        try:
+            out = row.draft.round(row.committed, max(k, 0))
+        except Exception as e:
+            log.exception("draft round failed")
+            self._rows, self._cache = [], None
+            self._finish(req, e)
+            return
+        ended = False
+        for token in out:
+            if req.cancelled:
+                self._finish(req, Response(None, "", CANCELLED))
+                ended = True
+                break
+            with self._failing(req, "emitting a drafted token"):
+                ended = self._push(row, token)
+            if ended or req.done.is_set():
+                ended = True
+                break
+        with self._cond:
+            self.counters["decode_steps"] += 1
+            self.counters["decode_seconds"] += time.perf_counter() - t0
+        if ended:
+            self._keep([])
+
     def _emit(self, row: _Row, logits: torch.Tensor) -> bool:
         """Sample one token for `row` and hand its response over; True when the request ended."""
         p = row.req.params
         token = int(sample(logits, p, [row.seen] if p.repetition_penalty != 1.0 else [], row.generator)[0])
+        return self._push(row, token)
+
+    def _push(self, row: _Row, token: int) -> bool:
+        """Hand `token`'s response over; True when the request ended."""
+        p = row.req.params
         if p.repetition_penalty != 1.0:
             row.seen.append(token)
+        if row.draft is not None:
+            row.committed.append(token)
         row.last = token
         now = time.perf_counter()
         with self._cond:

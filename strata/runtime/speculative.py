@@ -25,7 +25,8 @@ first rejection the token is drawn from max(0, p - q) renormalised; after k acce
 bonus token from p. Every token is then distributed exactly as plain sampling draws it, though
 the random stream differs, so a seed does not give the same text as `--draft off`.
 
-Batch size 1: the scheduler's batches run without drafts.
+Batch size 1: the server's scheduler drafts while one request runs (`DraftState`); rows of a
+batch decode without drafts.
 """
 
 from __future__ import annotations
@@ -84,6 +85,52 @@ def greedy(logits: torch.Tensor, params: SamplingParams, seen: list[int]) -> int
     return int(apply_repetition_penalty(logits.float()[None], [seen], params.repetition_penalty).argmax())
 
 
+class DraftState:
+    """One sequence's speculative decoding: its model cache (tracking while rounds run), the head's
+    own cache and the hidden states the head has not read yet. `prefill` then `round`s; the
+    engine's `speculative_steps` and the server's scheduler both run these."""
+
+    def __init__(self, model, drafter, params: SamplingParams, generator: torch.Generator | None,
+                 cache: ModelCache, stats: DraftStats):
+        if cache.batch != 1:
+            raise ValueError("speculative decoding runs one sequence at a time")
+        self.model, self.drafter, self.params, self.generator = model, drafter, params, generator
+        self.cache, self.dcache, self.stats = cache, drafter.new_cache(1), stats
+        self.pending = None
+
+    def prefill(self, prompt: list[int], chunk: int) -> torch.Tensor:
+        """The model and the head over the prompt; the last logits (V,). Tracking starts after."""
+        logits, self.pending = _prefill(self.model, self.drafter, prompt, self.cache, self.dcache, chunk)
+        return logits
+
+    def start(self) -> None:
+        """From now on the cache keeps what a rejected draft's rollback needs."""
+        self.cache.track()
+
+    def round(self, seen: list[int], k: int) -> list[int]:
+        """Draft k tokens after `seen` (every committed token; the last not yet fed), verify them in
+        one forward, keep the agreed prefix plus one of the model's own: 1..k+1 tokens."""
+        stats, cache, dcache = self.stats, self.cache, self.dcache
+        t0 = time.perf_counter()
+        drafts, qs, self.pending = _draft(self.drafter, dcache, cache, seen, self.pending, k, self.params,
+                                          self.generator)
+        t1 = time.perf_counter()
+        m = int(cache.lengths[0])
+        logits, hidden = self.model(torch.tensor([[seen[-1]] + drafts]), cache, hidden=True)
+        out = _accept(logits[0], drafts, qs, seen, self.params, self.generator)
+        j = len(out) - 1  # drafts kept
+        cache.rollback(k - j)
+        dcache.rollback(max(0, int(dcache.lengths[0]) - m))  # keep the pairs read from the model
+        self.pending = torch.cat([self.pending, hidden[:, :j + 1]], dim=1)
+        stats.verify_s += time.perf_counter() - t1
+        stats.draft_s += t1 - t0
+        _count(stats, k, j, len(out))
+        return out
+
+    def stop(self) -> None:
+        self.cache.track(False)
+
+
 def speculative_steps(model, drafter, prompt: list[int], params: SamplingParams, cache: ModelCache | None = None,
                       draft_tokens: int = 2, limit: int | None = None, prefill_chunk: int = 8192,
                       stats: DraftStats | None = None) -> Iterator[torch.Tensor]:
@@ -97,41 +144,25 @@ def speculative_steps(model, drafter, prompt: list[int], params: SamplingParams,
         raise ValueError("draft_tokens must be >= 1")
     stats = stats if stats is not None else DraftStats(draft_tokens)
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-    cache = cache if cache is not None else model.new_cache(1)
-    dcache = drafter.new_cache(1)
-    if cache.batch != 1:
-        raise ValueError("speculative decoding runs one sequence at a time")
+    state = DraftState(model, drafter, params, generator, cache if cache is not None else model.new_cache(1), stats)
     seen = list(prompt)  # committed tokens: the prompt and every token yielded
     emitted = 0
     with torch.inference_mode():
-        logits, pending = _prefill(model, drafter, prompt, cache, dcache, prefill_chunk)
+        logits = state.prefill(prompt, prefill_chunk)
         first = greedy(logits, params, seen) if params.greedy else _draw(probs(logits, params, seen), generator)
         seen.append(first)
         emitted += 1
         yield torch.tensor([first])
-        cache.track()
+        state.start()
         try:
             while limit is None or emitted < limit:
                 k = draft_tokens if limit is None else min(draft_tokens, limit - emitted - 1)
-                t0 = time.perf_counter()
-                drafts, qs, pending = _draft(drafter, dcache, cache, seen, pending, k, params, generator)
-                t1 = time.perf_counter()
-                m = int(cache.lengths[0])
-                logits, hidden = model(torch.tensor([[seen[-1]] + drafts]), cache, hidden=True)
-                out = _accept(logits[0], drafts, qs, seen, params, generator)
-                j = len(out) - 1  # drafts kept
-                cache.rollback(k - j)
-                dcache.rollback(max(0, int(dcache.lengths[0]) - m))  # keep the pairs read from the model
-                pending = torch.cat([pending, hidden[:, :j + 1]], dim=1)
-                stats.verify_s += time.perf_counter() - t1
-                stats.draft_s += t1 - t0
-                _count(stats, k, j, len(out))
-                for t in out:
+                for t in state.round(seen, k):
                     seen.append(t)
                     emitted += 1
                     yield torch.tensor([t])
         finally:
-            cache.track(False)
+            state.stop()
 
 
 def _prefill(model, drafter, prompt, cache, dcache, chunk):
