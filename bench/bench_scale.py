@@ -1,0 +1,220 @@
+"""Real scale: the full-size flagship from disk under a RAM budget, each figure beside its limit.
+
+    .venv/bin/python bench/bench_scale.py --model /work/big/qwen4exp-48L-IQ2_XS.gguf \
+        --ram-memory 9G [--tokens 12] [--prompt-tokens 32] [--skew 0.2]
+
+The file is `strata synth --like qwen4exp --layers 48 --quant IQ2_XS` (45.7 GiB, written once).
+Every run is a fresh interpreter with the placement `--pin-experts auto --experts-cache auto`
+(what `strata run` chooses by itself) and `--ram-memory`; this process samples its anonymous RSS
+(`RssAnon`) every 20 ms. Measured in the same run, before the engine runs:
+
+  * disk bandwidth: 2 MiB O_DIRECT reads at random offsets of the model file, 8 in flight;
+  * memory bandwidth: a 512 MiB copy (read + write counted).
+
+Limits printed beside the figures: decode tok/s if every byte the decode read from disk came at
+the measured bandwidth (`disk limit`), time to first token if the dense weights and the prefill's
+expert bytes came at that bandwidth, peak anonymous RSS against `--ram-memory` (the interpreter's
+own, measured before loading, shown apart).
+
+`--skew S` adds a run of the same file with its routers skewed as `strata synth --router-skew S`
+does: the bench scales the 48 router tensors in place (48 x 5 MiB, the only bytes that differ) and
+scales them back afterwards, so only one 45.7 GiB file is ever on the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from strata.tiers.budget import AnonPeak  # noqa: E402
+from strata.tiers.sizes import format_size, parse_size  # noqa: E402
+
+CHILD = textwrap.dedent("""
+    import json, sys, time
+    t_start = time.perf_counter()
+    import torch
+    import strata, strata.runtime.engine, strata.tiers.runtime, strata.kernels
+    from strata.tiers.budget import anon_rss
+    strata.kernels.available()
+    path, options, n_prompt, n_new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    base = anon_rss()
+    t0 = time.perf_counter()
+    engine = strata.load(path, **options)
+    load_s = time.perf_counter() - t0
+    homes = [h for h in {id(h): h for h in engine.tiers.homes.values()}.values() if h.kind == "disk"]
+    def counters():
+        return (sum(h.reader.bytes_read for h in homes), sum(h.hits for h in homes), sum(h.misses for h in homes),
+                sum(h.wait_s for h in homes), sum(h.read_ahead for h in homes))
+    ids = [(7 * i + 3) % engine.config.vocab_size for i in range(n_prompt)]
+    t1 = time.perf_counter()
+    first = None
+    out = []
+    for r in engine.stream(ids, n_new, stop_at_eos=False):
+        if r.token is None:
+            continue
+        out.append(r.token)
+        if first is None:
+            first, at_first = time.perf_counter(), counters()
+    end, at_end = time.perf_counter(), counters()
+    d = [b - a for a, b in zip(at_first, at_end)]
+    n_dec = max(len(out) - 1, 1)
+    homes_stats = engine.tiers.stats()["homes"]
+    print(json.dumps({
+        "base": base, "load_s": load_s, "prefill_s": first - t1, "ttft_s": first - t0,
+        "prefill_tok_s": n_prompt / (first - t1), "decode_tok_s": (len(out) - 1) / (end - first),
+        "prefill_bytes": at_first[0], "decode_bytes_per_token": d[0] / n_dec,
+        "decode_hit_rate": d[1] / max(d[1] + d[2], 1), "decode_wait_s_per_token": d[3] / n_dec,
+        "read_ahead_per_token": d[4] / n_dec, "memory": engine.memory.as_dict(), "ctx": engine.ctx_size,
+        "max_in_flight": max((h.get("max_reads_in_flight", 0) for h in homes_stats), default=0),
+        "summary": engine.summary(), "tokens": out}))
+""")
+
+
+def disk_bandwidth(path: Path, seconds: float = 3.0, block: int = 2 << 20, in_flight: int = 8) -> float:
+    """Bytes/s of random O_DIRECT reads of `block` bytes, `in_flight` at a time."""
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    done = [0]
+    lock = threading.Lock()
+    stop = time.perf_counter() + seconds
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        buf = mmap.mmap(-1, block)
+        while time.perf_counter() < stop:
+            off = rng.randrange(0, size - block) // 4096 * 4096
+            n = os.preadv(fd, [buf], off)
+            with lock:
+                done[0] += n
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(in_flight) as pool:
+        list(pool.map(worker, range(in_flight)))
+    elapsed = time.perf_counter() - t0
+    os.close(fd)
+    return done[0] / elapsed
+
+
+def memory_bandwidth(nbytes: int = 512 << 20, repeats: int = 3) -> float:
+    """Bytes/s moved by a large copy (read + write), best of `repeats`."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = max(best, 2 * nbytes / (time.perf_counter() - t0))
+    return best
+
+
+def skew_routers(path: Path, skew: float, seed: int = 0, undo: bool = False) -> int:
+    """Scale the router rows in place as `synth --router-skew` does (or back); returns tensors changed."""
+    from strata import synth
+    from strata.gguf.reader import GGUFFile
+
+    file = GGUFFile(path)
+    names = sorted((n for n in file.tensors if n.endswith("ffn_gate_inp.weight")),
+                   key=lambda n: int(n.split(".")[1]))
+    infos = [file.tensors[n] for n in names]
+    del file
+    rng = np.random.default_rng([seed, 1])
+    with open(path, "r+b") as f:
+        for info in infos:
+            scale = synth.router_scales(info.shape[0], skew, rng)
+            f.seek(info.offset)
+            rows = np.frombuffer(f.read(info.n_bytes), dtype=np.float32).reshape(info.shape)
+            rows = rows / scale[:, None] if undo else rows * scale[:, None]
+            f.seek(info.offset)
+            f.write(rows.astype(np.float32).tobytes())
+    os.sync()
+    return len(infos)
+
+
+def run(path: Path, ram: str, threads: int, n_prompt: int, n_new: int) -> dict:
+    opts = {"ram_memory": ram, "pin_experts": "auto", "experts_cache": "auto", "cpu_threads": threads}
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(path), json.dumps(opts), str(n_prompt), str(n_new)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watch = AnonPeak(proc.pid, 0.02)
+    out, err = proc.communicate()
+    peak = watch.stop()
+    if proc.returncode != 0:
+        raise SystemExit(f"run failed (rc {proc.returncode}): {err[-3000:]}")
+    r = json.loads(out.strip().splitlines()[-1])
+    r["peak_anon"] = peak
+    return r
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--ram-memory", default="9G")
+    ap.add_argument("--tokens", type=int, default=12, help="tokens to generate per run")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skew", type=float, default=0.0, help="also run with the routers skewed by S")
+    args = ap.parse_args(argv)
+    path = Path(args.model)
+    budget = parse_size(args.ram_memory, "--ram-memory")
+    print(f"# {path.name}: {format_size(path.stat().st_size)}; load average {os.getloadavg()[0]:.2f} "
+          f"(shared machine: 2 cores, other engineers' jobs running)")
+    disk = disk_bandwidth(path)
+    mem = memory_bandwidth()
+    print(f"# disk {disk / 1e9:.2f} GB/s (2 MiB O_DIRECT random reads, 8 in flight); memory {mem / 1e9:.1f} GB/s "
+          f"(512 MiB copy)")
+    rows = []
+    for skew in [0.0] + ([args.skew] if args.skew else []):
+        if skew:
+            skew_routers(path, skew)
+        try:
+            r = run(path, args.ram_memory, args.threads, args.prompt_tokens, args.tokens)
+        finally:
+            if skew:
+                skew_routers(path, skew, undo=True)
+        r["skew"] = skew
+        rows.append(r)
+        print(f"# run skew={skew}: {r['summary']}", flush=True)
+    dense = rows[0]["memory"]["dense"]
+    table = [("router skew", lambda r: f"{r['skew']:g}"),
+             ("load s", lambda r: f"{r['load_s']:.1f}"),
+             ("time to first token s", lambda r: f"{r['ttft_s']:.1f}"),
+             ("  limit: (dense + prefill reads) / disk s",
+              lambda r: f"{(dense + r['prefill_bytes']) / disk:.1f}"),
+             (f"prefill tok/s ({args.prompt_tokens} tokens)", lambda r: f"{r['prefill_tok_s']:.2f}"),
+             (f"decode tok/s ({args.tokens} tokens)", lambda r: f"{r['decode_tok_s']:.3f}"),
+             ("  disk limit: disk bw / bytes read per token",
+              lambda r: f"{disk / max(r['decode_bytes_per_token'], 1):.3f}"),
+             ("  decode / disk limit", lambda r: f"{r['decode_tok_s'] * r['decode_bytes_per_token'] / disk:.0%}"),
+             ("  limit with dense weights at memory bw", lambda r: f"{1 / (r['decode_bytes_per_token'] / disk + dense / mem):.3f}"),
+             ("disk MiB read per decoded token", lambda r: f"{r['decode_bytes_per_token'] / 2**20:.0f}"),
+             ("RAM-cache hit rate (decode)", lambda r: f"{r['decode_hit_rate']:.1%}"),
+             ("reads started ahead per token", lambda r: f"{r['read_ahead_per_token']:.0f}"),
+             ("most reads in flight", lambda r: f"{r['max_in_flight']}"),
+             ("time waiting for reads per token s", lambda r: f"{r['decode_wait_s_per_token']:.2f}"),
+             ("context chosen", lambda r: f"{r['ctx']}"),
+             ("peak anonymous RSS GiB", lambda r: f"{r['peak_anon'] / 2**30:.2f}"),
+             ("  of which interpreter + libraries GiB", lambda r: f"{r['base'] / 2**30:.2f}"),
+             ("  --ram-memory GiB (+5 %)", lambda r: f"{budget / 2**30:.2f} ({1.05 * budget / 2**30:.2f})"),
+             ("  planned GiB", lambda r: f"{r['memory']['total'] / 2**30:.2f}")]
+    width = max(len(name) for name, _ in table)
+    print()
+    for name, cell in table:
+        print(f"{name:<{width}}  " + "  ".join(f"{cell(r):>12}" for r in rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
