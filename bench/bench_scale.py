@@ -58,7 +58,7 @@ CHILD = textwrap.dedent("""
     homes = [h for h in {id(h): h for h in engine.tiers.homes.values()}.values() if h.kind == "disk"]
     def counters():
         return (sum(h.reader.bytes_read for h in homes), sum(h.hits for h in homes), sum(h.misses for h in homes),
-                sum(h.wait_s for h in homes), sum(h.read_ahead for h in homes))
+                sum(h.wait_s for h in homes), sum(h.read_ahead for h in homes), sum(h.ahead_used for h in homes))
     ids = [(7 * i + 3) % engine.config.vocab_size for i in range(n_prompt)]
     t1 = time.perf_counter()
     first = None
@@ -77,8 +77,9 @@ CHILD = textwrap.dedent("""
         "base": base, "load_s": load_s, "prefill_s": first - t1, "ttft_s": first - t0,
         "prefill_tok_s": n_prompt / (first - t1), "decode_tok_s": (len(out) - 1) / (end - first),
         "prefill_bytes": at_first[0], "decode_bytes_per_token": d[0] / n_dec,
-        "decode_hit_rate": d[1] / max(d[1] + d[2], 1), "decode_wait_s_per_token": d[3] / n_dec,
-        "read_ahead_per_token": d[4] / n_dec, "memory": engine.memory.as_dict(), "ctx": engine.ctx_size,
+        "decode_hit_rate": d[1] / max(d[1] + d[2] + d[5], 1), "decode_ahead_rate": d[5] / max(d[1] + d[2] + d[5], 1),
+        "decode_wait_s_per_token": d[3] / n_dec, "read_ahead_per_token": d[4] / n_dec,
+        "ahead_used_per_token": d[5] / n_dec, "memory": engine.memory.as_dict(), "ctx": engine.ctx_size,
         "max_in_flight": max((h.get("max_reads_in_flight", 0) for h in homes_stats), default=0),
         "summary": engine.summary(), "tokens": out}))
 """)
@@ -201,7 +202,9 @@ def main(argv=None) -> int:
              ("  limit with dense weights at memory bw", lambda r: f"{1 / (r['decode_bytes_per_token'] / disk + dense / mem):.3f}"),
              ("disk MiB read per decoded token", lambda r: f"{r['decode_bytes_per_token'] / 2**20:.0f}"),
              ("RAM-cache hit rate (decode)", lambda r: f"{r['decode_hit_rate']:.1%}"),
-             ("reads started ahead per token", lambda r: f"{r['read_ahead_per_token']:.0f}"),
+             ("  uses served by a read ahead", lambda r: f"{r['decode_ahead_rate']:.1%}"),
+             ("reads started ahead per token (used)",
+              lambda r: f"{r['read_ahead_per_token']:.0f} ({r['ahead_used_per_token']:.0f})"),
              ("most reads in flight", lambda r: f"{r['max_in_flight']}"),
              ("time waiting for reads per token s", lambda r: f"{r['decode_wait_s_per_token']:.2f}"),
              ("context chosen", lambda r: f"{r['ctx']}"),

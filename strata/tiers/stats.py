@@ -88,7 +88,8 @@ def describe(tiers: dict) -> str:
     for home in tiers.get("homes", []):
         if home.get("home") == "disk":
             lines.append(f"[disk home: {home['bytes_read'] / 2**20:.1f} MiB read in {home['disk_reads']} reads "
-                         f"({home.get('read_ahead', 0)} started ahead from predictions, up to "
+                         f"({home.get('read_ahead', 0)} started ahead from predictions, "
+                         f"{home.get('read_ahead_used', 0)} of them used, up to "
                          f"{home.get('max_reads_in_flight', 0)} in flight on {home.get('readers', 1)} readers, "
                          f"{home.get('read_wait_s', 0.0):.2f} s waited), "
                          f"RAM cache hit rate {home['ram_cache_hit_rate']:.1%}]")

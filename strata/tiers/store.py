@@ -191,6 +191,8 @@ class DiskHome:
         self.held = 0
         self.hits = self.misses = 0
         self.read_ahead = 0  # reads started from a prediction, before the layer asked
+        self.ahead: dict[tuple[int, int], bool] = {}  # read ahead and not used yet
+        self.ahead_used = 0  # uses served by a read ahead (the first use after it)
         self.wait_s = 0.0  # time compute threads waited for a read
         self.reading = self.max_reading = 0  # reads in progress now / at most
         self._lock = threading.Lock()
@@ -203,17 +205,26 @@ class DiskHome:
                 if key in self.entries or key in self.inflight:
                     continue
                 self.inflight[key] = self.pool.submit(self._fetch, key)
-                self.read_ahead += ahead
+                if ahead:
+                    self.read_ahead += 1
+                    self.ahead[key] = True
 
     def parts(self, layer: int, e: int) -> tuple[torch.Tensor, ...]:
         key = (layer, e)
         with self._lock:
             flat = self.entries.get(key)
+            ahead = self.ahead.pop(key, False)
             if flat is not None:
                 self.entries.move_to_end(key)
-                self.hits += 1
+                if ahead:
+                    self.ahead_used += 1  # a read a prediction started, here in time: not a cache hit
+                else:
+                    self.hits += 1
                 return self.formats[layer].split(flat)
-            self.misses += 1
+            if ahead:
+                self.ahead_used += 1
+            else:
+                self.misses += 1
             future = self.inflight.get(key)
             if future is None:
                 future = self.inflight[key] = self.pool.submit(self._fetch, key)
@@ -250,8 +261,9 @@ class DiskHome:
         self.entries[key] = flat
         self.held += flat.numel()
         while self.held > self.capacity and len(self.entries) > 1:
-            _, old = self.entries.popitem(last=False)
+            gone, old = self.entries.popitem(last=False)
             self.held -= old.numel()
+            self.ahead.pop(gone, None)  # a read ahead evicted unused: a wasted read
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -261,10 +273,12 @@ class DiskHome:
         return self.reader.bytes_read
 
     def stats(self) -> dict:
-        total = self.hits + self.misses
+        total = self.hits + self.misses + self.ahead_used
         return {"home": "disk", "ram_cache_bytes": self.capacity, "ram_cache_held": self.held,
-                "ram_cache_hits": self.hits, "disk_reads": self.misses,
+                "ram_cache_hits": self.hits, "disk_reads": self.misses + self.read_ahead,
                 "ram_cache_hit_rate": self.hits / total if total else 0.0,
+                "read_ahead_used": self.ahead_used,
+                "read_ahead_in_time": self.ahead_used / total if total else 0.0,
                 "bytes_read": self.reader.bytes_read, "device_bytes_read": self.reader.device_bytes,
                 "o_direct": self.reader.direct, "readers": self.readers, "read_ahead": self.read_ahead,
                 "max_reads_in_flight": self.max_reading, "read_wait_s": self.wait_s}
