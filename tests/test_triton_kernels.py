@@ -142,6 +142,38 @@ def test_grouped_product_matches_reference_moe(qtypes, ffn, layout):
     assert got[2].abs().max() > 0  # token 2 still gets expert 3
 
 
+@pytest.mark.parametrize("qtypes", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.F32, T.F32, T.F32)], ids=["q4_k-q6_k", "f32"])
+def test_resident_experts_op_matches_reference(qtypes):
+    """`strata::experts` (the device-resident MoE: pair metadata built on the device, no read back):
+    Triton from the stacked blocks, or gathered float experts, equal the reference grouped product."""
+    from strata.kernels.gpu import ops  # noqa: F401
+
+    n_experts, hidden, ffn = 6, 256, 256
+    if qtypes[0] == T.F32:
+        g = torch.Generator().manual_seed(11)
+        stacked = tuple(QTensor.from_float(torch.randn(s, generator=g).to(DEVICE) / 16)
+                        for s in ((n_experts, ffn, hidden), (n_experts, ffn, hidden), (n_experts, hidden, ffn)))
+    else:
+        stacked = stacked_experts(qtypes, n_experts, hidden, ffn, seed=11)
+    x = torch.randn(3, hidden, device=DEVICE)
+    ids = torch.tensor([[0, 2], [2, 5], [1, 3]], device=DEVICE)
+    weights = torch.rand(3, 2, device=DEVICE)
+    dense = [tuple(q.dequantize()[e] for q in stacked) for e in range(n_experts)]
+    ref = run_experts(x, ids, weights, lambda e: dense[e])
+    g, u, d = stacked
+    got = torch.ops.strata.experts(x, ids, weights, g.raw, u.raw, d.raw, [int(q) for q in qtypes], hidden, ffn)
+    assert rel_err(got, ref) < 1e-3
+
+
+def test_qmatmul_op_matches_reference():
+    from strata.kernels.gpu import ops  # noqa: F401
+
+    w = random_qtensor(T.Q4_K, (64, 512), seed=12)
+    x = torch.randn(2, 512, device=DEVICE)
+    got = torch.ops.strata.qmatmul(x, w.raw, int(w.qtype), 512)
+    assert rel_err(got, x @ w.dequantize().T) < 1e-3
+
+
 def test_expert_pairs_are_grouped_by_expert():
     ids = torch.tensor([[4, 1], [1, 7], [4, 0]])
     tok, flat, expert = gpu.expert_pairs(ids, {1, 4})

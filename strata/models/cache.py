@@ -13,25 +13,68 @@ import torch
 import torch.nn.functional as F
 
 
+_HOST = torch.device("cpu")
+
+
 @dataclass(slots=True)
 class StepInfo:
-    """What one forward adds: `n_new[b]` real tokens per row, written after `start[b]`."""
+    """What one forward adds: `n_new[b]` real tokens per row, written after `start[b]`.
 
-    start: torch.Tensor  # (B,) cache length before this step
-    n_new: torch.Tensor  # (B,) valid new tokens in each row
+    `start` and `n_new` stay on the host, so every shape and length decision (cache growth,
+    the last real position, whether a row is padded) is made without reading the device;
+    `device` is where the index tensors a layer needs (positions, masks) are built, and
+    `on(device)` gives the same step for a layer on another device.
+    """
+
+    start: torch.Tensor  # (B,) cache length before this step, on the host
+    n_new: torch.Tensor  # (B,) valid new tokens in each row, on the host
     width: int  # T, the padded number of new tokens
+    device: torch.device = _HOST
+
+    def on(self, device: torch.device) -> "StepInfo":
+        return self if device == self.device else StepInfo(self.start, self.n_new, self.width, device)
+
+    @property
+    def end(self) -> int:
+        """The longest row's length after this step (a host value: no device read)."""
+        return int((self.start + self.width).max())
+
+    @property
+    def all_real(self) -> bool:
+        """No padded position in this step (every decode step of a batch of single tokens)."""
+        return bool((self.n_new == self.width).all())
 
     @property
     def positions(self) -> torch.Tensor:  # (B, T)
-        return self.start[:, None] + torch.arange(self.width)
+        return _to(self.start[:, None] + torch.arange(self.width), self.device)
 
     @property
     def token_mask(self) -> torch.Tensor:  # (B, T) True where the token is real
-        return torch.arange(self.width)[None, :] < self.n_new[:, None]
+        return _to(torch.arange(self.width)[None, :] < self.n_new[:, None], self.device)
 
     def attention_mask(self, n_keys: int) -> torch.Tensor:  # (B, 1, T, S) True = may attend
-        keys = torch.arange(n_keys)[None, None, :]
+        keys = torch.arange(n_keys, device=self.device)[None, None, :]
         return (keys <= self.positions[:, :, None])[:, None]
+
+    def last_real(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 1, ...) each row's last real position of x (B, T, ...), indexed on x's device."""
+        rows = torch.arange(x.shape[0], device=x.device)
+        return x[rows, _to((self.n_new - 1).clamp(min=0), x.device)][:, None]
+
+
+def sdpa(q, k, v, mask, enable_gqa: bool) -> torch.Tensor:
+    """Attention; off the CPU through the `strata::attention` custom op, whose fake implementation
+    lets a device step be checked (and traced) without a device."""
+    if q.device.type == "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+    from strata.kernels.gpu import ops  # noqa: F401  (registers torch.ops.strata.*)
+
+    return torch.ops.strata.attention(q, k, v, mask, enable_gqa)
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host-built index tensor on `device`: asynchronous, so the host never waits."""
+    return t if device == t.device else t.to(device, non_blocking=True)
 
 
 class KVCache:
@@ -44,7 +87,7 @@ class KVCache:
     def update_and_fetch(self, k: torch.Tensor, v: torch.Tensor, step: StepInfo):
         """Write this step's `(B, H, T, D)` keys/values at each row's offset; return all keys."""
         b, h, t, _ = k.shape
-        end = int((step.start + t).max())
+        end = step.end
         self._reserve(b, h, end, k, v)
         if b == 1:  # one row (every decode step of a single request): a slice, not a scatter
             self.k[:, :, end - t:end] = k
@@ -61,10 +104,10 @@ class KVCache:
         (causal, and where `allowed` `(B, 1, T, S)` says, as a QSA indexer's choice). Every
         attention cache, tiered ones included, offers this."""
         keys, values = self.update_and_fetch(k, v, step)
-        mask = step.attention_mask(keys.shape[2]).to(q.device)  # (B, 1, T, S)
+        mask = _to(step.attention_mask(keys.shape[2]), q.device)  # (B, 1, T, S)
         if allowed is not None:
             mask = mask & allowed
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[1])
+        return sdpa(q, keys, values, mask, q.shape[1] != keys.shape[1])
 
     def _reserve(self, b, h, end, k, v):
         cap = 0 if self.k is None else self.k.shape[2]

@@ -167,8 +167,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, cache: GDNCache, step: StepInfo, rope_cs=None, tap=None):
         b, t, _ = x.shape
         cache.ensure(b, self.kernel, self.conv_dim, self.nv, self.dk, self.dv, x.dtype, x.device)
-        real = step.token_mask.to(x.device)  # (B, T)
-        qkv = F.silu(self._conv(apply_linear(x, self.wqkv), cache, step.n_new.to(x.device)))
+        real = step.token_mask.to(x.device, non_blocking=True)  # (B, T)
+        qkv = F.silu(self._conv(apply_linear(x, self.wqkv), cache, step.n_new.to(x.device, non_blocking=True)))
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(b, t, self.nk, self.dk)
         k = k.reshape(b, t, self.nk, self.dk)
@@ -180,7 +180,7 @@ class GatedDeltaNet(nn.Module):
         start = cache.state
         out, cache.state = gated_delta_rule(q, k, v, g, beta, start, self.chunk, recurrent=cache.tracking)
         if cache.tracking:
-            cache.pending = _Undo(start, q, k, v, g, beta, cache.window, step.n_new.to(x.device))
+            cache.pending = _Undo(start, q, k, v, g, beta, cache.window, step.n_new.to(x.device, non_blocking=True))
         z = apply_linear(x, self.wz).reshape(b, t, self.nv, self.dv)
         out = gated_rms_norm(out.to(x.dtype), z, self.norm, self.eps, self.gate_act)
         if tap is not None:

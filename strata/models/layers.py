@@ -138,6 +138,12 @@ class ResidentExperts:
                 self.down[e].dequantize(dtype))
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":  # experts resident on the device: one custom op, nothing read back
+            from strata.kernels.gpu import ops  # noqa: F401  (registers torch.ops.strata.*)
+
+            g, u, d = self.gate, self.up, self.down
+            return torch.ops.strata.experts(x, ids, weights, g.raw, u.raw, d.raw,
+                                            [int(g.qtype), int(u.qtype), int(d.qtype)], g.shape[2], g.shape[1])
         if kernels.experts_fast_ok(x, self.gate, self.up, self.down):
             return kernels.run_experts_fast(x, ids, weights, lambda e: (self.gate[e], self.up[e], self.down[e]))
         return run_experts(x, ids, weights, lambda e: self.expert_weights(e, x.dtype))

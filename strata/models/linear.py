@@ -35,6 +35,14 @@ def keeps_quantized(t: QTensor) -> bool:
     return t.qtype not in FLOAT_TYPES and kernels.has_kernel(t.qtype)
 
 
+def _device_qmatmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """x W^T on the device through the `strata::qmatmul` custom op (Triton from the blocks)."""
+    from strata.kernels.gpu import ops  # noqa: F401  (registers torch.ops.strata.*)
+
+    flat = x.reshape(-1, x.shape[-1])
+    return torch.ops.strata.qmatmul(flat, w.raw, int(w.qtype), w.shape[-1]).reshape(*x.shape[:-1], w.shape[0])
+
+
 def apply_linear(x: torch.Tensor, w: Linear | torch.Tensor) -> torch.Tensor:
     """x W^T for a `Linear` or a plain weight tensor (a layer whose weights a subclass regroups
     as floats at load holds either)."""
@@ -114,6 +122,9 @@ class Linear(_StoredWeight):
                 y = F.linear(x.to(w.dtype), w).to(x.dtype)
                 return y if self.bias is None else y + self.bias
             return F.linear(x, w, self.bias)
+        if x.device.type != "cpu":  # on the device: the Triton kernel reads the blocks, nothing is dequantized
+            y = _device_qmatmul(x, w)
+            return y if self.bias is None else y + self.bias
         y = kernels.try_qmatmul(x, w)  # None: prefill, another device, no kernel, or kernels off
         if y is not None:
             return y if self.bias is None else y + self.bias
@@ -129,9 +140,14 @@ class Linear(_StoredWeight):
             return [Linear(t) for t in regroup(w)]
         return [Linear(QTensor(t.contiguous(), w.qtype, (t.shape[0], w.shape[-1]))) for t in regroup(w.raw)]
 
-    def to_device(self, device: torch.device) -> Linear:
+    def to_device(self, device: torch.device, dequantize: torch.dtype | None = None) -> Linear:
+        """Move to `device`; with `dequantize`, a quantized W becomes a float tensor of that dtype
+        there, once (the plan's choice when the device has room for dense weights)."""
         if self.bias is not None:
             self.bias = self.bias.to(device)
+        if dequantize is not None and self.quantized:
+            self.weight = self.weight.to(device).dequantize(dequantize)
+            return self
         return super().to_device(device)
 
     def _repr_extra(self) -> str:
@@ -190,9 +206,9 @@ class Embedding(_StoredWeight):
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if not isinstance(w, QTensor):
-            return F.embedding(ids, w).to(self.dtype)
+            return F.embedding(ids.to(w.device, non_blocking=True), w).to(self.dtype)  # host ids: never read back
         hidden = w.shape[-1]
-        rows = w.raw[ids.reshape(-1).to(w.raw.device)]  # (N, row_bytes)
+        rows = w.raw[ids.reshape(-1).to(w.raw.device, non_blocking=True)]  # (N, row_bytes)
         out = quant.dequantize(rows, w.qtype, (rows.shape[0], hidden)).to(self.dtype)
         return out.reshape(*ids.shape, hidden)
 

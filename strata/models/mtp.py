@@ -114,7 +114,7 @@ class MTPHead(nn.Module):
         x = self.block(x, cache.layers[0], step, self.rope.cos_sin(step.positions), tap)
         cache.advance(step)
         if last_only:
-            x = x[torch.arange(x.shape[0]), (step.n_new - 1).clamp(min=0)][:, None]
+            x = step.last_real(x)
         g = self.norm(x)
         return F.linear(g, self.head), g
 

@@ -45,7 +45,7 @@ class IndexKeys:
     def update_index_keys(self, k: torch.Tensor, step: StepInfo) -> torch.Tensor:
         """Write this step's (B, T, d) raw indexer keys at each row's offset; return (B, S, d)."""
         b, t, d = k.shape
-        end = int((step.start + t).max())
+        end = step.end
         cap = 0 if self.ik is None else self.ik.shape[1]
         if end > cap:
             grown = k.new_zeros(b, max(end, 2 * cap, 16), d)
@@ -102,26 +102,28 @@ class QSAIndexer(nn.Module):
         """(B, 1, T, S) keys each query may attend to (before the causal mask), or None for all."""
         b, t, _ = x.shape
         keys = cache.update_index_keys(self.wk(x), step)  # raw: (B, S, d)
-        positions = step.positions.to(x.device)
-        complete = (positions + 1) // self.ratio  # (B, T) complete blocks each query sees
-        if not bool((complete > self.top_blocks).any()):
+        host = step.on(torch.device("cpu"))  # which blocks exist is host bookkeeping: decided without a read
+        complete_host = (host.positions + 1) // self.ratio  # (B, T) complete blocks each query sees
+        if not bool((complete_host > self.top_blocks).any()):
             return None  # within budget everywhere: dense
+        complete = complete_host.to(x.device, non_blocking=True)
         q = self.q_norm(self.wq(x).view(b, t, self.n_heads, self.dim))
         q = self.rope.apply(q, *rope_cs)
-        n_blocks = int(complete.max())
+        n_blocks = int(complete_host.max())
         r = self.ratio
         pooled = keys[:, :n_blocks * r].reshape(b, n_blocks, r, self.dim).float().mean(2).to(keys.dtype)
         block_pos = (torch.arange(n_blocks) * r)[None].expand(b, -1)  # where the rope's tables live
         cos, sin = self.rope.cos_sin(block_pos)
-        block_keys = self.rope.apply(self.k_norm(pooled)[:, :, None], cos.to(x.device), sin.to(x.device))[:, :, 0]
+        block_keys = self.rope.apply(self.k_norm(pooled)[:, :, None], cos.to(x.device, non_blocking=True),
+                                     sin.to(x.device, non_blocking=True))[:, :, 0]
         scores = torch.einsum("bthd,bnd->btnh", q.float(), block_keys.float())
         scores = scores.relu().sum(-1) / math.sqrt(self.dim)  # (B, T, n_blocks)
         chosen = torch.arange(n_blocks, device=x.device) < complete[..., None]  # all complete blocks
         k = self.top_blocks
         for row in range(b):
-            counts = complete[row]
+            counts = complete_host[row]
             for n in torch.unique(counts[counts > k]).tolist():
-                queries = (counts == n).nonzero().flatten()
+                queries = (counts == n).nonzero().flatten().to(x.device, non_blocking=True)
                 top = scores[row, queries, :n].topk(k, dim=-1).indices
                 picked = torch.zeros(len(queries), n_blocks, dtype=torch.bool, device=x.device)
                 chosen[row, queries] = picked.scatter_(1, top, True)

@@ -88,7 +88,7 @@ class PLE(nn.Module):
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
         gated = torch.sigmoid(gate) * F.linear(emb, self.value).unsqueeze(-2)  # (B, T, hc, hidden)
         normed = grouped_rms_norm(gated.flatten(-2), self.norm_conv, self.hidden, self.eps)
-        return gated.flatten(-2) + F.silu(self._conv(normed, cache, step.n_new.to(x.device)))
+        return gated.flatten(-2) + F.silu(self._conv(normed, cache, step.n_new.to(x.device, non_blocking=True)))
 
     def _conv(self, x: torch.Tensor, cache: PLECache, n_new: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv dilated by the n-gram size over [state, x]; keeps each row's last
@@ -148,7 +148,7 @@ class Block(nn.Module):
         x = HyperConnection.combine(x, self.attn(mixed, cache, step, rope_cs, tap), weights)
         tap("ffn_inp", x)
         mixed, weights = self.ffn_hc.mix(x)
-        out = self.ffn(mixed, step.token_mask.to(x.device), tap)
+        out = self.ffn(mixed, None if step.all_real else step.token_mask.to(x.device, non_blocking=True), tap)
         tap("ffn_moe_out", out)
         return HyperConnection.combine(x, out, weights)
 
@@ -220,16 +220,20 @@ class Model(nn.Module):
             emb = None
             if i == self.ple_layer:
                 reads, real = pending
-                emb = x.new_zeros(*tokens.shape, c.ple_embed_dim)
-                emb[real.to(x.device)] = reads.result(x.dtype).flatten(-2).to(x.device)
+                rows = reads.result(x.dtype).flatten(-2).to(x.device, non_blocking=True)  # host rows: no read back
+                if step.all_real:
+                    emb = rows.reshape(*tokens.shape, c.ple_embed_dim)
+                else:
+                    emb = x.new_zeros(*tokens.shape, c.ple_embed_dim)
+                    emb[real.to(x.device)] = rows
             x = block(x, layer_cache, step, rope_cs, _prefixed(tap, i), emb)
             tap(f"l_out-{i}", x)
         cache.advance(step)
         if hidden:
             h = self.output_mixer(x)
-            last = h[torch.arange(x.shape[0]), (step.n_new - 1).clamp(min=0)][:, None] if last_only else h
+            last = step.last_real(h) if last_only else h
             return F.linear(last, self.output), h
         if last_only:
-            x = x[torch.arange(x.shape[0]), (step.n_new - 1).clamp(min=0)][:, None]
+            x = step.last_real(x)
         x = self.output_mixer(x)
         return F.linear(x, self.output)

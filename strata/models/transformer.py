@@ -27,8 +27,13 @@ class MoE(nn.Module):
         self.route = route  # logits -> (ids, weights), the architecture's rule
         self.shared = shared  # an always-on expert added to the routed sum (e.g. `SharedExpert`)
 
-    def forward(self, x: torch.Tensor, token_mask: torch.Tensor, tap: Tap = no_tap) -> torch.Tensor:
-        flat = x[token_mask]  # (N, hidden): real tokens only
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None, tap: Tap = no_tap) -> torch.Tensor:
+        """`token_mask` None: every position is real (decode), so no boolean index (a device
+        read, as its size depends on the data) is needed."""
+        if token_mask is None:
+            flat = x.reshape(-1, x.shape[-1])
+        else:
+            flat = x[token_mask]  # (N, hidden): real tokens only
         logits = F.linear(flat.float(), self.router.float())  # fp32, as llama.cpp: bf16 flips near-ties
         ids, weights = self.route(logits)
         weights = weights.to(flat.dtype)
@@ -36,6 +41,8 @@ class MoE(nn.Module):
         routed = self.experts(flat, ids, weights)
         if self.shared is not None:
             routed = routed + self.shared(flat)
+        if token_mask is None:
+            return routed.reshape(x.shape)
         out = torch.zeros_like(x)
         out[token_mask] = routed
         return out
@@ -59,7 +66,7 @@ class Block(nn.Module):
         tap("ffn_inp", h)
         normed = self.ffn_norm(h)
         if isinstance(self.ffn, MoE):
-            out = self.ffn(normed, step.token_mask, tap)
+            out = self.ffn(normed, None if step.all_real else step.token_mask, tap)
             tap("ffn_moe_out", out)
         else:
             out = self.ffn(normed)
@@ -113,10 +120,10 @@ class DecoderLM(nn.Module):
         cache.advance(step)
         if hidden:
             h = self.output_norm(x)
-            last = h[torch.arange(x.shape[0]), (step.n_new - 1).clamp(min=0)][:, None] if last_only else h
+            last = step.last_real(h) if last_only else h
             return self.output(last), h
         if last_only:  # decode and sampling need only each row's last real position
-            x = x[torch.arange(x.shape[0]), (step.n_new - 1).clamp(min=0)][:, None]
+            x = step.last_real(x)
         x = self.output_norm(x)
         return self.output(x)
 

@@ -51,6 +51,30 @@ def _grouped(x, ids, weights, experts: set[int], forward) -> torch.Tensor:
     return out
 
 
+def read_routing(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+    """The one device-to-host read of a tiered MoE layer's step: its routing ids (which experts,
+    so which slots, copies and CPU work), with the router weights and the tokens' hidden states
+    the CPU lane multiplies, copied together and waited for once. CPU tensors come back as they are.
+
+    Every host read of a tiered step goes through here (`HybridExecutor.read_host`), so tests count
+    them and, under fake CUDA tensors, stand in for the values a device would return."""
+    if x.device.type == "cpu":
+        return x, ids, weights
+    host = tuple(t.to("cpu", non_blocking=True) for t in (x, ids, weights))
+    if x.is_cuda:
+        torch.cuda.current_stream(x.device).synchronize()
+    return host
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host result onto the device without waiting for it there (pinned, asynchronous copy)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 class CpuLane:
     """`threads` workers computing missed experts where their weights live (RAM or disk)."""
 
@@ -87,20 +111,24 @@ class HybridExecutor:
         self.stats, self.n_experts, self.device, self.tracer = stats, n_experts, device, tracer
         self.prefill = False  # set per forward: prefill misses go to the reserved slots
         self.positions = None
+        self.read_host = read_routing  # the seam every host read of a tiered step goes through
+        self.host_reads = 0
 
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             experts: set[int] | None = None) -> torch.Tensor:
         """The layer's output over the routed experts (only those in `experts`, when given: a shard)."""
+        x_host, ids_host, weights_host = self.read_host(x, ids, weights)  # the step's one read back
+        self.host_reads += 1
         if self.tracer is not None:
-            self.tracer.record(layer, self.positions, ids, weights)
-        used = torch.unique(ids).tolist()
+            self.tracer.record(layer, self.positions, ids_host, weights_host)
+        used = torch.unique(ids_host).tolist()
         if experts is not None:
             used = [e for e in used if e in experts]
         on_device, on_cpu = self._split(layer, used)
-        futures = self.lane.submit(layer, x, ids, weights, on_cpu)  # starts now, runs beside the device
-        out = self._device(layer, x, ids, weights, set(on_device))
-        for f in futures:
-            out += f.result().to(out.device)
+        futures = self.lane.submit(layer, x_host, ids_host, weights_host, on_cpu)  # runs beside the device
+        out = self._device(layer, x, ids, weights, set(on_device), ids_host)
+        for f in futures:  # the host waits for its own threads; the device queue is not synchronised
+            out = out + to_device(f.result(), out.device)
         return out.to(x.device)
 
     def _split(self, layer: int, used: list[int]) -> tuple[list[int], list[int]]:
@@ -115,7 +143,7 @@ class HybridExecutor:
         self.stats.step(layer, keys, hits, copied, cpu, self.formats[layer].nbytes)
         return [k - base for k in hits + copied], [k - base for k in cpu]
 
-    def _device(self, layer, x, ids, weights, experts: set[int]) -> torch.Tensor:
+    def _device(self, layer, x, ids, weights, experts: set[int], ids_host=None) -> torch.Tensor:
         if not experts:
             return torch.zeros_like(x, device=self.device)
         fmt, home = self.formats[layer], self.homes[layer]
@@ -126,7 +154,7 @@ class HybridExecutor:
             parts = lambda e: self.cache.parts(base + e, fmt)  # noqa: E731
         x, ids, weights = x.to(self.device), ids.to(self.device), weights.to(self.device)
         if gpu_kernels.applies(x, *(p.qtype for p in fmt.parts)):  # Triton, from the slots' blocks
-            return gpu_kernels.expert_product(x, ids, weights, experts, fmt, parts)
+            return gpu_kernels.expert_product(x, ids, weights, experts, fmt, parts, ids_host)
         return expert_product(x, ids, weights, experts, fmt, parts)
 
 

@@ -1,10 +1,13 @@
-"""Put the blocks the plan homes on the device there (`--gpu-layers`), without touching model code.
+"""Put what the plan homes on the device there (`--gpu-layers`), without touching model code.
 
-A block whose non-expert weights live on the device gets its tensors moved and two hooks:
-inputs (hidden state, step bookkeeping, rope tables) go to the device on the way in, the
-hidden state comes back on the way out, so neighbouring RAM blocks and the engine's
-generate loop see CPU tensors as before. Experts are not touched: the executor serves them.
-Only CUDA needs this; on the CPU-simulated device the blocks already run where they live.
+A block whose non-expert weights live on the device has its tensors moved; with every block
+there (`--gpu-layers all`, or auto when they fit) the embedding, final norm and output head move
+too, so the hidden state never leaves the device in a step. Each block (and the head) gets a
+pre-hook that moves its inputs to where it lives only when they are elsewhere: a copy at each
+boundary between tiers, none inside one. Step bookkeeping stays on the host (`StepInfo`): a layer
+builds its positions and masks on its own device from it, and rope tables are moved once a step.
+Experts are not touched: the executor serves them. Only CUDA needs this; on the CPU-simulated
+device the blocks already run where they live.
 """
 
 from __future__ import annotations
@@ -12,39 +15,54 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from strata.models.cache import StepInfo
 from strata.models.linear import Embedding, Linear
 
-
-class DeviceStep(StepInfo):
-    """StepInfo whose index tensors are built on the step's own device."""
-
-    __slots__ = ()
-
-    @property
-    def positions(self) -> torch.Tensor:  # (B, T)
-        return self.start[:, None] + torch.arange(self.width, device=self.start.device)
-
-    @property
-    def token_mask(self) -> torch.Tensor:  # (B, T)
-        return torch.arange(self.width, device=self.n_new.device)[None, :] < self.n_new[:, None]
-
-    def attention_mask(self, n_keys: int) -> torch.Tensor:  # (B, 1, T, S)
-        keys = torch.arange(n_keys, device=self.start.device)[None, None, :]
-        return (keys <= self.positions[:, :, None])[:, None]
+HEAD_TENSORS = ("token_embd.weight", "output.weight")
 
 
-def place_blocks(model, plan, device: torch.device) -> list[int]:
-    """Move every block whose attention weights the plan homes on the device; returns their indices."""
+def place_blocks(model, plan, device: torch.device, dequantize: torch.dtype | None = None) -> list[int]:
+    """Move every block whose attention weights the plan homes on the device, and the embedding and
+    head when the plan homes them there too; returns the moved blocks' indices. `dequantize`: dense
+    quantized weights become floats of that dtype on the device, once (the plan's `dense_on_device`)."""
     moved = []
+    hook = _InputsTo()
     for i, block in enumerate(getattr(model, "blocks", [])):
-        if plan.homes.get(f"blk.{i}.attn_q.weight", plan.homes.get(f"blk.{i}.attn_norm.weight")) != "gpu":
-            continue
-        move_tensors(block, device, skip=_experts_of(block))
-        block.register_forward_pre_hook(_inputs_to(device))
-        block.register_forward_hook(_output_to_host)
-        moved.append(i)
+        here = _block_home(plan, i) == "gpu"
+        if here:
+            move_tensors(block, device, skip=_experts_of(block), dequantize=dequantize)
+            moved.append(i)
+        block.register_forward_pre_hook(hook.to(device if here else torch.device("cpu")))
+    if all(plan.homes.get(n, "gpu") == "gpu" for n in HEAD_TENSORS if n in plan.homes) and moved:
+        _place_head(model, device, dequantize, hook)
     return moved
+
+
+def _block_home(plan, i: int) -> str | None:
+    """Where block i's non-expert weights live: its attention's, else its first non-expert tensor's."""
+    from strata.formats.names import EXPERT_TENSOR
+
+    for name in (f"blk.{i}.attn_q.weight", f"blk.{i}.attn_norm.weight"):
+        if name in plan.homes:
+            return plan.homes[name]
+    prefix = f"blk.{i}."
+    return next((home for name, home in plan.homes.items()
+                 if name.startswith(prefix) and not EXPERT_TENSOR.match(name)), None)
+
+
+def _place_head(model, device, dequantize, hook) -> None:
+    """Embedding, final norm (or mixer) and output projection, plus a draft head reading them."""
+    for name in ("tok_embd", "output", "output_norm", "output_mixer"):
+        value = getattr(model, name, None)
+        if isinstance(value, (Linear, Embedding)):
+            value.to_device(device) if isinstance(value, Embedding) else value.to_device(device, dequantize)
+        elif isinstance(value, nn.Module):
+            move_tensors(value, device, dequantize=dequantize)
+            value.register_forward_pre_hook(lambda m, args: (args[0].to(device),) + tuple(args[1:]))
+        elif isinstance(value, torch.Tensor):
+            setattr(model, name, value.to(device))
+    mtp = getattr(model, "mtp", None)
+    if isinstance(mtp, nn.Module):
+        move_tensors(mtp, device, dequantize=dequantize)
 
 
 def _experts_of(block) -> set[int]:
@@ -53,7 +71,8 @@ def _experts_of(block) -> set[int]:
     return {id(m) for m in block.modules() if isinstance(m, Experts)}
 
 
-def move_tensors(module: nn.Module, device: torch.device, skip: set[int] = frozenset()) -> None:
+def move_tensors(module: nn.Module, device: torch.device, skip: set[int] = frozenset(),
+                 dequantize: torch.dtype | None = None) -> None:
     """Parameters, plain tensor attributes and `Linear`/`Embedding` weights (the engine keeps
     weights as all three) of every submodule."""
     for m in module.modules():
@@ -62,19 +81,28 @@ def move_tensors(module: nn.Module, device: torch.device, skip: set[int] = froze
         for name, value in list(vars(m).items()):
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
                 setattr(m, name, value.to(device))
-            elif isinstance(value, (Linear, Embedding)):  # a quantized weight moves as its blocks
+            elif isinstance(value, Linear):  # a quantized weight moves as its blocks, or dequantized once
+                value.to_device(device, dequantize)
+            elif isinstance(value, Embedding):
                 value.to_device(device)
         for name, p in list(m.named_parameters(recurse=False)):
             setattr(m, name, nn.Parameter(p.data.to(device), requires_grad=False))
 
 
-def _inputs_to(device: torch.device):
-    def hook(module, args):
-        x, cache, step, rope_cs, *rest = args
-        step = DeviceStep(step.start.to(device), step.n_new.to(device), step.width)
-        return (x.to(device), cache, step, tuple(t.to(device) for t in rope_cs), *rest)
-    return hook
+class _InputsTo:
+    """Block pre-hooks: the hidden state to the block's device when it is elsewhere; the step (host
+    bookkeeping) for that device; rope tables moved once per step and device, not once per block."""
 
+    def __init__(self):
+        self.memo: dict = {}
 
-def _output_to_host(module, args, output):
-    return output.to("cpu")
+    def to(self, device: torch.device):
+        def hook(module, args):
+            x, cache, step, rope_cs, *rest = args
+            key = (id(rope_cs), device)
+            if key not in self.memo:
+                if len(self.memo) > 8:
+                    self.memo.clear()
+                self.memo[key] = (rope_cs, tuple(t.to(device, non_blocking=True) for t in rope_cs))
+            return (x.to(device), cache, step.on(device), self.memo[key][1], *rest)
+        return hook

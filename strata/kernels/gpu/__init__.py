@@ -95,13 +95,14 @@ def qmatmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     return qmatmul_reference(x, w)
 
 
-def expert_pairs(ids: torch.Tensor, experts: set[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def expert_pairs(ids: torch.Tensor, experts: set[int], ids_host: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The (token, top-k position) pairs routed to `experts`, ordered by expert, as CPU tensors.
 
     Returns token (P,), the pair's index into ids.reshape(-1) (P,), and its expert (P,); pairs
     of one expert are adjacent, so their programs share the expert's blocks in L2.
     """
-    ids_cpu = ids.cpu().reshape(-1)
+    ids_cpu = (ids.cpu() if ids_host is None else ids_host).reshape(-1)  # the host copy: no second read
     flat = torch.isin(ids_cpu, torch.tensor(sorted(experts), dtype=ids_cpu.dtype)).nonzero().reshape(-1)
     order = torch.argsort(ids_cpu[flat], stable=True)
     flat = flat[order]
@@ -122,7 +123,7 @@ def _byte_sources(views: list[tuple[torch.Tensor, ...]]):
     return bases, torch.tensor(offsets, dtype=torch.int64).T
 
 
-def expert_product(x, ids, weights, experts: set[int], fmt, parts) -> torch.Tensor:
+def expert_product(x, ids, weights, experts: set[int], fmt, parts, ids_host=None) -> torch.Tensor:
     """SwiGLU experts for every (token, expert) pair with expert in `experts`, summed per token.
 
     x (N, hidden); ids, weights (N, k); fmt the layer's `ExpertFormat`; parts(e) the byte views
@@ -130,14 +131,15 @@ def expert_product(x, ids, weights, experts: set[int], fmt, parts) -> torch.Tens
     """
     if not applies(x, *(p.qtype for p in fmt.parts)):
         return expert_product_reference(x, ids, weights, experts, fmt, parts)
-    tok, flat, expert = expert_pairs(ids, experts)
+    tok, flat, expert = expert_pairs(ids, experts, ids_host)
     used, which = torch.unique_consecutive(expert, return_inverse=True)
     sources = _byte_sources([parts(e) for e in used.tolist()])
     if sources is None:
         return expert_product_reference(x, ids, weights, experts, fmt, parts)
     bases, offsets = sources
     # (5, P): token, index into the router's weights, gate / up / down byte offsets; one copy
-    meta = torch.cat([tok[:, None], flat[:, None], offsets[which]], dim=1).T.contiguous().to(x.device)
+    meta = torch.cat([tok[:, None], flat[:, None], offsets[which]], dim=1).T.contiguous()
+    meta = (meta.pin_memory() if x.is_cuda else meta).to(x.device, non_blocking=True)  # no stream sync
     scale = weights.reshape(-1)[meta[1]]
     y = _kernels().grouped_swiglu(x, meta[0], scale, list(zip(bases, meta[2:])), fmt.parts)  # (P, hidden)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, meta[0], y)
