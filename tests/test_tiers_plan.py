@@ -52,7 +52,7 @@ def test_plan_counts_bytes_per_tier_and_slots(gguf_path):
     assert tiers["ram"] == plan.dense_bytes("ram") + N_EXPERTS * PER_EXPERT and tiers["disk"] == 0
     assert plan.gpu_layers == 3  # auto: every block fits the 64 MiB device
     assert all(plan.homes[n] == "gpu" for n in plan.homes if n.startswith("blk.") and "_exps" not in n)
-    assert plan.homes["token_embd.weight"] == "ram"
+    assert plan.homes["token_embd.weight"] == "gpu"  # every block on the device: the head joins them
 
 
 def test_auto_cache_fills_what_the_device_has_left(gguf_path):

@@ -62,6 +62,9 @@ class Plan:
     device_is_cuda: bool = False
     memory: budget.MemoryPlan | None = None  # every RAM line, checked against ram_budget
     overrides: list[tuple[str, str, int]] = field(default_factory=list)  # regex, tier, tensors matched
+    device_reserve: dict[str, int] = field(default_factory=dict)  # kv, recurrent, activations, scratch
+    reserve_applies: bool = False  # a real device: the reserve is kept out of the expert cache
+    ctx_size: int = 0
 
     def dense_bytes(self, tier: str) -> int:
         experts = {n for layer in self.experts for n in layer.names}
@@ -75,18 +78,24 @@ class Plan:
         return self.slots * self.slot_bytes
 
     @property
+    def reserved(self) -> int:
+        """Device bytes kept for KV, state, activations and scratch (0 on the simulated device)."""
+        return sum(self.device_reserve.values()) if self.reserve_applies else 0
+
+    @property
     def n_experts(self) -> int:
         return sum(layer.n_experts for layer in self.experts)
 
     def tier_bytes(self) -> dict[str, int]:
         """What each tier holds: the device also holds the cache; RAM the disk experts' cache."""
-        return {"gpu": self.dense_bytes("gpu") + self.expert_bytes("gpu") + self.cache_bytes,
+        return {"gpu": self.dense_bytes("gpu") + self.expert_bytes("gpu") + self.cache_bytes + self.reserved,
                 "ram": self.dense_bytes("ram") + self.expert_bytes("ram") + self.ram_cache,
                 "disk": self.expert_bytes("disk")}
 
 
-def make_plan(source, config, opts, device=None) -> Plan:
-    """The plan for a model's tensors under `opts` (a TierOptions or EngineOptions)."""
+def make_plan(source, config, opts, device=None, ctx_size: int | None = None) -> Plan:
+    """The plan for a model's tensors under `opts` (a TierOptions or EngineOptions); `ctx_size`
+    (default: opts.ctx_size, else the model's context) sizes the device's KV reserve."""
     device = device or hardware.device_info()
     opts = resolve_home(source, opts)
     names = source.names()
@@ -102,10 +111,39 @@ def make_plan(source, config, opts, device=None) -> Plan:
     plan = Plan(homes, sizes, _expert_layers(source, names, homes), device.name, device_budget,
                 ram_budget, gpu_layers, n_layers, device_is_cuda=device.is_cuda,
                 overrides=[(r.pattern, t, n) for (r, t), n in zip(rules, matched)])
+    _reserve_device(plan, source, config, opts, device, ctx_size)
     _check_disk_source(plan, source)
     _size_cache(plan, opts)
     _size_ram_cache(plan, opts, source, config)
     return plan
+
+
+def _reserve_device(plan: Plan, source, config, opts, device, ctx_size) -> None:
+    """KV at the context size, recurrent state, activations and scratch (`device_budget`); kept out
+    of a CUDA device's budget before the cache is sized (the simulated device's memory is the RAM
+    those already live in). With every block on the device, the embedding and output head go there
+    too when they fit beside the reserve, so a step's hidden state never leaves it."""
+    from strata.tiers import device_budget
+
+    ctx = ctx_size or getattr(opts, "ctx_size", 0) or getattr(config, "context_length", 0) or 4096
+    elt = {"float32": 4}.get(getattr(opts, "dtype", "bfloat16"), 2)
+    chunk = min(getattr(opts, "prefill_chunk", 8192), ctx)
+    plan.ctx_size = ctx
+    plan.device_reserve = device_budget.reserve(source, config, ctx, chunk, elt, plan.device_budget)
+    plan.reserve_applies = bool(getattr(device, "is_cuda", False))
+    rules = parse_overrides(opts.override_tensor)
+    head = [n for n, home in plan.homes.items() if home == "ram" and _beside_the_head(n, plan.n_layers)
+            and not any(r.search(n) for r, _ in rules)]
+    room = plan.device_budget - plan.dense_bytes("gpu") - plan.expert_bytes("gpu") - plan.reserved
+    if plan.gpu_layers >= plan.n_layers and sum(plan.sizes[n] for n in head) <= room:
+        plan.homes.update({n: "gpu" for n in head})
+
+
+def _beside_the_head(name: str, n_layers: int) -> bool:
+    """Embedding, output norm and head, and a draft (MTP) layer's non-expert weights: blk.N for N
+    past the trunk reads the head's output, so it lives where the head does."""
+    m = LAYER_TENSOR.match(name)
+    return m is None or (int(m.group(1)) >= n_layers and not EXPERT_TENSOR.match(name))
 
 
 def _budget(text, flag: str, default: int) -> int:
@@ -205,11 +243,12 @@ def _size_cache(plan: Plan, opts) -> None:
     cacheable = [layer for layer in plan.experts if layer.home != "gpu"]
     plan.slot_bytes = max((layer.bytes_per_expert for layer in cacheable), default=0)
     n_cacheable = sum(layer.n_experts for layer in cacheable)
-    fixed = plan.dense_bytes("gpu") + plan.expert_bytes("gpu")
+    fixed = plan.dense_bytes("gpu") + plan.expert_bytes("gpu") + plan.reserved
     if fixed > plan.device_budget:
-        raise BadOption(f"the device needs {format_size(fixed)} for non-expert weights of {plan.gpu_layers} "
-                        f"layers but its budget is {format_size(plan.device_budget)}",
-                        "lower --gpu-layers (or use auto), or raise --gpu-memory")
+        kept = f" + {format_size(plan.reserved)} kept for KV, state and activations" if plan.reserved else ""
+        raise BadOption(f"the device needs {format_size(fixed - plan.reserved)} for non-expert weights of "
+                        f"{plan.gpu_layers} layers{kept} but its budget is {format_size(plan.device_budget)}",
+                        "lower --gpu-layers (or use auto), lower --ctx-size, or raise --gpu-memory")
     if not plan.slot_bytes:
         return
     free = plan.device_budget - fixed
@@ -324,6 +363,7 @@ def summary(plan: Plan) -> dict:
             "n_experts": plan.n_experts, "expert_bytes": plan.expert_bytes(),
             "bytes_per_expert": plan.slot_bytes, "experts_per_gib": per_gib, "slots": plan.slots,
             "cache_bytes": plan.cache_bytes, "prefill_reserve": plan.prefill_reserve,
-            "ram_cache": plan.ram_cache,
+            "ram_cache": plan.ram_cache, "device_reserve": dict(plan.device_reserve),
+            "reserve_applies": plan.reserve_applies, "ctx_size": plan.ctx_size,
             "memory": plan.memory.as_dict() if plan.memory else None,
             "expert_homes": dict(Counter(layer.home for layer in plan.experts))}

@@ -21,6 +21,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--auto", action="store_true",
                    help="detect RAM, device memory and disk, and choose the placement flags")
     p.add_argument("--trace", metavar="TRACE", help="predict the cache hit rate by replaying this routing trace")
+    p.add_argument("--ctx-size", type=int, default=0, help="context the device's KV reserve is sized for "
+                   "(default: the model's)")
     add_tier_args(p)
     add_parallel_args(p, plan=True)
     return p
@@ -35,7 +37,7 @@ def main(argv: list[str]) -> int:
     detected = None
     if args.auto:
         opts, detected = auto_options(source, opts, args.model)
-    plan = make_plan(source, config, opts)
+    plan = make_plan(source, config, opts, ctx_size=args.ctx_size or None)
     prediction = predict_hit_rate(args.trace, plan, opts.cache_policy) if args.trace else None
     parallel = _parallel(args, source, config, opts)
     if args.json:
@@ -97,9 +99,23 @@ def describe(plan: Plan, model: str) -> str:
         lines += [f"  RAM budget {format_size(m.budget)}: {m.describe()}",
                   f"  context {m.ctx_size}" + (" (the longest that fits the budget; --ctx-size sets it)"
                                                if m.ctx_chosen else " (--ctx-size)"), ""]
+    lines += _reserve_lines(plan)
     lines += _expert_lines(plan, s)
     lines += [f"  override {pat}={tier}: {n} tensors" for pat, tier, n in plan.overrides]
     return "\n".join(lines)
+
+
+def _reserve_lines(plan: Plan) -> list[str]:
+    """The device's reserve, one line each, before the expert cache takes the rest."""
+    r = plan.device_reserve
+    if not r:
+        return []
+    note = "" if plan.reserve_applies else " (not taken from the budget: the simulated device is RAM)"
+    return [f"  device reserve {format_size(sum(r.values()))}{note}",
+            f"    kv cache     {format_size(r['kv']):>12}  at --ctx-size {plan.ctx_size}",
+            f"    recurrent    {format_size(r['recurrent']):>12}  DeltaNet state and conv windows",
+            f"    activations  {format_size(r['activations']):>12}  one prefill chunk's widest layer",
+            f"    scratch      {format_size(r['scratch']):>12}  allocator, cuBLAS workspace, kernel tables", ""]
 
 
 def _expert_lines(plan: Plan, s: dict) -> list[str]:
