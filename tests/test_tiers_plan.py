@@ -56,11 +56,13 @@ def test_plan_counts_bytes_per_tier_and_slots(gguf_path):
 
 
 def test_auto_cache_fills_what_the_device_has_left(gguf_path):
-    small = 2 * MiB
     _, config, source, _ = open_config(gguf_path)
     cuda = DeviceInfo("test cuda", torch.device("cuda"), 64 * MiB)  # planning only: nothing is allocated
+    reserved = make_plan(source, config, TierOptions(gpu_memory="1G"), cuda).reserved  # KV, activations, scratch
+    small = 2 * MiB + reserved
     plan = make_plan(source, config, TierOptions(gpu_memory=str(small), experts_cache="auto"), cuda)
-    assert plan.slots == min((small - plan.dense_bytes("gpu")) // PER_EXPERT, N_EXPERTS)
+    assert plan.reserved == reserved
+    assert plan.slots == min((small - plan.dense_bytes("gpu") - reserved) // PER_EXPERT, N_EXPERTS)
     assert plan.tier_bytes()["gpu"] <= small
 
 

@@ -189,9 +189,9 @@ class InputPermutedLinear(Linear):
         out[:, self.order.to(w.device)] = w
         return out
 
-    def to_device(self, device: torch.device) -> InputPermutedLinear:
+    def to_device(self, device: torch.device, dequantize: torch.dtype | None = None) -> InputPermutedLinear:
         self.order = self.order.to(device)
-        return super().to_device(device)
+        return super().to_device(device, dequantize)
 
 
 class Embedding(_StoredWeight):
