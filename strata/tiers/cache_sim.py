@@ -199,6 +199,8 @@ def _prefetch_row(with_prefetch: SimResult, demand: SimResult, n_tokens: int) ->
             "prefetched": t["prefetched"], "prefetch_used": t["prefetch_hits"],
             "copies_per_token": (t["copied"] + t["prefetched"]) / max(n_tokens, 1),
             "demand_copies_per_token": d["copied"] / max(n_tokens, 1),
+            "bytes_per_token": t["bytes_copied"] / max(n_tokens, 1),
+            "demand_bytes_per_token": d["bytes_copied"] / max(n_tokens, 1),
             "extra_bytes_per_token": (t["bytes_copied"] - d["bytes_copied"]) / max(n_tokens, 1)}
 
 
@@ -281,14 +283,15 @@ def _prefetch_lines(result: dict, policies: list[str]) -> list[str]:
                          .rjust(16) for c in policies)
         lines.append(f"{row['fraction']:>6.0%} {row['slots']:>7} {cells} {row['hit_rate']['opt']:>9.1%}")
     lines += ["", (f"prefetch cost per token ({result['n_tokens']} tokens): prediction accuracy (used experts "
-              f"predicted), copies per token demand -> with prefetch, extra {unit} copied per token"),
-              f"{'size':>6} {'policy':>9} {'accuracy':>9} {'precision':>9} {'copies':>14} {'extra':>9}"]
+              f"predicted), copies and {unit} copied per token, prefetch off -> on"),
+              f"{'size':>6} {'policy':>9} {'accuracy':>9} {'precision':>9} {'copies':>14} {unit:>18}"]
     for row in rows:
         for c in policies:
             p = row["prefetch"][c]
             copies = f"{p['demand_copies_per_token']:.2f} -> {p['copies_per_token']:.2f}"
+            moved = f"{p['demand_bytes_per_token'] / scale:.3f} -> {p['bytes_per_token'] / scale:.3f}"
             lines.append(f"{row['fraction']:>6.0%} {c:>9} {p['accuracy']:>9.1%} {p['precision']:>9.1%} "
-                         f"{copies:>14} {p['extra_bytes_per_token'] / scale:>9.3f}")
+                         f"{copies:>14} {moved:>18}")
     return lines
 
 
