@@ -327,3 +327,12 @@ def test_converter_merges_per_layer_logger_files(tmp_path):
     short.write_text("\n".join(short_line for short_line in (tmp_path / "a.jsonl").read_text().splitlines()[:-1]))
     with pytest.raises(StrataError, match="differ in size"):
         _converter().convert([tmp_path / "a.jsonl", short], tmp_path / "bad.npz")
+
+
+def test_opt_fills_a_batched_step_with_the_soonest_reused():
+    """A step with more misses than slots: opt keeps those used next, so hindsight's preload cannot beat it."""
+    requests = [[1, 2, 3, 4]] + [[3, 4, 10 + i] for i in range(8)]
+    static = replay([(0, r) for r in requests], make_policy("static", 2, 1000, ranking=[3, 4]), 1000).total()
+    opt = replay([(0, r) for r in requests], Belady(2, requests, bypass=True), 1000).total()
+    assert static["hits"] == 16 and static["copied"] == 2  # the preload is paid at first use
+    assert opt["hits"] == 16

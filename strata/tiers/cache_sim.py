@@ -38,6 +38,17 @@ class Belady(Policy):
         self.i = -1
         self.due: dict[int, float] = {}  # resident key -> next use
         self.heap: list[tuple[float, int]] = []  # (-next use, key), stale entries skipped
+        self.uses: dict[int, int] = {}  # key -> requests that use it, in the whole trace
+        for keys in requests:
+            for k in keys:
+                self.uses[k] = self.uses.get(k, 0) + 1
+
+    def place(self, misses, protected, force=False, confidence=None):
+        """A step's misses in order of next use (then of how often they recur), so that when a batched
+        step brings more misses than there are slots, the free slots and evictions go to the soonest."""
+        nxt = self.next_use[self.i] if self.i >= 0 else {}
+        order = sorted(misses, key=lambda k: (nxt.get(k, math.inf), -self.uses.get(k, 0)))
+        return super().place(order, protected, force, confidence)
 
     def access(self, keys):
         self.i += 1
