@@ -116,6 +116,32 @@ def test_ggml_only_types(qtype, act_mode):
         assert rel_err(got, ref) < 1e-5
 
 
+@needs_kernels
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "IQ2_XS", "Q8_0", "IQ4_NL"])
+def test_prompt_batches_take_bf16_products(qtype, act_mode):
+    """Prompt-sized batches in "q8" mode: W dequantized by ggml to bfloat16 (each weight within
+    half a bf16 step of the exact value), one bf16 matmul; other modes keep the reference."""
+    w = random_qtensor(qtype, (40, 512), seed=5)
+    dense = w.dequantize()
+    n = kernels.BF16_MIN_ROWS[qtype]
+    x = torch.randn(n, 512)
+    ref = x @ dense.T
+    if act_mode != "q8":
+        assert kernels.try_qmatmul_bf16(x, w) is None
+        return
+    wb = kernels.dequantize_bf16(w)
+    assert wb.dtype == torch.bfloat16 and ((wb.float() - dense).abs() <= dense.abs() * 2.0**-8).all()
+    assert kernels.try_qmatmul_bf16(x[: n - 1], w) is None  # below the crossover: the 8-bit kernel
+    got = kernels.qmatmul(x, w)
+    bound = 2.0**-7 * (x.abs() @ dense.abs().T) + 1e-6  # x and W each rounded to bf16
+    assert ((got - ref).abs() <= bound).all() and rel_err(got, ref) < 1e-2
+    # an expert over a prompt-sized batch uses it too
+    g, u, d = (random_qtensor(qtype, s, seed=i) for i, s in enumerate([(256, 512), (256, 512), (512, 256)]))
+    xe = torch.randn(64, 512)
+    ye, re = kernels.expert_forward(xe, g, u, d), kernels.expert_forward_reference(xe, g, u, d)
+    assert rel_err(ye, re) < 2e-2
+
+
 def test_bad_activation_mode():
     with pytest.raises(ValueError, match="not one of"):
         kernels.set_activations("int4")

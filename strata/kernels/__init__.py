@@ -48,12 +48,23 @@ __all__ = [
     "run_experts_fast",
     "set_activations",
     "try_qmatmul",
+    "try_qmatmul_bf16",
+    "dequantize_bf16",
 ]
 
 # Above this many rows of x, dequantizing once and calling BLAS wins over decoding the blocks
 # for every 8 rows (bench/bench_kernels.py --batches: on a 2-core AVX2 box the kernel still
 # won at 96 rows of a 768x2048 Q4_K matrix; 64 leaves a margin).
 FAST_BATCH_MAX = 64
+
+# From this many rows of x on, in "q8" mode, a product dequantizes W to bfloat16 (ggml's to_float)
+# and runs one bf16 matmul (AMX) instead of the 8-bit kernel, whose time grows with every row:
+# (dequantize ms + 0.1) / (ms per row of the kernel) for a 768x2048 matrix at 1 thread
+# (bench/bench_kernels.py --bf16-crossover). IQ2/IQ3 dequantize slowly in ggml, Q8_0/Q4_K fast.
+BF16_MIN_ROWS = {"Q4_0": 16, "Q4_1": 16, "Q5_0": 20, "Q5_1": 20, "Q8_0": 8, "Q2_K": 32, "Q3_K": 28,
+                 "Q4_K": 12, "Q5_K": 12, "Q6_K": 32, "IQ2_XXS": 52, "IQ2_XS": 44, "IQ2_S": 48,
+                 "IQ3_XXS": 40, "IQ3_S": 32, "IQ1_S": 12, "IQ1_M": 12, "IQ4_NL": 20, "IQ4_XS": 24,
+                 "MXFP4": 20}
 
 # Switch for comparisons (tests, benchmarks): False sends ResidentExperts down the reference path.
 USE_KERNELS = True
@@ -237,6 +248,43 @@ def try_qmatmul(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torc
     return out if x.dtype is torch.float32 else out.to(x.dtype)
 
 
+def dequantize_bf16(w: QTensor, threads: int | None = None) -> torch.Tensor | None:
+    """W as bfloat16 by ggml's own dequantizer on the thread pool (None without ggml for its type)."""
+    lib = _build.load()
+    name = _type_name(w.qtype)
+    if lib is None or name not in _build.GGML_TYPES or len(w.shape) != 2 or w.raw.device.type != "cpu":
+        return None
+    rows, cols = w.shape
+    qk, ts = GGML_QUANT_SIZES[GGMLQuantizationType(int(w.qtype))]
+    raw = _raw_bytes(w)
+    if cols % qk or raw.numel() != rows * (cols // qk) * ts:
+        return None
+    out = torch.empty(rows, cols, dtype=torch.bfloat16)
+    if not lib.strata_dequant_bf16(int(w.qtype), raw.data_ptr(), rows, cols, (cols // qk) * ts, out.data_ptr(),
+                                   _threads(threads)):
+        return None
+    return out
+
+
+def _bf16_ok(x: torch.Tensor, w: QTensor) -> bool:
+    if not USE_KERNELS or _activations != "q8" or x.device.type != "cpu" or w.raw.device.type != "cpu":
+        return False
+    name = _type_name(w.qtype)
+    return name in _build.GGML_TYPES and x.numel() // max(x.shape[-1], 1) >= BF16_MIN_ROWS.get(name, 32)
+
+
+def try_qmatmul_bf16(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torch.Tensor | None:
+    """`x @ w.T` for a prompt-sized batch (at least BF16_MIN_ROWS rows): W dequantized to bfloat16
+    by ggml and one bf16 matmul (oneDNN, AMX where present), in x's dtype; None when it does
+    not apply (exact activations, too few rows, no ggml, not on the CPU)."""
+    if not _bf16_ok(x, w):
+        return None
+    wb = dequantize_bf16(w, threads)
+    if wb is None:
+        return None
+    return F.linear(x.to(torch.bfloat16), wb).to(x.dtype)
+
+
 def qmatmul_reference(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """The plain path: dequantize w whole, then one matmul (in x's dtype)."""
     return F.linear(x, w.dequantize(x.dtype))
@@ -250,8 +298,11 @@ def fast_ok(x: torch.Tensor, *ws: QTensor) -> bool:
 
 
 def qmatmul(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torch.Tensor:
-    """`x @ w.T` in x's dtype: the fast kernel when one applies, else the reference."""
-    y = try_qmatmul(x, w, threads)
+    """`x @ w.T` in x's dtype: the bf16 batched product for prompt-sized batches, the fast kernel
+    for a few rows, else the reference."""
+    y = try_qmatmul_bf16(x, w, threads)
+    if y is None:
+        y = try_qmatmul(x, w, threads)
     return y if y is not None else qmatmul_reference(x, w)
 
 
@@ -259,18 +310,22 @@ def expert_forward(x: torch.Tensor, gate_q: QTensor, up_q: QTensor, down_q: QTen
                    threads: int | None = None) -> torch.Tensor:
     """One SwiGLU expert, down(silu(gate x) * up x), on x (n, hidden) -> (n, hidden) in x's dtype.
 
-    Each of the three products uses the compiled kernel when its type has one and x is a small
-    CPU batch; when none applies this is exactly `expert_forward_reference`.
+    Each of the three products takes the bf16 batched product for a prompt-sized batch, the
+    compiled kernel for a few rows, else the reference; when none of them has a fast path this
+    is exactly `expert_forward_reference`.
     """
-    fast = [fast_ok(x, w) for w in (gate_q, up_q, down_q)]
-    if not any(fast):
+    if not any(_bf16_ok(x, w) or fast_ok(x, w) for w in (gate_q, up_q, down_q)):
         return expert_forward_reference(x, gate_q, up_q, down_q)
 
-    def mm(v, w, use_fast):
-        return qmatmul_fast(v, w, threads) if use_fast else qmatmul_reference(v.float(), w)
+    def mm(v, w):
+        y = try_qmatmul_bf16(v, w, threads)
+        if y is None:
+            y = try_qmatmul(v, w, threads)
+        return y if y is not None else qmatmul_reference(v, w)
 
-    h = F.silu(mm(x, gate_q, fast[0])).mul_(mm(x, up_q, fast[1]))
-    return mm(h, down_q, fast[2]).to(x.dtype)
+    xf = x.float()
+    h = F.silu(mm(xf, gate_q)).mul_(mm(xf, up_q))
+    return mm(h, down_q).to(x.dtype)
 
 
 def expert_forward_reference(x: torch.Tensor, gate_q: QTensor, up_q: QTensor, down_q: QTensor) -> torch.Tensor:

@@ -141,6 +141,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_set_ext.restype = None
     lib.strata_qmm_ext.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, ctypes.c_int, i64]
     lib.strata_qmm_ext.restype = ctypes.c_int
+    lib.strata_set_to_float.argtypes = [ctypes.c_int, p]
+    lib.strata_set_to_float.restype = None
+    lib.strata_dequant_bf16.argtypes = [ctypes.c_int, p, i64, i64, i64, p, ctypes.c_int]
+    lib.strata_dequant_bf16.restype = ctypes.c_int
 
 
 def load() -> ctypes.CDLL | None:

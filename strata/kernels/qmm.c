@@ -890,6 +890,56 @@ int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const
     return 1;
 }
 
+/* Prefill: W's rows dequantized by ggml's to_float and rounded to bfloat16 (nearest even), for
+ * torch's bf16 matmul (oneDNN, AMX where the CPU has it). */
+typedef void (*ggml_to_float_fn)(const void *x, float *y, int64_t k);
+static ggml_to_float_fn TO_FLOAT[MAX_EXT];
+
+void strata_set_to_float(int type, void *fn) {
+    if (type >= 0 && type < MAX_EXT) TO_FLOAT[type] = (ggml_to_float_fn)fn;
+}
+
+typedef struct {
+    const uint8_t *W;
+    int64_t rows, cols, wrow, tile_rows;
+    uint16_t *Y;
+    ggml_to_float_fn f;
+} deq_args;
+
+static inline uint16_t f32_to_bf16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* nan stays nan */
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static void tile_deq(const void *a_, int64_t tile) {
+    const deq_args *a = (const deq_args *)a_;
+    const int64_t t0 = tile * a->tile_rows;
+    const int64_t t1 = t0 + a->tile_rows < a->rows ? t0 + a->tile_rows : a->rows;
+    float *buf = malloc(sizeof(float) * (size_t)a->cols);
+    if (!buf) { /* cannot happen in practice; leave zeros rather than garbage */
+        memset(a->Y + t0 * a->cols, 0, sizeof(uint16_t) * (size_t)((t1 - t0) * a->cols));
+        return;
+    }
+    for (int64_t r = t0; r < t1; r++) {
+        a->f(a->W + r * a->wrow, buf, a->cols);
+        uint16_t *y = a->Y + r * a->cols;
+        for (int64_t i = 0; i < a->cols; i++) y[i] = f32_to_bf16(buf[i]);
+    }
+    free(buf);
+}
+
+/* Y (rows x cols bfloat16) = W dequantized; 0 if ggml has no to_float for the type. */
+int strata_dequant_bf16(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, uint16_t *Y, int nth) {
+    if (type < 0 || type >= MAX_EXT || !TO_FLOAT[type]) return 0;
+    int64_t tile_rows = ROW_TILE;
+    while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
+    const deq_args a = {W, rows, cols, wrow, tile_rows, Y, TO_FLOAT[type]};
+    pool_run(tile_deq, &a, (rows + tile_rows - 1) / tile_rows, nth < 1 ? 1 : nth);
+    return 1;
+}
+
 /* Activations: 2 = 8-bit through ggml where it has the type (else as 1), 1 = int16 variants where a
  * type has one, 0 = float32 everywhere (the exact path; tests compare them). */
 static int act_mode = 2;
