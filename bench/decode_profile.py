@@ -69,14 +69,14 @@ KERNEL_BYTES: dict[str, int] = {}  # label -> weight bytes one call reads
 def _label_kernels():
     """Label every compiled quantized product by type, shape and batch, and each one-call MoE
     token (strata_moe_token) by its experts' types; returns the originals."""
-    originals = kernels.qmatmul_fast, kernels._moe_token
+    originals = kernels.try_qmatmul, kernels._moe_token
 
-    def labelled(x, w, threads=None, out=None):
+    def labelled(x, w, threads=None):
         rows, cols = w.shape
         label = f"qmm {w.qtype.name} {rows}x{cols} b{x.numel() // cols}"
         KERNEL_BYTES[label] = w.nbytes
         with record_function(label):
-            return originals[0](x, w, threads, out)
+            return originals[0](x, w, threads)
 
     def labelled_moe(x, parts, w, threads, out):
         types = "/".join(q.qtype.name for q in parts[0])
@@ -85,7 +85,7 @@ def _label_kernels():
         with record_function(label):
             return originals[1](x, parts, w, threads, out)
 
-    kernels.qmatmul_fast, kernels._moe_token = labelled, labelled_moe
+    kernels.try_qmatmul, kernels._moe_token = labelled, labelled_moe
     return originals
 
 
@@ -136,7 +136,7 @@ def print_profile(engine, prompt: list[int], steps: int) -> None:
                         token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
                     walls.append(time.perf_counter() - t)
         finally:
-            kernels.qmatmul_fast, kernels._moe_token = original
+            kernels.try_qmatmul, kernels._moe_token = original
             for m in undo:
                 del m.forward
     step_ms = statistics.median(walls) * 1e3
@@ -169,7 +169,12 @@ def print_profile(engine, prompt: list[int], steps: int) -> None:
     for e in ops[:12]:
         print(f"  {e.key:<44} {e.count // steps:5d} {e.self_cpu_time_total / 1e3 / steps:8.3f}")
     torch_ms = sum(e.self_cpu_time_total for e in ops) / 1e3 / steps
-    print(f"  {'all torch operators':<44} {'':>5} {torch_ms:8.2f}")
+    n_ops = sum(e.count for e in ops) // steps
+    print(f"  {'all torch operators':<44} {n_ops:5d} {torch_ms:8.2f}")
+    python_ms = total_ms - kernel_ms - torch_ms
+    print(f"  per token: {n_ops} torch operator calls, {len(qmm) and sum(e.count for e in qmm) // steps} kernel "
+          f"calls; Python and the rest outside kernels and torch operators {python_ms:.2f} ms "
+          f"({100 * python_ms / total_ms:.0f}% of the step)")
 
     read = bytes_per_token(model, getattr(model.config, "n_experts_used", 0))
     bw = memory_bandwidth()
