@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_kernels.py --types Q4_K IQ2_XS --threads 1 2
     .venv/bin/python bench/bench_kernels.py --batches          # fast vs reference crossover (FAST_BATCH_MAX)
     .venv/bin/python bench/bench_kernels.py --compare-numba    # the tool choice: C vs numba on Q4_K
-    .venv/bin/python bench/bench_kernels.py --bf16-crossover --threads 1   # prefill: BF16_MIN_ROWS
+    .venv/bin/python bench/bench_kernels.py --prompt-crossover --threads 1   # prefill: PROMPT_MIN_ROWS
     .venv/bin/python bench/bench_kernels.py --compare-ggml --types Q4_0 Q4_K IQ2_XS --threads 1 2
                                                   # the kept library: ggml (ggml-python) on the same blocks
 
@@ -257,21 +257,23 @@ def compare_ggml(types, threads_list, n_experts):
                       flush=True)
 
 
-def bf16_crossover(types, threads):
-    """Rows of x from which dequantizing W to bf16 (ggml) + one bf16 matmul beats the 8-bit kernel."""
+def prompt_crossover(types, threads):
+    """Rows of x from which dequantizing W (ggml) + one matmul beats the 8-bit kernel, in the
+    current activation mode (bf16 in "q8", float32 in "q8x2")."""
     torch.set_num_threads(threads)
     x1 = torch.randn(1, 2048)
-    print(f"bf16 batched product vs 8-bit kernel, 768x2048, {threads} thread(s); BF16_MIN_ROWS in use")
+    dt = torch.bfloat16 if kernels.activations() == "q8" else torch.float32
+    print(f"{dt} batched product vs 8-bit kernel ({kernels.activations()}), 768x2048, {threads} thread(s)")
     for name in types:
         ws = experts(T[name], (768, 2048), 4)
-        if kernels.dequantize_bf16(ws[0]) is None:
+        if kernels.dequantize_ggml(ws[0]) is None:
             print(f"  {name:<8} no ggml to_float")
             continue
         it = iter(range(10**9))
-        deq, _ = timed(lambda: kernels.dequantize_bf16(ws[next(it) % 4], threads), 50, 1.0)
+        deq, _ = timed(lambda: kernels.dequantize_ggml(ws[next(it) % 4], dt, threads), 50, 1.0)
         row, _ = timed(lambda: kernels.try_qmatmul(x1, ws[next(it) % 4], threads), 200, 1.0)
         print(f"  {name:<8} dequantize {deq * 1e3:6.2f} ms, kernel {row * 1e3:6.3f} ms per row -> crossover "
-              f"~{(deq + 1e-4) / row:4.0f} rows (in use: {kernels.BF16_MIN_ROWS.get(name, 32)})", flush=True)
+              f"~{(deq + 1e-4) / row:4.0f} rows (in use: {kernels.PROMPT_MIN_ROWS.get(name, 32)})", flush=True)
 
 
 def main(argv=None):
@@ -283,7 +285,7 @@ def main(argv=None):
     ap.add_argument("--batches", action="store_true", help="only the batch-size crossover")
     ap.add_argument("--compare-numba", action="store_true", help="only C vs numba on Q4_K")
     ap.add_argument("--compare-ggml", action="store_true", help="only strata vs ggml (ggml-python) mat-vec")
-    ap.add_argument("--bf16-crossover", action="store_true", help="only the bf16-batched vs 8-bit crossover")
+    ap.add_argument("--prompt-crossover", action="store_true", help="only the batched vs 8-bit kernel crossover")
     args = ap.parse_args(argv)
     if not kernels.available():
         print(f"kernels unavailable: {_build.error()}")
@@ -292,8 +294,8 @@ def main(argv=None):
     if args.compare_numba:
         compare_numba(args.threads)
         return 0
-    if args.bf16_crossover:
-        bf16_crossover([t for t in args.types if t in kernels.ggml_types()], args.threads[0])
+    if args.prompt_crossover:
+        prompt_crossover([t for t in args.types if t in kernels.ggml_types()], args.threads[0])
         return 0
     if args.compare_ggml:
         compare_ggml(args.types, args.threads, args.experts)

@@ -51,14 +51,14 @@ def test_required_types_have_kernels():
         assert {t.name for t in kernels.kernel_types()} == set(ALL)
 
 
-MODES = ["q8", "int16", "float32"]
+MODES = ["q8x2", "q8", "int16", "float32"]
 
 
 @pytest.fixture(params=MODES)
 def act_mode(request):
     """Run with 8-bit activations through ggml's dot products (where that library is installed),
-    int16 activations and float32 activations (the exact path)."""
-    if request.param == "q8" and not kernels.ggml_types():
+    with and without the residual pass, int16 activations and float32 activations (exact)."""
+    if request.param.startswith("q8") and not kernels.ggml_types():
         pytest.skip("llama.cpp's CPU library (ggml-python or llama-cpp-python) is not installed")
     before = kernels.activations()
     kernels.set_activations(request.param)
@@ -78,7 +78,7 @@ def q8_error_bound(x: torch.Tensor, dense: torch.Tensor, block: int) -> torch.Te
 @needs_kernels
 @pytest.mark.parametrize("qtype", ALL)
 def test_kernel_matches_reference(qtype, act_mode):
-    if act_mode == "q8" and qtype not in kernels.ggml_types():
+    if act_mode.startswith("q8") and qtype not in kernels.ggml_types():
         pytest.skip(f"ggml has no {qtype} dot product")
     bs = quant.get(T[qtype]).block_size
     cols = 3 * 256 if bs == 256 else 7 * 32  # several blocks, not a power of two
@@ -96,6 +96,9 @@ def test_kernel_matches_reference(qtype, act_mode):
                     assert ((got - ref).abs() <= q8_error_bound(x, dense, bs)).all(), (qtype, rows, batch)
                     assert rel_err(got, ref) < 3e-2, (qtype, rows, batch, threads)
                     continue
+                if act_mode == "q8x2":  # the residual pass: as close as int16 (Q4_1/Q5_1: q8_1's f16 sums)
+                    assert rel_err(got, ref) < (2e-3 if qtype in ("Q4_1", "Q5_1") else 3e-4), (qtype, rows, batch)
+                    continue
                 assert rel_err(got, ref) < (3e-4 if act_mode == "int16" else 1e-5), (qtype, rows, batch, threads)
                 torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
 
@@ -108,9 +111,9 @@ def test_ggml_only_types(qtype, act_mode):
     dense = w.dequantize()
     x = torch.randn(3, 512)
     ref = x @ dense.T
-    assert kernels.has_kernel(w.qtype) == (act_mode == "q8")
+    assert kernels.has_kernel(w.qtype) == act_mode.startswith("q8")
     got = kernels.qmatmul(x, w)
-    if act_mode == "q8":
+    if act_mode.startswith("q8"):
         assert ((got - ref).abs() <= q8_error_bound(x, dense, 256)).all() and rel_err(got, ref) < 3e-2
     else:
         assert rel_err(got, ref) < 1e-5
@@ -118,28 +121,32 @@ def test_ggml_only_types(qtype, act_mode):
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "IQ2_XS", "Q8_0", "IQ4_NL"])
-def test_prompt_batches_take_bf16_products(qtype, act_mode):
-    """Prompt-sized batches in "q8" mode: W dequantized by ggml to bfloat16 (each weight within
-    half a bf16 step of the exact value), one bf16 matmul; other modes keep the reference."""
+def test_prompt_batches_take_batched_products(qtype, act_mode):
+    """Prompt-sized batches in the q8 modes: W dequantized by ggml (bfloat16 in "q8": each weight
+    within half a bf16 step; float32 in "q8x2": exactly), one matmul; other modes: the reference."""
     w = random_qtensor(qtype, (40, 512), seed=5)
     dense = w.dequantize()
-    n = kernels.BF16_MIN_ROWS[qtype]
+    n = kernels.PROMPT_MIN_ROWS[qtype]
     x = torch.randn(n, 512)
     ref = x @ dense.T
-    if act_mode != "q8":
-        assert kernels.try_qmatmul_bf16(x, w) is None
+    if not act_mode.startswith("q8"):
+        assert kernels.try_qmatmul_batched(x, w) is None
         return
-    wb = kernels.dequantize_bf16(w)
-    assert wb.dtype == torch.bfloat16 and ((wb.float() - dense).abs() <= dense.abs() * 2.0**-8).all()
-    assert kernels.try_qmatmul_bf16(x[: n - 1], w) is None  # below the crossover: the 8-bit kernel
+    assert kernels.try_qmatmul_batched(x[: n - 1], w) is None  # below the crossover: the 8-bit kernel
     got = kernels.qmatmul(x, w)
-    bound = 2.0**-7 * (x.abs() @ dense.abs().T) + 1e-6  # x and W each rounded to bf16
-    assert ((got - ref).abs() <= bound).all() and rel_err(got, ref) < 1e-2
+    if act_mode == "q8":
+        wb = kernels.dequantize_ggml(w, torch.bfloat16)
+        assert ((wb.float() - dense).abs() <= dense.abs() * 2.0**-8).all()
+        bound = 2.0**-7 * (x.abs() @ dense.abs().T) + 1e-6  # x and W each rounded to bf16
+        assert ((got - ref).abs() <= bound).all() and rel_err(got, ref) < 1e-2
+    else:
+        torch.testing.assert_close(kernels.dequantize_ggml(w, torch.float32), dense)
+        assert rel_err(got, ref) < 1e-5
     # an expert over a prompt-sized batch uses it too
     g, u, d = (random_qtensor(qtype, s, seed=i) for i, s in enumerate([(256, 512), (256, 512), (512, 256)]))
     xe = torch.randn(64, 512)
     ye, re = kernels.expert_forward(xe, g, u, d), kernels.expert_forward_reference(xe, g, u, d)
-    assert rel_err(ye, re) < 2e-2
+    assert rel_err(ye, re) < (2e-2 if act_mode == "q8" else 1e-4)
 
 
 def test_bad_activation_mode():
@@ -195,7 +202,8 @@ def test_moe_layer_matches_reference(qtype, act_mode, monkeypatch):
 
     float32 activations: float rounding only. int16 activations (x, and the hidden h of each
     expert, quantized per row): measured up to 1.5e-4 of the output's max over 200 draws.
-    8-bit activations (ggml's q8 blocks): a few 1e-3, as llama.cpp computes.
+    8-bit activations (ggml's q8 blocks): a few 1e-3, as llama.cpp computes; with the residual
+    pass ("q8x2") as close as int16.
     """
     E, k, hidden, ffn = 16, 4, 512, 256
     gate = random_qtensor(qtype, (E, ffn, hidden), seed=4)
@@ -204,7 +212,7 @@ def test_moe_layer_matches_reference(qtype, act_mode, monkeypatch):
     experts = ResidentExperts(gate, up, down)
     g = torch.Generator().manual_seed(9)
     router = torch.randn(E, hidden, generator=g)
-    tol = {"q8": 3e-2, "int16": 1e-3, "float32": 1e-5}[act_mode]
+    tol = {"q8": 3e-2, "q8x2": 1e-3, "int16": 1e-3, "float32": 1e-5}[act_mode]
     for n_tokens in (1, 7, 40):  # 40: some experts get several tokens, batched in the kernel
         x = torch.randn(n_tokens, hidden, generator=g)
         ids, weights = softmax_topk(x @ router.T, k, normalize=True)
@@ -334,3 +342,130 @@ def test_loader_keeps_kernel_types_quantized_and_the_rest_float():
     assert not iq2s.quantized and iq2s.weight.dtype == torch.float32  # no IQ2_S kernel: floats at load
     assert not f32.quantized
     torch.testing.assert_close(iq2s.dense(), tensors["iq2s"].dequantize())
+
+
+# --- the accuracy bar on files quantized by llama.cpp itself ------------------------------------
+
+def _ggml_quantizer(llama_cpp):
+    """ggml's own quantizer (llama-cpp-python's libggml-base), with a flat importance matrix:
+    llama_model_quantize refuses IQ2_XS without one."""
+    import ctypes
+    from pathlib import Path
+
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, p, p, i64, i64, i64, p]
+    lib.ggml_row_size.restype = ctypes.c_size_t
+    lib.ggml_row_size.argtypes = [ctypes.c_int, i64]
+
+    def quantize(array, qtype):
+        a = np.ascontiguousarray(array, dtype=np.float32)
+        n = a.shape[-1]
+        out = np.empty((a.size // n, lib.ggml_row_size(int(qtype), n)), dtype=np.uint8)
+        imatrix = np.ones(n, dtype=np.float32)
+        lib.ggml_quantize_chunk(int(qtype), a.ctypes.data, out.ctypes.data, 0, a.size // n, n, imatrix.ctypes.data)
+        return out.reshape(*a.shape[:-1], -1)
+
+    return quantize
+
+
+@pytest.fixture(scope="module")
+def llama_quantized(tmp_path_factory):
+    """A tiny MoE llama (K-quant-sized rows, randomised norms) in F32, and llama.cpp's Q8_0 and
+    Q4_K_M of it (llama_model_quantize) and an IQ2_XS one (ggml's quantizer, flat imatrix)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    if "IQ2_XS" not in kernels.ggml_types():
+        pytest.skip("llama.cpp's CPU library is not loaded by strata.kernels")
+    import tiny
+    from strata.formats import llama
+    from strata.formats.hparams import RopeConfig
+    from strata.gguf import writer
+
+    d = tmp_path_factory.mktemp("llama-quantized")
+    shape = dict(hidden_size=256, ffn_size=256, n_heads=4, n_kv_heads=2, head_dim=64, n_layers=2,
+                 rope=RopeConfig(dim=64, interleaved=True), context_length=64)
+    f32 = tiny.write_tiny_llama(d / "f32.gguf", **shape)
+    files = {"F32": f32}
+    for name, ftype in (("Q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0), ("Q4_K_M", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M)):
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = ftype
+        params.nthread = 1
+        out = d / f"{name}.gguf"
+        assert llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), params) == 0
+        files[name] = out
+    c = tiny.llama_config(**shape)
+    meta = {**llama.gguf_metadata(c), **tiny.byte_tokenizer_metadata()}
+    ggml_quantize = _ggml_quantizer(llama_cpp)
+    tensors = [(n, t, T.F32 if t.dim() == 1 else T.Q8_0 if n == "token_embd.weight" else T.IQ2_XS)
+               for n, t in tiny.llama_tensors(c).items()]
+    mp = pytest.MonkeyPatch()
+    mp.setattr(writer.quant, "quantize_reference", ggml_quantize)
+    try:
+        files["IQ2_XS"] = writer.write_gguf(d / "IQ2_XS.gguf", "llama", meta, tensors)
+    finally:
+        mp.undo()
+    return files
+
+
+TOKENS = [5, 77, 140, 3, 200, 31, 9, 250, 64, 128, 7, 19, 222, 90, 45, 11]
+
+
+def _strata_logits(path, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prefill logits, decode logits token by token) of TOKENS with the kernels in `mode`."""
+    import strata
+
+    before = kernels.activations()
+    kernels.set_activations(mode)
+    try:
+        engine = strata.load(path, cpu_threads=1, draft="off")
+        prefill = engine.logits(TOKENS).float()
+        model = engine.model
+        cache = model.new_cache(1)
+        steps = []
+        with torch.inference_mode():
+            for t in TOKENS:
+                steps.append(model(torch.tensor([[t]]), cache, last_only=True)[0, -1].float())
+        engine.close()
+    finally:
+        kernels.set_activations(before)
+    return prefill, torch.stack(steps)
+
+
+def _llama_logits(llama_cpp, path) -> tuple[torch.Tensor, torch.Tensor]:
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=64, n_threads=1, logits_all=True, verbose=False)
+    llm.eval(TOKENS)
+    prefill = torch.tensor(np.array(llm.scores[: len(TOKENS)]))
+    llm.reset()
+    for t in TOKENS:
+        llm.eval([t])
+    decode = torch.tensor(np.array(llm.scores[: len(TOKENS)]))
+    return prefill, decode
+
+
+def test_q8_activations_within_llama_cpps_own_distance(llama_quantized):
+    """The issue-13 bar: on files quantized by llama.cpp, Strata's default 8-bit activations
+    ("q8x2": decode by two 8-bit passes, prefill by ggml-dequantized float32 products) stay closer
+    to the exact dequantized math than llama.cpp itself; the single pass ("q8", llama.cpp's own
+    arithmetic) stays within a quarter of llama.cpp's distance (measured: within 5 %). First, on
+    the F32 file both engines must compute the same model."""
+    import llama_cpp
+
+    exact_f32, _ = _strata_logits(llama_quantized["F32"], "float32")
+    llama_f32, _ = _llama_logits(llama_cpp, llama_quantized["F32"])
+    assert float((llama_f32 - exact_f32).abs().max()) < 1e-3 * float(exact_f32.abs().max()) + 1e-3
+
+    def distance(pair, exact):
+        return max(float((p - exact).abs().max()) for p in pair)
+
+    for name in ("Q8_0", "Q4_K_M", "IQ2_XS"):
+        path = llama_quantized[name]
+        exact, exact_steps = _strata_logits(path, "float32")
+        torch.testing.assert_close(exact_steps, exact, rtol=1e-4, atol=1e-4)  # decode = prefill
+        theirs = distance(_llama_logits(llama_cpp, path), exact)
+        ours = distance(_strata_logits(path, "q8x2"), exact)
+        single = distance(_strata_logits(path, "q8"), exact)
+        print(f"{name}: max logit distance from exact dequantized math over {len(TOKENS)} tokens (prefill and "
+              f"decode): strata q8x2 {ours:.4f}, strata q8 {single:.4f}, llama.cpp {theirs:.4f}")
+        assert 0 < ours <= theirs, (name, ours, theirs)
+        assert single <= 1.25 * theirs, (name, single, theirs)

@@ -10,10 +10,14 @@ top of it, `run_experts_fast` a whole routed-expert layer.
 Every fast path has its plain torch reference beside it (`*_reference`: dequantize, then
 matmul). The fast one is used when the type has a kernel, the tensors are on the CPU and the
 batch is at most FAST_BATCH_MAX rows, else the reference runs. Activations (`set_activations`):
-- "q8" (default): where llama.cpp's CPU library is installed (_ggml.py), x is quantized once per
-  product to ggml's 8-bit blocks (q8_0 / q8_1 / q8_K) and ggml's integer dot products run on
-  this package's thread pool, as llama.cpp itself computes (relative error ~1e-2 of max |y|);
-  it also adds IQ1_S, IQ1_M, IQ2_S and IQ3_S. Without it, as "int16".
+- "q8x2" (default): where llama.cpp's CPU library is installed (_ggml.py), x is quantized once
+  per product to ggml's 8-bit blocks (q8_0 / q8_1 / q8_K) and ggml's integer dot products run
+  on this package's thread pool, twice: over x's 8-bit value and over its 8-bit residual (x
+  minus that value), the same weight bytes read once; error ~3e-5 of max |y| (llama.cpp's own
+  single pass: ~1e-2). Prompt-sized batches dequantize W by ggml to float32 for one matmul.
+  Adds IQ1_S, IQ1_M, IQ2_S and IQ3_S. Without ggml, as "int16".
+- "q8": one pass, as llama.cpp computes (relative error ~1e-2), 10-60 % less kernel time than
+  "q8x2" (IQ2 types gain most); prompt batches take bfloat16 products (AMX).
 - "int16": for Q4_K, Q5_K, Q6_K, Q8_0, IQ2_XXS, IQ2_XS, IQ4_NL, IQ4_XS and MXFP4 (AVX2 builds)
   x is quantized to int16 per row (vpmaddwd), relative error ~3e-5; others as "float32".
 - "float32" (`--exact-activations`): x stays float32; differs from the reference only in
@@ -48,8 +52,8 @@ __all__ = [
     "run_experts_fast",
     "set_activations",
     "try_qmatmul",
-    "try_qmatmul_bf16",
-    "dequantize_bf16",
+    "try_qmatmul_batched",
+    "dequantize_ggml",
 ]
 
 # Above this many rows of x, dequantizing once and calling BLAS wins over decoding the blocks
@@ -57,11 +61,11 @@ __all__ = [
 # won at 96 rows of a 768x2048 Q4_K matrix; 64 leaves a margin).
 FAST_BATCH_MAX = 64
 
-# From this many rows of x on, in "q8" mode, a product dequantizes W to bfloat16 (ggml's to_float)
-# and runs one bf16 matmul (AMX) instead of the 8-bit kernel, whose time grows with every row:
+# From this many rows of x on, a product dequantizes W by ggml's to_float (bfloat16 in "q8" mode for
+# one AMX matmul, float32 in "q8x2") instead of the 8-bit kernel, whose time grows with every row:
 # (dequantize ms + 0.1) / (ms per row of the kernel) for a 768x2048 matrix at 1 thread
-# (bench/bench_kernels.py --bf16-crossover). IQ2/IQ3 dequantize slowly in ggml, Q8_0/Q4_K fast.
-BF16_MIN_ROWS = {"Q4_0": 16, "Q4_1": 16, "Q5_0": 20, "Q5_1": 20, "Q8_0": 8, "Q2_K": 32, "Q3_K": 28,
+# (bench/bench_kernels.py --prompt-crossover, "q8"). IQ2/IQ3 dequantize slowly in ggml, Q8_0/Q4_K fast.
+PROMPT_MIN_ROWS = {"Q4_0": 16, "Q4_1": 16, "Q5_0": 20, "Q5_1": 20, "Q8_0": 8, "Q2_K": 32, "Q3_K": 28,
                  "Q4_K": 12, "Q5_K": 12, "Q6_K": 32, "IQ2_XXS": 52, "IQ2_XS": 44, "IQ2_S": 48,
                  "IQ3_XXS": 40, "IQ3_S": 32, "IQ1_S": 12, "IQ1_M": 12, "IQ4_NL": 20, "IQ4_XS": 24,
                  "MXFP4": 20}
@@ -80,7 +84,7 @@ _activations = _build.default_activations()  # STRATA_ACTIVATIONS; the test suit
 
 
 def set_activations(mode: str) -> None:
-    """How the kernels treat x: "q8" (default), "int16" or "float32" (exact); see the module doc."""
+    """How the kernels treat x: "q8x2" (default), "q8", "int16" or "float32" (exact); see the module doc."""
     global _activations
     if mode not in ACTIVATIONS:
         raise ValueError(f"activations {mode!r} is not one of {', '.join(ACTIVATIONS)}")
@@ -96,7 +100,7 @@ def activations() -> str:
 
 
 def ggml_types() -> tuple[str, ...]:
-    """Types whose products take ggml's 8-bit dot products in "q8" mode (empty without ggml)."""
+    """Types whose products take ggml's 8-bit dot products in the q8 modes (empty without ggml)."""
     return tuple(_build.GGML_TYPES) if available() else ()
 
 
@@ -108,8 +112,8 @@ def kernel_types() -> tuple[GGMLQuantizationType, ...]:
 
 
 def _ggml_only() -> list[str]:
-    """Types only ggml has kernels for: usable in "q8" mode alone."""
-    return [n for n in _build.GGML_TYPES if n not in _build.KERNEL_TYPES] if _activations == "q8" else []
+    """Types only ggml has kernels for: usable in the q8 modes alone."""
+    return [n for n in _build.GGML_TYPES if n not in _build.KERNEL_TYPES] if _activations in ("q8", "q8x2") else []
 
 
 def _type_name(qtype) -> str:
@@ -248,8 +252,9 @@ def try_qmatmul(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torc
     return out if x.dtype is torch.float32 else out.to(x.dtype)
 
 
-def dequantize_bf16(w: QTensor, threads: int | None = None) -> torch.Tensor | None:
-    """W as bfloat16 by ggml's own dequantizer on the thread pool (None without ggml for its type)."""
+def dequantize_ggml(w: QTensor, dtype: torch.dtype = torch.bfloat16, threads: int | None = None) -> torch.Tensor | None:
+    """W as bfloat16 or float32 by ggml's own dequantizer on the thread pool (None without ggml
+    for its type)."""
     lib = _build.load()
     name = _type_name(w.qtype)
     if lib is None or name not in _build.GGML_TYPES or len(w.shape) != 2 or w.raw.device.type != "cpu":
@@ -259,30 +264,31 @@ def dequantize_bf16(w: QTensor, threads: int | None = None) -> torch.Tensor | No
     raw = _raw_bytes(w)
     if cols % qk or raw.numel() != rows * (cols // qk) * ts:
         return None
-    out = torch.empty(rows, cols, dtype=torch.bfloat16)
-    if not lib.strata_dequant_bf16(int(w.qtype), raw.data_ptr(), rows, cols, (cols // qk) * ts, out.data_ptr(),
-                                   _threads(threads)):
+    out = torch.empty(rows, cols, dtype=dtype)
+    if not lib.strata_dequant(int(w.qtype), raw.data_ptr(), rows, cols, (cols // qk) * ts, out.data_ptr(),
+                              1 if dtype == torch.bfloat16 else 0, _threads(threads)):
         return None
     return out
 
 
-def _bf16_ok(x: torch.Tensor, w: QTensor) -> bool:
-    if not USE_KERNELS or _activations != "q8" or x.device.type != "cpu" or w.raw.device.type != "cpu":
+def _batched_ok(x: torch.Tensor, w: QTensor) -> bool:
+    if not USE_KERNELS or _activations not in ("q8", "q8x2") or x.device.type != "cpu" or w.raw.device.type != "cpu":
         return False
     name = _type_name(w.qtype)
-    return name in _build.GGML_TYPES and x.numel() // max(x.shape[-1], 1) >= BF16_MIN_ROWS.get(name, 32)
+    return name in _build.GGML_TYPES and x.numel() // max(x.shape[-1], 1) >= PROMPT_MIN_ROWS.get(name, 32)
 
 
-def try_qmatmul_bf16(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torch.Tensor | None:
-    """`x @ w.T` for a prompt-sized batch (at least BF16_MIN_ROWS rows): W dequantized to bfloat16
-    by ggml and one bf16 matmul (oneDNN, AMX where present), in x's dtype; None when it does
-    not apply (exact activations, too few rows, no ggml, not on the CPU)."""
-    if not _bf16_ok(x, w):
+def try_qmatmul_batched(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torch.Tensor | None:
+    """`x @ w.T` for a prompt-sized batch (at least PROMPT_MIN_ROWS rows): W dequantized by ggml
+    and one matmul, in bfloat16 ("q8": oneDNN / AMX) or float32 ("q8x2"), returned in x's dtype;
+    None when it does not apply (int16 / exact activations, too few rows, no ggml, not the CPU)."""
+    if not _batched_ok(x, w):
         return None
-    wb = dequantize_bf16(w, threads)
-    if wb is None:
+    dt = torch.bfloat16 if _activations == "q8" else torch.float32
+    wd = dequantize_ggml(w, dt, threads)
+    if wd is None:
         return None
-    return F.linear(x.to(torch.bfloat16), wb).to(x.dtype)
+    return F.linear(x.to(dt), wd).to(x.dtype)
 
 
 def qmatmul_reference(x: torch.Tensor, w: QTensor) -> torch.Tensor:
@@ -298,9 +304,9 @@ def fast_ok(x: torch.Tensor, *ws: QTensor) -> bool:
 
 
 def qmatmul(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torch.Tensor:
-    """`x @ w.T` in x's dtype: the bf16 batched product for prompt-sized batches, the fast kernel
-    for a few rows, else the reference."""
-    y = try_qmatmul_bf16(x, w, threads)
+    """`x @ w.T` in x's dtype: the batched product for prompt-sized batches, the fast kernel for
+    a few rows, else the reference."""
+    y = try_qmatmul_batched(x, w, threads)
     if y is None:
         y = try_qmatmul(x, w, threads)
     return y if y is not None else qmatmul_reference(x, w)
@@ -310,15 +316,15 @@ def expert_forward(x: torch.Tensor, gate_q: QTensor, up_q: QTensor, down_q: QTen
                    threads: int | None = None) -> torch.Tensor:
     """One SwiGLU expert, down(silu(gate x) * up x), on x (n, hidden) -> (n, hidden) in x's dtype.
 
-    Each of the three products takes the bf16 batched product for a prompt-sized batch, the
+    Each of the three products takes the batched product for a prompt-sized batch, the
     compiled kernel for a few rows, else the reference; when none of them has a fast path this
     is exactly `expert_forward_reference`.
     """
-    if not any(_bf16_ok(x, w) or fast_ok(x, w) for w in (gate_q, up_q, down_q)):
+    if not any(_batched_ok(x, w) or fast_ok(x, w) for w in (gate_q, up_q, down_q)):
         return expert_forward_reference(x, gate_q, up_q, down_q)
 
     def mm(v, w):
-        y = try_qmatmul_bf16(v, w, threads)
+        y = try_qmatmul_batched(v, w, threads)
         if y is None:
             y = try_qmatmul(v, w, threads)
         return y if y is not None else qmatmul_reference(v, w)

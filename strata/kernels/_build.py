@@ -48,13 +48,13 @@ KERNEL_TYPES = {
 }
 
 # How the kernels treat x (kernels.set_activations): qmm.c's act_mode values.
-ACTIVATIONS = {"float32": 0, "int16": 1, "q8": 2}
+ACTIVATIONS = {"float32": 0, "int16": 1, "q8": 2, "q8x2": 3}
 
 
 def default_activations() -> str:
-    """STRATA_ACTIVATIONS if it names a mode, else "q8"."""
-    mode = os.environ.get("STRATA_ACTIVATIONS", "q8")
-    return mode if mode in ACTIVATIONS else "q8"
+    """STRATA_ACTIVATIONS if it names a mode, else "q8x2"."""
+    mode = os.environ.get("STRATA_ACTIVATIONS", "q8x2")
+    return mode if mode in ACTIVATIONS else "q8x2"
 
 
 _lock = threading.Lock()
@@ -143,8 +143,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_qmm_ext.restype = ctypes.c_int
     lib.strata_set_to_float.argtypes = [ctypes.c_int, p]
     lib.strata_set_to_float.restype = None
-    lib.strata_dequant_bf16.argtypes = [ctypes.c_int, p, i64, i64, i64, p, ctypes.c_int]
-    lib.strata_dequant_bf16.restype = ctypes.c_int
+    lib.strata_dequant.argtypes = [ctypes.c_int, p, i64, i64, i64, p, ctypes.c_int, ctypes.c_int]
+    lib.strata_dequant.restype = ctypes.c_int
 
 
 def load() -> ctypes.CDLL | None:

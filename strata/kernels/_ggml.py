@@ -71,8 +71,10 @@ def register(kernels: ctypes.CDLL) -> list[str]:
         if not path.exists():
             continue
         try:
-            base = ctypes.CDLL(str(path.with_name("libggml-base.so")), mode=ctypes.RTLD_GLOBAL)
-            cpu = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            # RTLD_LOCAL: llama-cpp-python may load another ggml build into this process; neither
+            # may resolve the other's symbols
+            cpu = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+            base = ctypes.CDLL(str(path.with_name("libggml-base.so")), mode=ctypes.RTLD_LOCAL)
             cpu.ggml_cpu_init.restype = None
             cpu.ggml_cpu_init()
             cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_TypeTraitsCpu)

@@ -837,10 +837,12 @@ typedef void (*ggml_vec_dot_fn)(int n, float *s, size_t bs, const void *x, size_
                                 int nrc);
 typedef void (*ggml_from_float_fn)(const float *x, void *y, int64_t k);
 
+typedef void (*ggml_to_float_fn)(const void *x, float *y, int64_t k);
+
 typedef struct {
     ggml_vec_dot_fn dot;
     ggml_from_float_fn quant;
-    int64_t qblk, qsize; /* block size and bytes per block of the activation type */
+    int64_t qblk, qsize;      /* block size and bytes per block of the activation type */
 } ext_kernel;
 
 #define MAX_EXT 64
@@ -858,6 +860,7 @@ typedef struct {
     const uint8_t *W;
     int64_t rows, cols, B, tile_rows, wrow, xrow;
     const uint8_t *XQ;
+    const uint8_t *XR; /* x's 8-bit residual (x - its 8-bit value), or NULL */
     float *Y;
     ggml_vec_dot_fn dot;
 } ext_args;
@@ -867,8 +870,36 @@ static void tile_ext(const void *a_, int64_t tile) {
     const int64_t t0 = tile * a->tile_rows;
     const int64_t t1 = t0 + a->tile_rows < a->rows ? t0 + a->tile_rows : a->rows;
     for (int64_t b = 0; b < a->B; b++)
-        for (int64_t r = t0; r < t1; r++)
-            a->dot((int)a->cols, a->Y + b * a->rows + r, 0, a->W + r * a->wrow, 0, a->XQ + b * a->xrow, 0, 1);
+        for (int64_t r = t0; r < t1; r++) {
+            float *y = a->Y + b * a->rows + r;
+            a->dot((int)a->cols, y, 0, a->W + r * a->wrow, 0, a->XQ + b * a->xrow, 0, 1);
+            if (a->XR) { /* the same row again, still in L1: the residual's product */
+                float lo;
+                a->dot((int)a->cols, &lo, 0, a->W + r * a->wrow, 0, a->XR + b * a->xrow, 0, 1);
+                *y += lo;
+            }
+        }
+}
+
+static int act_mode = 3;
+
+/* x back from ggml's 8-bit activation blocks: q8_0 {f16 d; i8 q[32]}, q8_1 {f16 d, s; i8 q[32]},
+ * q8_K {f32 d; i8 q[256]; i16 bsums[16]}; returns 0 for any other layout. */
+static int unquant8(const uint8_t *q, int64_t qblk, int64_t qsize, float *y, int64_t n) {
+    int64_t head;
+    if (qblk == 32 && qsize == 34) head = 2;
+    else if (qblk == 32 && qsize == 36) head = 4;
+    else if (qblk == 256 && qsize == 292) head = 4;
+    else return 0;
+    for (int64_t j = 0; j < n / qblk; j++) {
+        const uint8_t *b = q + j * qsize;
+        float d;
+        if (qblk == 256) memcpy(&d, b, 4);
+        else d = rd_f16(b);
+        const int8_t *v = (const int8_t *)(b + head);
+        for (int64_t i = 0; i < qblk; i++) y[j * qblk + i] = d * (float)v[i];
+    }
+    return 1;
 }
 
 /* Y = X W^T through ggml's kernels for ggml type `type` (wrow bytes per weight row); 0 if none. */
@@ -879,20 +910,38 @@ int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const
         if (!(X[i] - X[i] == 0.0f)) return 0; /* inf or nan: ggml's quantizer would hide it; the other paths keep it */
     const ext_kernel *k = &EXT[type];
     const int64_t xrow = cols / k->qblk * k->qsize;
-    uint8_t *xq = malloc((size_t)(B * xrow) + 64);
-    if (!xq) return 0;
-    for (int64_t b = 0; b < B; b++) k->quant(X + b * cols, xq + b * xrow, cols);
+    const int twice = act_mode == 3; /* q8x2: x = its 8-bit value + an 8-bit residual */
+    uint8_t *xq = malloc((size_t)((twice ? 2 : 1) * B * xrow) + 64);
+    float *tmp = twice ? malloc(sizeof(float) * (size_t)cols) : NULL;
+    if (!xq || (twice && !tmp)) {
+        free(xq);
+        free(tmp);
+        return 0;
+    }
+    uint8_t *xr = twice ? xq + B * xrow : NULL;
+    for (int64_t b = 0; b < B; b++) {
+        k->quant(X + b * cols, xq + b * xrow, cols);
+        if (twice) {
+            if (!unquant8(xq + b * xrow, k->qblk, k->qsize, tmp, cols)) {
+                free(xq);
+                free(tmp);
+                return 0;
+            }
+            for (int64_t i = 0; i < cols; i++) tmp[i] = X[b * cols + i] - tmp[i];
+            k->quant(tmp, xr + b * xrow, cols);
+        }
+    }
     int64_t tile_rows = ROW_TILE;
     while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
-    const ext_args a = {W, rows, cols, B, tile_rows, wrow, xrow, xq, Y, k->dot};
+    const ext_args a = {W, rows, cols, B, tile_rows, wrow, xrow, xq, xr, Y, k->dot};
     pool_run(tile_ext, &a, (rows + tile_rows - 1) / tile_rows, nth < 1 ? 1 : nth);
     free(xq);
+    free(tmp);
     return 1;
 }
 
-/* Prefill: W's rows dequantized by ggml's to_float and rounded to bfloat16 (nearest even), for
- * torch's bf16 matmul (oneDNN, AMX where the CPU has it). */
-typedef void (*ggml_to_float_fn)(const void *x, float *y, int64_t k);
+/* Prefill: W's rows dequantized by ggml's to_float, as float32 or rounded to bfloat16 (nearest
+ * even) for torch's bf16 matmul (oneDNN, AMX where the CPU has it). */
 static ggml_to_float_fn TO_FLOAT[MAX_EXT];
 
 void strata_set_to_float(int type, void *fn) {
@@ -902,7 +951,8 @@ void strata_set_to_float(int type, void *fn) {
 typedef struct {
     const uint8_t *W;
     int64_t rows, cols, wrow, tile_rows;
-    uint16_t *Y;
+    void *Y;
+    int bf16; /* Y is bfloat16, else float32 */
     ggml_to_float_fn f;
 } deq_args;
 
@@ -917,32 +967,36 @@ static void tile_deq(const void *a_, int64_t tile) {
     const deq_args *a = (const deq_args *)a_;
     const int64_t t0 = tile * a->tile_rows;
     const int64_t t1 = t0 + a->tile_rows < a->rows ? t0 + a->tile_rows : a->rows;
+    if (!a->bf16) {
+        for (int64_t r = t0; r < t1; r++) a->f(a->W + r * a->wrow, (float *)a->Y + r * a->cols, a->cols);
+        return;
+    }
     float *buf = malloc(sizeof(float) * (size_t)a->cols);
     if (!buf) { /* cannot happen in practice; leave zeros rather than garbage */
-        memset(a->Y + t0 * a->cols, 0, sizeof(uint16_t) * (size_t)((t1 - t0) * a->cols));
+        memset((uint16_t *)a->Y + t0 * a->cols, 0, sizeof(uint16_t) * (size_t)((t1 - t0) * a->cols));
         return;
     }
     for (int64_t r = t0; r < t1; r++) {
         a->f(a->W + r * a->wrow, buf, a->cols);
-        uint16_t *y = a->Y + r * a->cols;
+        uint16_t *y = (uint16_t *)a->Y + r * a->cols;
         for (int64_t i = 0; i < a->cols; i++) y[i] = f32_to_bf16(buf[i]);
     }
     free(buf);
 }
 
-/* Y (rows x cols bfloat16) = W dequantized; 0 if ggml has no to_float for the type. */
-int strata_dequant_bf16(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, uint16_t *Y, int nth) {
+/* Y (rows x cols, bfloat16 or float32) = W dequantized; 0 if ggml has no to_float for the type. */
+int strata_dequant(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, void *Y, int bf16, int nth) {
     if (type < 0 || type >= MAX_EXT || !TO_FLOAT[type]) return 0;
     int64_t tile_rows = ROW_TILE;
     while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
-    const deq_args a = {W, rows, cols, wrow, tile_rows, Y, TO_FLOAT[type]};
+    const deq_args a = {W, rows, cols, wrow, tile_rows, Y, bf16, TO_FLOAT[type]};
     pool_run(tile_deq, &a, (rows + tile_rows - 1) / tile_rows, nth < 1 ? 1 : nth);
     return 1;
 }
 
-/* Activations: 2 = 8-bit through ggml where it has the type (else as 1), 1 = int16 variants where a
- * type has one, 0 = float32 everywhere (the exact path; tests compare them). */
-static int act_mode = 2;
+/* Activations: 3 = as 2 plus a second 8-bit pass over x's residual (near-exact, twice the dot
+ * products, the same weight traffic), 2 = 8-bit through ggml where it has the type (else as 1),
+ * 1 = int16 variants where a type has one, 0 = float32 everywhere (exact; tests compare them). */
 void strata_set_activations(int mode) { act_mode = mode; }
 
 #define DEFINE_QMM(NAME, QK, TS, GGML_TYPE)                                                                    \

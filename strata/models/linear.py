@@ -129,7 +129,7 @@ class Linear(_StoredWeight):
         if y is not None:
             return y if self.bias is None else y + self.bias
         if w.shape[0] * w.shape[1] * 4 <= SCRATCH_BYTES:  # prefill on the CPU: ggml dequantizes, one matmul
-            y = kernels.try_qmatmul_bf16(x, w)
+            y = kernels.try_qmatmul_batched(x, w)
             if y is not None:
                 return y if self.bias is None else y + self.bias
         return dequantized_product(x, w, self.bias)  # prefill, another device, or the reference
