@@ -8,7 +8,7 @@ generated token, time in communication, and each rank's compute; then a paper es
 flagship (48 layers x 512 experts, top-10) over 2 and 4 hosts on 10 GbE and 1 GbE, from these costs.
 
     python bench/bench_expert_parallel.py            # writes the model to /tmp/strata-ep-bench/
-    python bench/bench_expert_parallel.py --model M --ram-memory 700M --tokens 24 --repeats 3
+    python bench/bench_expert_parallel.py --model M --ram-memory 800M --tokens 24 --repeats 3
 
 The driver runs every configuration in its own processes (one `torchrun --standalone
 --nproc-per-node 2` per expert-parallel configuration), one after the other.
@@ -40,7 +40,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--workdir", default="/tmp/strata-ep-bench")
     p.add_argument("--layers", type=int, default=4, help="layers of the synthesised model")
     p.add_argument("--experts", type=int, default=128, help="experts per layer of the synthesised model")
-    p.add_argument("--ram-memory", default="700M", help="each rank's RAM budget (the single process's too)")
+    p.add_argument("--ram-memory", default="800M", help="each rank's RAM budget (the single process's too)")
     p.add_argument("--tokens", type=int, default=24, help="tokens generated per measured run")
     p.add_argument("--repeats", type=int, default=3, help="measured runs per configuration (median)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -217,7 +217,8 @@ def main() -> None:
               f"{'-':>13} {'-':>11} {'-':>12} {'-':>12} {'-':>11}")
         for comm, run in runs.items():
             r = run["results"][i]
-            print(f"{run['config']:<38} {batch:>5} {r['decode_tok_s']:>7.2f} {r['decode_tok_s'] / b['decode_tok_s']:>6.2f} "
+            ratio = r["decode_tok_s"] / b["decode_tok_s"]
+            print(f"{run['config']:<38} {batch:>5} {r['decode_tok_s']:>7.2f} {ratio:>6.2f} "
                   f"{0:>12.1f} {r['bytes_moved'] / 1024:>13.1f} {1e3 * r['comm_s']:>11.2f} "
                   f"{1e3 * r['rank0_compute_s']:>12.2f} {1e3 * r['remote_compute_s']:>12.2f} "
                   f"{1e6 * run['exchange_s'][str(batch)]:>11.0f}")

@@ -37,12 +37,14 @@ def main(argv: list[str]) -> int:
     detected = None
     if args.auto:
         opts, detected = auto_options(source, opts, args.model)
+    parallel = _parallel(args, source, config, opts)
+    if parallel:  # each rank's own plan; the whole model need not fit one of them
+        print(json.dumps({"expert_parallel": parallel[1]}) if args.json else "\n".join(parallel[0]))
+        return 0
     plan = make_plan(source, config, opts, ctx_size=args.ctx_size or None)
     prediction = predict_hit_rate(args.trace, plan, opts.cache_policy) if args.trace else None
-    parallel = _parallel(args, source, config, opts)
     if args.json:
-        print(json.dumps({**summary(plan), "auto": detected, "prediction": prediction,
-                          "expert_parallel": parallel[1] if parallel else None}))
+        print(json.dumps({**summary(plan), "auto": detected, "prediction": prediction}))
         return 0
     if detected:
         print(describe_auto(detected, opts))
@@ -51,8 +53,6 @@ def main(argv: list[str]) -> int:
         p = prediction
         print(f"  predicted hit rate {p['hit_rate']:.1%} ({p['policy']}; Belady's MIN {p['min_hit_rate']:.1%}) "
               f"at {p['fraction']:.0%} of experts cached, replaying {p['tokens']} traced routing decisions")
-    if parallel:
-        print("\n" + "\n".join(parallel[0]))
     if args.tensors:
         for name, tier in plan.homes.items():
             print(f"  {tier:<5} {format_size(plan.sizes[name]):>12}  {name}")

@@ -65,11 +65,11 @@ def _stop_on_sigterm() -> None:
 def plan_lines(source, config, opts, world: int, trace: str | None) -> tuple[list[str], list[dict]]:
     """Each rank's share: experts, bytes, and the tiers its own plan puts them in."""
     from strata.tiers import hardware
-    from strata.tiers.expert_parallel.share import ShardSource, partition
-    from strata.tiers.plan import make_plan, summary
+    from strata.tiers.expert_parallel.share import partition
+    from strata.tiers.plan import summary
     from strata.tiers.sizes import format_size
 
-    from strata.tiers.expert_parallel.shard import shard_options
+    from strata.tiers.expert_parallel.shard import shard_options, shard_plan
 
     shares = partition(source, world, trace)
     device = hardware.device_info()
@@ -80,7 +80,7 @@ def plan_lines(source, config, opts, world: int, trace: str | None) -> tuple[lis
     rows = []
     for rank in range(world):
         share = shares.of(rank)
-        plan = make_plan(ShardSource(source, share, with_dense=rank == 0), config, opts, device)
+        plan = shard_plan(source, config, opts, share, rank, device)
         s = summary(plan)
         s.update(rank=rank, experts=sum(len(v) for v in share.values()))
         rows.append(s)

@@ -78,7 +78,7 @@ def install(loaded, options) -> ParallelRuntime:
     if rank != 0:  # the CLI sends other ranks to the worker loop before loading a model
         raise RuntimeError("expert_parallel.install runs on rank 0 only")
     shares = partition(loaded.source, world, options.ep_trace)
-    shard = Shard(loaded.source, loaded.config, options, shares.of(0), with_dense=True)
+    shard = Shard(loaded.source, loaded.config, options, shares.of(0), rank=0)
     if shard.device.is_cuda:  # rank 0's non-expert blocks on its device, as the single-process runtime does
         from strata.tiers.placement import place_blocks
 

@@ -71,6 +71,14 @@ def formats_from_file(source, layers) -> dict[int, ExpertFormat]:
     return out
 
 
+def shard_plan(source, config, options, share: dict[int, list[int]], rank: int, device):
+    """The rank's own plan for its share (dense weights on rank 0 only); a refusal names the rank."""
+    try:
+        return make_plan(ShardSource(source, share, with_dense=rank == 0), config, options, device)
+    except BadOption as e:
+        raise BadOption(f"rank {rank}'s share: {e.problem}", e.fix) from None
+
+
 def shard_options(options, device):
     """Without CUDA a rank has no device cache unless asked: a simulated one would copy RAM into RAM."""
     if options.experts_cache is None and not device.is_cuda:
@@ -81,7 +89,7 @@ def shard_options(options, device):
 class Shard:
     """Plan, homes, cache and executor for the experts `share` names; `run` computes only those."""
 
-    def __init__(self, source, config, options, share: dict[int, list[int]], with_dense: bool):
+    def __init__(self, source, config, options, share: dict[int, list[int]], rank: int):
         from strata.tiers.runtime import _cache  # the single-process runtime's cache builder
 
         if getattr(source, "file", None) is None:
@@ -91,7 +99,7 @@ class Shard:
         options = shard_options(options, device)
         self.hidden_size = config.hidden_size
         self.share = {layer: set(experts) for layer, experts in share.items()}
-        self.plan = make_plan(ShardSource(source, share, with_dense), config, options, device)
+        self.plan = shard_plan(source, config, options, share, rank, device)
         self.formats = formats_from_file(source, share)
         self.reader = FileReader(source.file.path)
         self.homes = self._homes(share, device)

@@ -134,8 +134,7 @@ class ShardSource:
         self.description = getattr(source, "description", "")
         layers = expert_tensors(source)
         self._layer_of = {n: layer for layer, names in layers.items() for n in names}
-        self._names = [n for n in source.names()
-                       if (n in self._layer_of and self._layer_of[n] in share) or (with_dense and n not in self._layer_of)]
+        self._names = [n for n in source.names() if (self._layer_of[n] in share if n in self._layer_of else with_dense)]
 
     def names(self) -> list[str]:
         return list(self._names)

@@ -41,7 +41,7 @@ def serve(model: str, options, rank: int, world: int) -> int:
         _, config, source, _ = open_config(model)
         shares = partition(source, world, options.ep_trace)
         torch.set_num_threads(max(1, options.cpu_threads or torch.get_num_threads()))
-        shard = Shard(source, config, options, shares.of(rank), with_dense=False)
+        shard = Shard(source, config, options, shares.of(rank), rank)
         handshake(shares, source, rank, world)
         owners = {layer: shares.owners(layer) for layer in shares.layers}
         dist.barrier()  # every shard loaded
@@ -51,9 +51,9 @@ def serve(model: str, options, rank: int, world: int) -> int:
         if "gloo" in str(e).lower() or "connection" in str(e).lower() or "timed out" in str(e).lower():
             raise network_error(e, timeout, f"rank 0 (seen from rank {rank})") from None
         raise
+    homes = "+".join(sorted({x.home for x in shard.plan.experts})) or "no tier"
     print(f"strata: expert-parallel rank {rank}/{world}: {sum(len(v) for v in shares.of(rank).values())} experts "
-          f"({shard.plan.expert_bytes() / 2**20:.1f} MiB) in {'+'.join(sorted({x.home for x in shard.plan.experts})) or 'none'}",
-          file=sys.stderr)
+          f"({shard.plan.expert_bytes() / 2**20:.1f} MiB) in {homes}", file=sys.stderr)
     try:
         with torch.inference_mode():
             _loop(shard, owners, options.ep_comm, rank, world)
