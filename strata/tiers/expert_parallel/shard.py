@@ -104,10 +104,7 @@ class Shard:
         self.reader = FileReader(source.file.path)
         self.homes = self._homes(share, device)
         n_experts = max((source.info(names[0])[1][0] for names in expert_tensors(source).values()), default=1)
-        trunk = getattr(config, "n_layers", None)
-        ticks = max(1, sum(1 for layer in share if trunk is None or layer < trunk))
-        self.cache = _cache(self.plan, options, config, self.homes, self.formats, n_experts, device, ticks) \
-            if self.formats else None
+        self.cache = _cache(self.plan, options, self.homes, self.formats, n_experts, device) if self.formats else None
         self.lane = CpuLane(getattr(options, "cpu_threads", 0) or 1, self.homes, self.formats)
         self.executor = HybridExecutor(self.homes, self.formats, self.cache, self.lane, TierStats(), n_experts,
                                        device.torch_device)
