@@ -5,7 +5,9 @@ BIN := $(VENV)/bin
 DEMO_MODEL := strata/demo/strata-demo.gguf
 DEMO_PROMPT ?= strata/demo/prompt.txt
 
-.PHONY: demo test demo-model bench clean
+LLAMA_CPP_SDIST := .cache/sdist/llama_cpp_python-0.3.36.tar.gz
+
+.PHONY: demo test test-setup demo-model bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +28,16 @@ $(VENV)/.test: pyproject.toml $(VENV)/.base
 demo: $(VENV)/.base
 	$(BIN)/strata run --model $(DEMO_MODEL) --file $(DEMO_PROMPT) --max-tokens 96 --experts-cache 50%
 
-test: $(VENV)/.test
+# llama.cpp's own converter (convert_hf_to_gguf.py and its gguf-py), from the llama-cpp-python sdist,
+# downloaded once; tests/test_llama_cpp_converter.py converts tiny models with it (it skips without it)
+$(LLAMA_CPP_SDIST):
+	mkdir -p $(dir $@)
+	$(BIN)/pip download -q --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d $(dir $@) \
+		|| echo "llama-cpp-python sdist unavailable: the converter tests will skip"
+
+test-setup: $(VENV)/.test $(LLAMA_CPP_SDIST)
+
+test: test-setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 demo-model: $(VENV)/.test  # the trunk trains through transformers (a test extra)

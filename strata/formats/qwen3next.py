@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.errors import StrataError
+from strata.errors import BadModelFile, StrataError
 from strata.formats.hf import COMMON_TENSOR_NAMES, L
 from strata.formats.hparams import (RopeConfig, decoder_from_gguf, decoder_from_hf, gated_deltanet_from_gguf,
                                     gated_deltanet_from_hf)
@@ -121,7 +121,14 @@ class Config:
         base = decoder_from_gguf(meta, a, default_eps=1e-6, default_ctx=262144)
         mtp_layers = meta.get(f"{a}.nextn_predict_layers", 0)
         n_layers = base["n_layers"] = base["n_layers"] - mtp_layers  # llama.cpp counts the MTP block
-        interval = meta.get(f"{a}.full_attention_interval", 4)
+        if f"{a}.attention.recurrent_layers" in meta:  # llama.cpp's converter writes the explicit list, and reads it first
+            recurrent = tuple(bool(x) for x in meta[f"{a}.attention.recurrent_layers"][:n_layers])
+        else:
+            interval = meta.get(f"{a}.full_attention_interval", 4)
+            recurrent = tuple((i + 1) % interval != 0 for i in range(n_layers))
+        if len(recurrent) != n_layers:
+            raise BadModelFile(f"{a}.attention.recurrent_layers has {len(recurrent)} entries for {n_layers} layers",
+                               "re-convert the model")
         return cls(**base, **gated_deltanet_from_gguf(meta, a),
                    ffn_size=meta.get(f"{a}.feed_forward_length", 0),
                    expert_ffn_size=meta[f"{a}.expert_feed_forward_length"],
@@ -131,7 +138,7 @@ class Config:
                    norm_topk_prob=bool(meta.get(f"{a}.expert_weights_norm", True)),
                    rope=RopeConfig.from_gguf(meta, a, meta.get(f"{a}.rope.dimension_count", base["head_dim"] // 4),
                                              interleaved=False),
-                   recurrent=tuple((i + 1) % interval != 0 for i in range(n_layers)), mtp_layers=mtp_layers)
+                   recurrent=recurrent, mtp_layers=mtp_layers)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Config":

@@ -60,7 +60,7 @@ def _check_list(where: str, key: str, value: list, limit: int) -> None:
     if len(value) > limit:
         raise _bad(where, key, value, f"has {len(value)} items, more than the {limit} this model can use")
     for i, item in enumerate(value):
-        if not is_number(item):
+        if not (is_number(item) or isinstance(item, bool)):  # per-layer flags are bools
             raise _bad(where, f"{key}[{i}]", item, "is not a finite number")
         if is_int(item) and not -(2**63) <= item < 2**64:
             raise _bad(where, f"{key}[{i}]", item, "does not fit 64 bits")

@@ -23,6 +23,8 @@ The GGUF layout, the metadata, the config readers and the HF name table are in
 
 from __future__ import annotations
 
+import logging
+
 import math
 
 import torch
@@ -43,6 +45,8 @@ from strata.models.rope import Rope
 from strata.models.transformer import MoE, _prefixed
 from strata.models.weights import WeightLoader
 
+
+log = logging.getLogger(__name__)
 
 class TiledGatedDeltaNet(GatedDeltaNet):
     """`GatedDeltaNet` over weights in llama.cpp's tiled value-head order, regrouped at load."""
@@ -185,7 +189,13 @@ class Model(nn.Module):
         # the MTP draft head (`qwen4exp_mtp`): block n_layers; a file with only part of it loads without
         self.mtp = load_mtp(self, w, lambda i: Block(c, w, i, self.rope), head=HyperMTPHead)
         skipped = () if self.mtp is not None else tuple(f"blk.{c.n_layers + k}." for k in range(c.nextn_layers))
-        w.finish(ignore=(TABLE, *skipped, "hf:mtp.", "hf:model.mtp."))
+        # llama.cpp's converter writes compress_ratios 0 for "indexed_attention" layers and their indexer
+        # tensors too; llama.cpp then attends densely (exact within the budget) and so does Strata
+        dense = tuple(f"blk.{i}.indexer." for i in range(c.n_layers) if not c.recurrent[i] and not c.compress_ratios[i])
+        if any(w.has(f"{d}q_proj.weight") for d in dense):
+            log.warning("compress_ratios are 0 on layers with indexer tensors: those layers attend to every token "
+                        "(as llama.cpp does with this file), not to the QSA budget")
+        w.finish(ignore=(TABLE, *skipped, *dense, "hf:mtp.", "hf:model.mtp."))
 
     def new_cache(self, batch: int = 1) -> ModelCache:
         return ModelCache([b.new_cache(self.kv_cache) for b in self.blocks], batch)
