@@ -1,11 +1,14 @@
 """Soak: many requests at fixed concurrency against a real `strata serve` process (not a test).
 
     .venv/bin/python bench/soak_server.py [--model strata/demo/strata-demo.gguf] [--requests 1000]
-        [--concurrency 8] [--max-tokens 24]
+        [--concurrency 8] [--max-tokens 24] [--drafts on,off]
 
-First each distinct prompt is served alone (the serial reference), then all requests run through
-a pool of `--concurrency` client threads; every output is compared with its serial reference.
-Prints errors, mismatches, throughput and the server's RSS over time (from /proc).
+For each `--drafts` setting (the server's `--draft`: MTP drafts on or off) a fresh server runs:
+first each distinct prompt is served alone (the serial reference; a lone request drafts), then all
+requests run through a pool of `--concurrency` client threads (batched rows decode without
+drafts); every output is compared with its serial reference, and the serial outputs of every
+setting with each other (greedy: drafts must not change the text). Prints errors, mismatches,
+completion tokens/s of both phases per setting side by side, and the server's RSS over time.
 """
 
 from __future__ import annotations
@@ -38,20 +41,15 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", default=str(ROOT / "strata/demo/strata-demo.gguf"))
-    p.add_argument("--requests", type=int, default=1000)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=24)
-    args = p.parse_args()
+def soak(args, draft: str) -> dict:
+    """One server with `--draft draft`: serial then concurrent phase."""
     import httpx
     from openai import OpenAI
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--model", args.model,
                                "--port", str(port), "--max-concurrent", str(args.concurrency),
-                               "--model-name", "demo", "--log-level", "warning"])
+                               "--model-name", "demo", "--log-level", "warning", "--draft", draft])
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
@@ -66,25 +64,30 @@ def main() -> None:
             time.sleep(0.2)
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
 
-        def ask(prompt: str) -> str:
+        def ask(prompt: str) -> tuple[str, int]:
             r = client.completions.create(model="demo", prompt=prompt, max_tokens=args.max_tokens, temperature=0)
-            return r.choices[0].text
+            return r.choices[0].text, r.usage.completion_tokens
 
-        serial = {prompt: ask(prompt) for prompt in PROMPTS}
+        t0 = time.perf_counter()
+        serial_runs = {prompt: ask(prompt) for prompt in PROMPTS}
+        serial_s = time.perf_counter() - t0
+        serial = {p: text for p, (text, _) in serial_runs.items()}
+        serial_tokens = sum(n for _, n in serial_runs.values())
         rss = [(0, rss_mb(server.pid))]
-        errors, mismatches, done = [], 0, 0
+        errors, mismatches, done, tokens = [], 0, 0, 0
         t0 = time.perf_counter()
 
         def one(i: int):
             prompt = PROMPTS[i % len(PROMPTS)]
             try:
-                return prompt, ask(prompt), None
+                return (prompt, *ask(prompt), None)
             except Exception as e:  # counted, never raised: the soak reports every failure
-                return prompt, None, repr(e)
+                return prompt, None, 0, repr(e)
 
         with ThreadPoolExecutor(args.concurrency) as pool:
-            for prompt, text, err in pool.map(one, range(args.requests)):
+            for prompt, text, n, err in pool.map(one, range(args.requests)):
                 done += 1
+                tokens += n
                 if err:
                     errors.append(err)
                 elif text != serial[prompt]:
@@ -95,16 +98,38 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(30)
+    return {"serial": serial, "serial_tok_s": serial_tokens / serial_s, "tok_s": tokens / wall,
+            "req_s": args.requests / wall, "wall": wall, "errors": errors, "mismatches": mismatches, "rss": rss}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=str(ROOT / "strata/demo/strata-demo.gguf"))
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--drafts", default="on,off", help="server --draft settings to run, comma-separated")
+    args = p.parse_args()
+    runs = {d: soak(args, d) for d in args.drafts.split(",")}
     print(f"{args.requests} requests, concurrency {args.concurrency}, {args.max_tokens} max tokens, greedy")
-    print(f"errors: {len(errors)}  outputs different from serial: {mismatches}")
-    print(f"wall {wall:.1f} s, {args.requests / wall:.2f} requests/s")
-    print("server RSS (MB) after N requests: " + ", ".join(f"{n}: {m:.0f}" for n, m in rss))
-    later = [m for n, m in rss[2:]]
-    if later:
-        print(f"RSS from request 200 on: min {min(later):.0f}, max {max(later):.0f}, "
-              f"median {statistics.median(later):.0f} MB")
-    for e in errors[:5]:
-        print("error:", e)
+    print(f"{'--draft':>8} {'serial tok/s':>13} {'concurrent tok/s':>17} {'requests/s':>11} {'errors':>7} "
+          f"{'mismatches':>11}")
+    for d, r in runs.items():
+        print(f"{d:>8} {r['serial_tok_s']:13.1f} {r['tok_s']:17.1f} {r['req_s']:11.2f} {len(r['errors']):7d} "
+              f"{r['mismatches']:11d}")
+    if {"on", "off"} <= set(runs):
+        on, off = runs["on"], runs["off"]
+        same = sum(on["serial"][p] == off["serial"][p] for p in PROMPTS)
+        print(f"drafts on / off: serial {on['serial_tok_s'] / off['serial_tok_s']:.2f}x, "
+              f"concurrent {on['tok_s'] / off['tok_s']:.2f}x; serial outputs equal: {same}/{len(PROMPTS)}")
+    for d, r in runs.items():
+        print(f"--draft {d}: server RSS (MB) after N requests: " + ", ".join(f"{n}: {m:.0f}" for n, m in r["rss"]))
+        later = [m for n, m in r["rss"][2:]]
+        if later:
+            print(f"  RSS from request 200 on: min {min(later):.0f}, max {max(later):.0f}, "
+                  f"median {statistics.median(later):.0f} MB")
+        for e in r["errors"][:5]:
+            print("  error:", e)
 
 
 if __name__ == "__main__":
