@@ -13,6 +13,10 @@ the remaining parts are skipped, and a failing step is reported without stopping
    reference's time. Timed calls cycle over 256 MB of weights, so L2 cannot serve them.
 2. decode: the demo model with the expert cache at 0, 30, 70 and 100 %: tokens/s and hit
    rates, with the device half computed by Triton and by the torch reference, side by side.
+   2b. a 12-layer qwen4exp synth at the real model's tensor shapes (IQ2_XS, `--router-skew`,
+   128 experts a layer by default): bf16 decode tok/s with the expert cache at 30 % and 70 % of the
+   experts and with all of them resident, each beside its bandwidth limit (device bytes per
+   token over the device's bandwidth, missed experts' bytes over the measured RAM bandwidth).
 3. tests: tests/test_triton_kernels.py (compiled on the device) and every gpu-marked test.
 Without CUDA (and without --dry-run) it stops at once with exit code 2.
 
@@ -130,14 +134,18 @@ def run_tests() -> dict:
             continue
         t0 = time.perf_counter()
         try:
-            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT,
+            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *args], cwd=ROOT,
                                   env=env, capture_output=True, text=True, timeout=240, check=False)
         except subprocess.TimeoutExpired as e:
             results[label] = "failed: timed out after 240 s"
             print(f"  {label:<11} {results[label]}\n{(e.stdout or b'')[-3000:]}", flush=True)
             continue
-        summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
+        lines = done.stdout.strip().splitlines() or ["(no output)"]
+        summary = lines[-1]
         results[label] = summary
+        for line in lines:  # each test by name (pytest -rA), so the run says which ran
+            if line.startswith(("PASSED ", "FAILED ", "SKIPPED ", "ERROR ", "XFAIL ", "XPASS ")):
+                print(f"    {line}", flush=True)
         print(f"  {label:<11} {summary}  ({time.perf_counter() - t0:.0f} s)", flush=True)
         if done.returncode not in (0, 5):  # 5: nothing collected
             print(done.stdout[-4000:] + done.stderr[-2000:], flush=True)
@@ -342,6 +350,88 @@ def bench_decode(model: Path, sizes, tokens: int, device: torch.device, prompt=N
     return out
 
 
+# ----------------------------------------------------------------------------- decode at real shapes
+
+ROWS_READ_ONCE = ("token_embd.weight", "per_layer_token_embd.weight")  # a step reads one row of each
+
+
+def host_bandwidth() -> float:
+    """RAM read bandwidth, bytes/s: a 512 MB copy on the CPU threads (median of 3): the CPU lane's limit."""
+    a = torch.empty(2**27, dtype=torch.float32)
+    b = torch.empty_like(a)
+    a.fill_(1.0)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t0)
+    return 2 * a.nbytes / statistics.median(times)  # read + write
+
+
+def bytes_per_token(plan, config, hit_rate: float) -> tuple[int, int]:
+    """(device bytes, host bytes) a decode token reads: the device's dense weights (one row of each
+    table) and its share of the routed experts at this hit rate; the host reads the missed experts."""
+    experts = {n for layer in plan.experts for n in layer.names}
+    dense = sum(b for n, b in plan.sizes.items() if plan.homes[n] == "gpu" and n not in experts
+                and n not in ROWS_READ_ONCE)
+    routed = len(plan.experts) * getattr(config, "n_experts_used", 0) * plan.slot_bytes
+    return int(dense + hit_rate * routed), int((1 - hit_rate) * routed)
+
+
+def scale_model(out: Path, layers: int, experts: int, skew: float, dry_run: bool) -> Path:
+    """A qwen4exp synth at the real model's shapes per tensor (IQ2_XS, as the flagship runs), with
+    fewer experts per layer so the file is written and loaded inside the check's time."""
+    from strata import synth
+
+    path = out / f"qwen4exp-{layers}l-{experts}e-iq2_xs.gguf"
+    if not path.exists():
+        t0 = time.perf_counter()
+        synth.write(path, "qwen4exp", layers=layers, quant_name="IQ2_XS", experts=experts,
+                    vocab=4096 if dry_run else None, router_skew=skew)
+        print(f"  wrote {path.name}: {path.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - t0:.0f} s "
+              f"(router skew {skew})", flush=True)
+    return path
+
+
+def bench_scale_decode(path: Path, sizes, tokens: int, device: torch.device, peak: float | None,
+                       host_bw: float, dry_run: bool) -> list[dict]:
+    """Decode tok/s with the expert cache at each size (100 % = every expert on the device), and the
+    bandwidth limit for each: 1 / max(device bytes / device bandwidth, host bytes / RAM bandwidth)."""
+    import strata
+    from strata.kernels import gpu
+
+    gpu.USE_TRITON = not dry_run  # the interpreter at real shapes would take hours; the dry run checks the flow
+    print(f"  {path.name}, {tokens} tokens greedy; RAM {host_bw / 1e9:.1f} GB/s measured, device "
+          f"{peak / 1e12 if peak else float('nan'):.2f} TB/s by name")
+    print(f"  {'cache':>6} {'tok/s':>8} {'hit rate':>9} {'dev MB/tok':>11} {'host MB/tok':>12} {'limit tok/s':>12} "
+          f"{'of limit':>9}")
+    out = []
+    for size in sizes:
+        if out_of_time():
+            print("  (out of time: remaining sizes skipped)")
+            break
+        options = {"experts_cache": size, "pin_experts": "ram", "gpu_layers": "all", "draft": "off",
+                   "dtype": "bfloat16" if device.type == "cuda" else "float32"}
+        engine = strata.load(path, **options)
+        ids = list(range(10, 42))
+        engine.generate(ids, 2, stop_at_eos=False)  # warm-up: compiles the kernels, fills the cache
+        engine.generate(ids, tokens, stop_at_eos=False)
+        stats, plan, config = engine.stats, engine.tiers.plan, engine.config
+        engine.close()
+        hit = 1.0 if size == "100%" else stats.get("tiers", {}).get("total", {}).get("hit_rate", 0.0)
+        dev, host = bytes_per_token(plan, config, hit)
+        seconds = max(dev / peak if peak else 0.0, host / host_bw)  # per token, at the slower of the two
+        limit = 1 / seconds if seconds else float("nan")  # no device bandwidth known (a dry run): none
+        tok_s = stats["decode_tokens_per_s"]
+        row = {"cache": size, "tok_s": tok_s, "hit_rate": hit, "device_bytes": dev, "host_bytes": host,
+               "limit_tok_s": limit, "share_of_limit": tok_s / limit}
+        out.append(row)
+        print(f"  {size:>6} {tok_s:>8.2f} {hit:>9.1%} {dev / 1e6:>11.1f} {host / 1e6:>12.1f} {limit:>12.1f} "
+              f"{tok_s / limit:>8.1%}", flush=True)
+    gpu.USE_TRITON = True
+    return out
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -359,10 +449,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="no GPU: Triton's interpreter on tiny shapes")
     ap.add_argument("--skip", default="", help="comma-separated steps to skip: compile (dry run only), kernels, "
-                                               "decode, tests")
+                                               "decode, scale, tests")
     ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per run")
     ap.add_argument("--model", type=Path, default=DEMO, help="GGUF for the decode step (default: the demo model)")
     ap.add_argument("--out", type=Path, help="also write gpu_check.json here")
+    ap.add_argument("--scale-layers", type=int, default=12, help="layers of the real-shape qwen4exp synth")
+    ap.add_argument("--scale-experts", type=int, default=128,
+                    help="experts per layer of that synth (the real model's 512 make a 9 GB file; 128 keep "
+                         "every tensor's real shape and the check under 8 minutes)")
+    ap.add_argument("--router-skew", type=float, default=1.0, help="the synth's routing skew (strata synth)")
+    ap.add_argument("--synth-dir", type=Path, default=Path("/tmp/strata-gpu-check"),
+                    help="where the synth is written (kept for a rerun)")
     args = ap.parse_args(argv)
     device = preflight(args.dry_run)
     skip = set(filter(None, args.skip.split(",")))
@@ -392,6 +489,15 @@ def main(argv=None) -> int:
         sizes, prompt = (("0", "100%"), [318, 288]) if tiny else (("0", "30%", "70%", "100%"), None)
         step(report, "decode", "2. decode", bench_decode, args.model, sizes, 2 if tiny else args.tokens, device,
              prompt)
+    if "scale" not in skip:
+        args.synth_dir.mkdir(parents=True, exist_ok=True)
+        layers, experts = (2, 8) if tiny else (args.scale_layers, args.scale_experts)
+        host_bw = host_bandwidth()
+        report["host_bytes_s"] = host_bw
+        step(report, "scale", "2b. decode, qwen4exp at real shapes: expert cache 30 % / 70 % vs all resident",
+             lambda: bench_scale_decode(scale_model(args.synth_dir, layers, experts, args.router_skew, tiny),
+                                        ("30%", "70%", "100%"), 2 if tiny else min(args.tokens, 32), device, peak,
+                                        host_bw, tiny))
     if "tests" not in skip:
         step(report, "tests", "3. tests", run_tests)
     print(f"\ndone in {time.perf_counter() - START:.0f} s", flush=True)

@@ -15,29 +15,65 @@ from strata.tiers.policy import Region, SlotMap
 from strata.tiers.store import ExpertFormat
 
 
+STAGING_SLOTS = 16  # pinned staging buffers of one expert each: what is page-locked, not the whole home
+
+
+class Staging:
+    """A bounded ring of pinned host buffers, one expert each. An expert's parts are gathered into
+    the next buffer, which goes to the device in one asynchronous copy; a buffer is refilled only
+    after the copy out of it has finished (its event), so at most `n` copies are in flight."""
+
+    def __init__(self, n: int, nbytes: int, pin: bool):
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(n)]
+        self.events: list = [None] * n
+        self.next = 0
+
+    def take(self) -> tuple[int, torch.Tensor]:
+        i = self.next
+        self.next = (i + 1) % len(self.buffers)
+        if self.events[i] is not None:
+            self.events[i].synchronize()  # the copier thread waits for its own old copy, never the compute
+            self.events[i] = None
+        return i, self.buffers[i]
+
+
 class SlotMemory:
-    """`n` slots of `slot_bytes` on `device`; writes are ordered after the reads before them."""
+    """`n` slots of `slot_bytes` on `device`; writes are ordered after the reads before them.
+
+    On CUDA a write runs on a side stream: it first waits for the compute stream (a queued kernel
+    may still read the slot being overwritten), gathers the expert into a pinned staging buffer and
+    copies it over in one transfer; the event it returns is what a reader waits on, on the same
+    compute stream (`compute`, the stream the model runs on, taken when the cache is built)."""
 
     def __init__(self, n: int, slot_bytes: int, device: torch.device):
         self.device = device
         self.data = torch.empty((n, slot_bytes), dtype=torch.uint8, device=device)  # (slots, bytes)
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.compute = torch.cuda.current_stream(device) if cuda else None
+        self.staging = Staging(min(STAGING_SLOTS, max(n, 1)), slot_bytes, pin=True) if cuda else None
 
     def write(self, slot: int, fmt: ExpertFormat, parts) -> object | None:
         """Copy an expert's parts into `slot`; on CUDA returns the event marking the copy's end."""
-        dst = fmt.split(self.data[slot])
         if self.stream is None:
-            for d, s in zip(dst, parts):
+            for d, s in zip(fmt.split(self.data[slot]), parts):
                 d.copy_(s)
             return None
-        # do not overwrite a slot a queued kernel may still read
-        self.stream.wait_stream(torch.cuda.default_stream(self.device))
+        i, buf = self.staging.take()
+        for d, s in zip(fmt.split(buf), parts):  # host to pinned host: a memcpy on this thread
+            d.copy_(s)
+        self.stream.wait_stream(self.compute)  # do not overwrite a slot a queued kernel may still read
         with torch.cuda.stream(self.stream):
-            for d, s in zip(dst, parts):
-                d.copy_(s, non_blocking=True)
+            self.data[slot, :fmt.nbytes].copy_(buf[:fmt.nbytes], non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
+        self.staging.events[i] = event
         return event
+
+    def wait(self, event) -> None:
+        """Make the compute stream wait for a slot's copy (the host does not wait)."""
+        if event is not None:
+            self.compute.wait_event(event)
 
     def parts(self, slot: int, fmt: ExpertFormat):
         return fmt.split(self.data[slot])
@@ -63,9 +99,7 @@ class Copier:
         fut = self.pending.pop(slot, None)
         if fut is None:
             return
-        event = fut.result()
-        if event is not None:
-            torch.cuda.current_stream(self.memory.device).wait_event(event)
+        self.memory.wait(fut.result())
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

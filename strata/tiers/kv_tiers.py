@@ -190,18 +190,21 @@ class TieredKVCache:
         """Copy `blocks` of `row` from host memory into pool `slots`, all in one gather."""
         self.copies += len(blocks)
         h, _, d = row.k.shape
-        src_k = row.k.view(h, -1, self.block, d)[:, blocks]  # (H, len(blocks), block, D)
-        src_v = row.v.view(h, -1, self.block, d)[:, blocks]
-        dst = torch.tensor(slots, device=self.pool_k.device)
         if self._stream is None:
-            self.pool_k.index_copy_(1, dst, src_k)
-            self.pool_v.index_copy_(1, dst, src_v)
+            dst = torch.tensor(slots, device=self.pool_k.device)
+            self.pool_k.index_copy_(1, dst, row.k.view(h, -1, self.block, d)[:, blocks])
+            self.pool_v.index_copy_(1, dst, row.v.view(h, -1, self.block, d)[:, blocks])
             return
         device = self.pool_k.device
+        which = torch.tensor(blocks)
         self._stream.wait_stream(torch.cuda.current_stream(device))  # the slots are free to overwrite
-        with torch.cuda.stream(self._stream):
-            self.pool_k.index_copy_(1, dst, src_k.pin_memory().to(device, non_blocking=True))
-            self.pool_v.index_copy_(1, dst, src_v.pin_memory().to(device, non_blocking=True))
+        with torch.cuda.stream(self._stream):  # everything the copy allocates belongs to the copy stream
+            dst = torch.tensor(slots).pin_memory().to(device, non_blocking=True)
+            for pool, src in ((self.pool_k, row.k), (self.pool_v, row.v)):
+                view = src.view(h, -1, self.block, src.shape[-1])
+                staged = torch.empty((h, len(blocks), self.block, src.shape[-1]), dtype=src.dtype, pin_memory=True)
+                torch.index_select(view, 1, which, out=staged)  # gathered straight into pinned memory, once
+                pool.index_copy_(1, dst, staged.to(device, non_blocking=True))
         if wait:
             torch.cuda.current_stream(device).wait_stream(self._stream)
 

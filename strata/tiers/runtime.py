@@ -132,7 +132,7 @@ def _homes(plan: Plan, modules, formats, reader, device) -> dict:
         if kind == "disk":
             home = DiskHome(fmts, reader, plan.ram_cache)
         else:
-            home = RamHome(fmts, n, reader, sources, pin=device.is_cuda and kind == "ram")
+            home = RamHome(fmts, n, reader, sources)  # pageable: the cache copies through bounded pinned staging
             if kind == "gpu":
                 home.to_device(device.torch_device)
         homes.update({i: home for i in layers})
