@@ -164,7 +164,7 @@ def child(args, role: str, comm: str = "broadcast") -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"{role} {comm} failed:\n{done.stderr[-3000:]}")
+        sys.exit(f"{role} {comm} failed (exit status {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
 
 
