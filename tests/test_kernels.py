@@ -277,6 +277,30 @@ def test_one_token_moe_in_one_call_equals_expert_by_expert(types, act_mode, monk
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", ["Q4_K", "IQ2_XS"])  # an own kernel, a ggml-only type
+def test_a_cached_plan_does_not_keep_the_weight_alive(qtype):
+    """A disk-homed expert's bytes are read for one use and dropped: its cached kernel plan must
+    not hold them (it did, and a run under --ram-memory grew by every expert it ever read)."""
+    import gc
+    import weakref
+
+    if qtype not in kernels.ggml_types() and qtype not in _build.KERNEL_TYPES:
+        pytest.skip(f"no kernel for {qtype}")
+    w = random_qtensor(qtype, (64, 256), seed=3)
+    x = torch.randn(2, 256)
+    y = kernels.try_qmatmul(x, w)
+    assert y is not None and rel_err(y, x @ w.dequantize().T) < 0.05
+    gone, before = weakref.ref(w.raw), len(kernels._plans)
+    del w
+    gc.collect()
+    assert gone() is None and len(kernels._plans) == before - 1
+    strided = random_qtensor(qtype, (128, 256), seed=4)  # every other row: the plan keeps its copy
+    v = QTensor(strided.raw[::2], strided.qtype, (64, 256))
+    assert not v.raw.is_contiguous()
+    assert rel_err(kernels.try_qmatmul(x, v), x @ v.dequantize().T) < 0.05
+
+
+@needs_kernels
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "IQ2_XS", "Q8_0"])
 def test_quantized_linear_matches_dequantized(qtype, monkeypatch):
     """A Linear kept in blocks: decode rows by the kernel, prefill by dequantize + BLAS, and the

@@ -1,8 +1,9 @@
 """Real scale, kept small: a RAM budget far below the file is kept, and full-size shapes open.
 
 * A synthetic qwen3moe file of about 400 MB runs with `--ram-memory 160M` (experts read from the
-  file): its peak anonymous memory, above what the interpreter held before loading, stays within
-  the budget + 5 %, and its greedy tokens equal the unconstrained run's.
+  file), after a 5-token prompt and after a 64-token one whose prefill reads most experts: its
+  peak anonymous memory, above what the interpreter held before loading, stays within the
+  budget + 5 %, and its greedy tokens equal the unconstrained run's.
 * A sparse file (header, then holes from `truncate`) with the flagship's full tensor shapes
   (qwen4exp IQ2_XS, 4 of its 48 layers: Gated DeltaNet, the PLE layer and a QSA layer) opens,
   plans and generates a few tokens under a 3 GiB budget.
@@ -27,17 +28,18 @@ CHILD = textwrap.dedent("""
     import strata.runtime.engine, strata.tiers.runtime, strata.kernels
     from strata.tiers.budget import anon_rss
     strata.kernels.available()  # the compiled kernels are libraries too
-    path, options = sys.argv[1], json.loads(sys.argv[2])
+    path, options, prompt = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
     base = anon_rss()  # the interpreter and its libraries: not in the budget
     engine = strata.load(path, cpu_threads=1, **options)
-    ids = engine.generate([1, 2, 3, 4, 5], 6, stop_at_eos=False)
+    ids = engine.generate([(7 * i) % 1000 + 1 for i in range(prompt)], 6, stop_at_eos=False)
     print(json.dumps({"base": base, "ids": ids, "ctx": engine.ctx_size, "memory": engine.memory.as_dict()}))
 """)
 
 
-def run_child(path, **options) -> tuple[dict, int]:
-    """Generate in a fresh interpreter; (its report, its peak anonymous RSS)."""
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(path), json.dumps(options)],
+def run_child(path, prompt=5, **options) -> tuple[dict, int]:
+    """Generate after a prompt of `prompt` tokens in a fresh interpreter; (its report, its peak
+    anonymous RSS)."""
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(path), json.dumps(options), str(prompt)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watch = AnonPeak(proc.pid, 0.01)
     out, err = proc.communicate(timeout=600)
@@ -51,12 +53,13 @@ def mid_file(tmp_path_factory):
     return synth.write(tmp_path_factory.mktemp("scale") / "mid.gguf", "qwen3-30b-a3b", 1, "Q4_K_M", vocab=1024)
 
 
-def test_a_budget_far_below_the_file_is_kept_and_changes_no_token(mid_file):
+@pytest.mark.parametrize("prompt", [5, 64])  # 64: a prefill touching most experts, each read from disk
+def test_a_budget_far_below_the_file_is_kept_and_changes_no_token(mid_file, prompt):
     size = mid_file.stat().st_size
     budget = 160 * 2**20
     assert size > 2 * budget
-    free, _ = run_child(mid_file)
-    tight, peak = run_child(mid_file, ram_memory="160M", pin_experts="disk", experts_cache="0")
+    free, _ = run_child(mid_file, prompt)
+    tight, peak = run_child(mid_file, prompt, ram_memory="160M", pin_experts="disk", experts_cache="0")
     assert tight["ids"] == free["ids"]
     assert tight["memory"]["total"] <= budget
     assert peak - tight["base"] <= 1.05 * budget, (peak, tight["base"], tight["memory"])

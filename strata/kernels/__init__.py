@@ -185,12 +185,15 @@ class _Plan(NamedTuple):
     call: Callable[[int, int, int, int], None]  # (x pointer, batch rows, y pointer, threads)
     rows: int
     cols: int
-    raw: torch.Tensor  # the contiguous bytes the call points at (kept alive here)
-    ptr: int  # raw's address
+    copy: torch.Tensor | None  # the contiguous copy the call points at, when w.raw was not contiguous
+    ptr: int  # address of the bytes the call reads
     fnptr: int | None  # strata_qmm_<type> for strata_moe_token (None: a ggml-only type)
 
 
-_plans: dict[int, tuple[weakref.ref, tuple, _Plan | None]] = {}  # id(w.raw) -> (ref, key, plan)
+# id(w.raw) -> (weak ref to w.raw, key, plan). A plan never holds w.raw itself: the entry goes
+# when w.raw is freed, so a disk-homed expert read for one use and dropped is not kept alive by
+# its plan (that held every expert ever read, past --ram-memory).
+_plans: dict[int, tuple[weakref.ref, tuple, _Plan | None]] = {}
 
 
 def _make_plan(w: QTensor) -> _Plan | None:
@@ -217,7 +220,8 @@ def _make_plan(w: QTensor) -> _Plan | None:
                 raise RuntimeError(f"ggml's kernel for {name} refused a {rows}x{cols} product")
     if cols % qk or raw.numel() != rows * (cols // qk) * ts:
         return None
-    return _Plan(call, rows, cols, raw, ptr, fnptr)
+    copy = None if raw.untyped_storage().data_ptr() == w.raw.untyped_storage().data_ptr() else raw
+    return _Plan(call, rows, cols, copy, ptr, fnptr)
 
 
 def _plan(w: QTensor) -> _Plan | None:
