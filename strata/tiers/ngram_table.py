@@ -1,18 +1,7 @@
 """The per-layer n-gram embedding (PLE) table, read row by row from the file, never whole.
 
 Each token of a PLE layer looks up `(ngram_size - 1) * heads_per_ngram` rows of one big table
-(Qwen4-Exp's is ~320M rows, ~90 GB). Which rows depends only on the token ids:
-
-    ctx   = the token and its ngram_size - 1 predecessors, where everything at or before an EOS
-            in the window (and everything before the sequence start) reads as EOS
-    mixed = (ctx[0] * m[0]) ^ (ctx[1] * m[1]) ^ ... ^ (ctx[n-1] * m[n-1])   for n = 2..ngram_size
-    row   = mixed % vocab[h] + offset[h]       for the heads_per_ngram heads h of order n
-
-in uint64 (transformers' int64 never overflows: m < 2^63 / vocab). The multipliers m come from a
-splitmix64 of the seed, the per-head moduli are consecutive primes from `ngram_vocab_size_base`
-and the offsets their running sum (transformers' `Qwen4ExpTextNGramEmbedding`); a GGUF carries
-all three as llama.cpp writes them (`ple.layer_multipliers`, `ple.head_vocab_sizes`,
-`ple.head_offsets`, uint64 arrays).
+(Qwen4-Exp's is ~320M rows, ~90 GB). Which rows depends only on the token ids, through the hash in `strata.formats.ngram_hash`.
 
 `NgramTable` reads only those rows, with `os.pread` on its own file descriptors, on a small
 thread pool, into an LRU row cache bounded in bytes. `request(rows)` starts the reads and
