@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.errors import StrataError
 from strata.formats.weights import QTensor
 
 ALIGN = 4096
@@ -87,11 +88,19 @@ class FileReader:
         self._lock = threading.Lock()
 
     def read_into(self, out: torch.Tensor, offset: int) -> None:
-        """Fill the contiguous uint8 tensor `out` with the file's bytes from `offset`."""
+        """Fill the contiguous uint8 tensor `out` with the file's bytes from `offset`.
+
+        A failed read (the file truncated or deleted, the disk gone) is a StrataError naming the
+        file, so a run or a request ends with one line instead of a traceback from a reader thread."""
         done = 0
         while done < out.numel():
             n = min(CHUNK, out.numel() - done)
-            moved = self._read_chunk(out[done:done + n], offset + done)
+            try:
+                moved = self._read_chunk(out[done:done + n], offset + done)
+            except OSError as e:
+                raise StrataError(f"reading {self.path} at byte {offset + done} failed: {e.strerror or e}",
+                                  "the model file must stay readable while Strata runs: check the disk, "
+                                  "or hold the experts in RAM with --pin-experts ram") from None
             done += n
             with self._lock:
                 self.bytes_read += n
@@ -240,6 +249,10 @@ class DiskHome:
             self.max_reading = max(self.max_reading, self.reading)
         try:
             flat = self._read(*key)
+        except BaseException:
+            with self._lock:
+                self.inflight.pop(key, None)  # a later use retries the read instead of the stale error
+            raise
         finally:
             with self._lock:
                 self.reading -= 1
