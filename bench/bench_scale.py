@@ -1,7 +1,8 @@
 """Real scale: the full-size flagship from disk under a RAM budget, each figure beside its limit.
 
     .venv/bin/python bench/bench_scale.py --model /work/big/qwen4exp-48L-IQ2_XS.gguf \
-        --ram-memory 9G [--tokens 12] [--prompt-tokens 32] [--skew 0.2]
+        --ram-memory 9G [--tokens 12] [--prompt-tokens 32] \
+        [--skewed-model /work/big/qwen4exp-48L-IQ2_XS-skew0.2.gguf --skew 0.2]
 
 The file is `strata synth --like qwen4exp --layers 48 --quant IQ2_XS` (45.7 GiB, written once).
 Every run is a fresh interpreter with the placement `--pin-experts auto --experts-cache auto`
@@ -16,9 +17,10 @@ the measured bandwidth (`disk limit`), time to first token if the dense weights 
 expert bytes came at that bandwidth, peak anonymous RSS against `--ram-memory` (the interpreter's
 own, measured before loading, shown apart).
 
-`--skew S` adds a run of the same file with its routers skewed as `strata synth --router-skew S`
-does: the bench scales the 48 router tensors in place (48 x 5 MiB, the only bytes that differ) and
-scales them back afterwards, so only one 45.7 GiB file is ever on the disk.
+`--skewed-model FILE --skew S` adds a run of a second file, the same synth written with
+`--router-skew S` (the skew is only a label here). The bench never writes to a model file, so with
+about 80 GB of disk only one of the two 45.7 GiB files fits at a time: run each in its own
+invocation when disk is short, deleting the first file between them.
 """
 
 from __future__ import annotations
@@ -122,29 +124,6 @@ def memory_bandwidth(nbytes: int = 512 << 20, repeats: int = 3) -> float:
     return best
 
 
-def skew_routers(path: Path, skew: float, seed: int = 0, undo: bool = False) -> int:
-    """Scale the router rows in place as `synth --router-skew` does (or back); returns tensors changed."""
-    from strata import synth
-    from strata.gguf.reader import GGUFFile
-
-    file = GGUFFile(path)
-    names = sorted((n for n in file.tensors if n.endswith("ffn_gate_inp.weight")),
-                   key=lambda n: int(n.split(".")[1]))
-    infos = [file.tensors[n] for n in names]
-    del file
-    rng = np.random.default_rng([seed, 1])
-    with open(path, "r+b") as f:
-        for info in infos:
-            scale = synth.router_scales(info.shape[0], skew, rng)
-            f.seek(info.offset)
-            rows = np.frombuffer(f.read(info.n_bytes), dtype=np.float32).reshape(info.shape)
-            rows = rows / scale[:, None] if undo else rows * scale[:, None]
-            f.seek(info.offset)
-            f.write(rows.astype(np.float32).tobytes())
-    os.sync()
-    return len(infos)
-
-
 def run(path: Path, ram: str, threads: int, n_prompt: int, n_new: int) -> dict:
     opts = {"ram_memory": ram, "pin_experts": "auto", "experts_cache": "auto", "cpu_threads": threads}
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(path), json.dumps(opts), str(n_prompt), str(n_new)],
@@ -166,7 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=12, help="tokens to generate per run")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--skew", type=float, default=0.0, help="also run with the routers skewed by S")
+    ap.add_argument("--skewed-model", help="also run this file: the same synth written with --router-skew")
+    ap.add_argument("--skew", type=float, default=0.0, help="the --router-skew the skewed file was written with")
     args = ap.parse_args(argv)
     path = Path(args.model)
     budget = parse_size(args.ram_memory, "--ram-memory")
@@ -177,17 +157,12 @@ def main(argv=None) -> int:
     print(f"# disk {disk / 1e9:.2f} GB/s (2 MiB O_DIRECT random reads, 8 in flight); memory {mem / 1e9:.1f} GB/s "
           f"(512 MiB copy)")
     rows = []
-    for skew in [0.0] + ([args.skew] if args.skew else []):
-        if skew:
-            skew_routers(path, skew)
-        try:
-            r = run(path, args.ram_memory, args.threads, args.prompt_tokens, args.tokens)
-        finally:
-            if skew:
-                skew_routers(path, skew, undo=True)
+    runs = [(path, 0.0)] + ([(Path(args.skewed_model), args.skew)] if args.skewed_model else [])
+    for model, skew in runs:
+        r = run(model, args.ram_memory, args.threads, args.prompt_tokens, args.tokens)
         r["skew"] = skew
         rows.append(r)
-        print(f"# run skew={skew}: {r['summary']}", flush=True)
+        print(f"# run {model.name} (router skew {skew:g}): {r['summary']}", flush=True)
     dense = rows[0]["memory"]["dense"]
     table = [("router skew", lambda r: f"{r['skew']:g}"),
              ("load s", lambda r: f"{r['load_s']:.1f}"),
