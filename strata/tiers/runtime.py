@@ -86,8 +86,11 @@ def install(loaded, options) -> TierRuntime:
     formats = _formats(modules, plan, loaded.source)
     n_experts = max((m.n_experts for m in modules.values()), default=1)
     reader = FileReader(loaded.source.file.path) if hasattr(loaded.source, "file") and modules else None
-    homes = _homes(plan, modules, formats, reader, device)
-    cache = _cache(plan, options, homes, formats, n_experts, device)
+    n = {layer.layer: layer.n_experts for layer in plan.experts}
+    sources = {i: (m.backend.gate, m.backend.up, m.backend.down) for i, m in modules.items()}
+    # pageable: the cache copies through bounded pinned staging
+    homes = build_homes(plan, formats, reader, device, lambda fmts, kind: RamHome(fmts, n, reader, sources))
+    cache = build_cache(plan, options, homes, formats, n_experts, device)
     tracer = TraceRecorder(n_experts, {"model": str(getattr(loaded.source, "description", ""))},
                            {i: f.nbytes for i, f in formats.items()}) if options.trace_experts else None
     lane = CpuLane(getattr(options, "cpu_threads", 0) or 1, homes, formats)
@@ -119,27 +122,26 @@ def _formats(modules, plan: Plan, source) -> dict:
     return out
 
 
-def _homes(plan: Plan, modules, formats, reader, device) -> dict:
-    """One RamHome for RAM (and device-pinned) layers, one DiskHome for disk layers."""
+def build_homes(plan: Plan, formats, reader, device, ram_home) -> dict:
+    """One DiskHome for the disk layers and one `ram_home(formats, kind)` for the RAM and device
+    layers (moved to the device for "gpu"); layer -> home. The expert-parallel shards pass theirs."""
     by_kind: dict[str, list[int]] = {}
     for layer in plan.experts:
         by_kind.setdefault(layer.home, []).append(layer.layer)
     homes = {}
-    n = {layer.layer: layer.n_experts for layer in plan.experts}
-    sources = {i: (m.backend.gate, m.backend.up, m.backend.down) for i, m in modules.items()}
     for kind, layers in by_kind.items():
         fmts = {i: formats[i] for i in layers}
         if kind == "disk":
             home = DiskHome(fmts, reader, plan.ram_cache)
         else:
-            home = RamHome(fmts, n, reader, sources)  # pageable: the cache copies through bounded pinned staging
+            home = ram_home(fmts, kind)
             if kind == "gpu":
                 home.to_device(device.torch_device)
         homes.update({i: home for i in layers})
     return homes
 
 
-def _cache(plan: Plan, options, homes, formats, n_experts: int, device):
+def build_cache(plan: Plan, options, homes, formats, n_experts: int, device):
     if plan.slots == 0:
         return None
     n_keys = (max(formats) + 1) * n_experts

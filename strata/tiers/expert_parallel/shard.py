@@ -14,6 +14,7 @@ from strata.errors import BadOption
 from strata.tiers import hardware
 from strata.tiers.executor import CpuLane, HybridExecutor
 from strata.tiers.plan import make_plan, summary
+from strata.tiers.runtime import build_cache, build_homes
 from strata.tiers.expert_parallel.share import ShardSource, expert_tensors
 from strata.tiers.stats import TierStats
 from strata.tiers.store import DiskHome, ExpertFormat, FileReader, Part
@@ -90,8 +91,6 @@ class Shard:
     """Plan, homes, cache and executor for the experts `share` names; `run` computes only those."""
 
     def __init__(self, source, config, options, share: dict[int, list[int]], rank: int):
-        from strata.tiers.runtime import _cache  # the single-process runtime's cache builder
-
         if getattr(source, "file", None) is None:
             raise BadOption(f"{getattr(source, 'description', source)}: --expert-parallel needs a GGUF file",
                             "convert the model to GGUF; every rank reads its share from the same file")
@@ -102,28 +101,14 @@ class Shard:
         self.plan = shard_plan(source, config, options, share, rank, device)
         self.formats = formats_from_file(source, share)
         self.reader = FileReader(source.file.path)
-        self.homes = self._homes(share, device)
+        self.homes = build_homes(self.plan, self.formats, self.reader, device,
+                                 lambda fmts, kind: ShardRamHome(fmts, share, self.reader,
+                                                                 pin=device.is_cuda and kind == "ram"))
         n_experts = max((source.info(names[0])[1][0] for names in expert_tensors(source).values()), default=1)
-        self.cache = _cache(self.plan, options, self.homes, self.formats, n_experts, device) if self.formats else None
+        self.cache = build_cache(self.plan, options, self.homes, self.formats, n_experts, device) if self.formats else None
         self.lane = CpuLane(getattr(options, "cpu_threads", 0) or 1, self.homes, self.formats)
         self.executor = HybridExecutor(self.homes, self.formats, self.cache, self.lane, TierStats(), n_experts,
                                        device.torch_device)
-
-    def _homes(self, share, device) -> dict:
-        by_kind: dict[str, list[int]] = {}
-        for layer in self.plan.experts:
-            by_kind.setdefault(layer.home, []).append(layer.layer)
-        homes = {}
-        for kind, layers in by_kind.items():
-            fmts = {i: self.formats[i] for i in layers}
-            if kind == "disk":
-                home = DiskHome(fmts, self.reader, self.plan.ram_cache)
-            else:
-                home = ShardRamHome(fmts, share, self.reader, pin=device.is_cuda and kind == "ram")
-                if kind == "gpu":
-                    home.to_device(device.torch_device)
-            homes.update({i: home for i in layers})
-        return homes
 
     def holds(self, layer: int, ids: torch.Tensor) -> bool:
         mine = self.share.get(layer)
