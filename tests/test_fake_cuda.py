@@ -137,17 +137,22 @@ def test_tiered_decode_step_reads_routing_once_per_moe_layer(model_file):
     name, path = model_file
     if name == "llama":
         pytest.skip("dense: no MoE layer to tier")
-    engine = strata.load(path, dtype="bfloat16", pin_experts="ram", experts_cache="0", prefetch=False)
+    engine = strata.load(path, dtype="bfloat16", pin_experts="ram", experts_cache="0", prefetch=True)
     model, executor = engine.model, engine.tiers.executor
     n_moe = sum(isinstance(m, Experts) for m in model.modules())
+    predictors = engine.tiers.prefetcher.predictors
+    predicted_layers = sum(layer - 1 in predictors for layer in predictors)  # MoE layers after an MoE layer
     k = engine.config.n_experts_used
-    reads = []
+    reads, riders = [], []
 
-    def read_host(x, ids, weights):  # the device would return the values: hand back host data of that shape
+    def read_host(x, ids, weights, *more):  # the device would return the values: hand back host data of that shape
         reads.append(tuple(ids.shape))
         g = torch.Generator().manual_seed(len(reads))
-        ids_h = torch.stack([torch.randperm(engine.config.n_experts, generator=g)[:k] for _ in range(ids.shape[0])])
-        return (torch.randn(x.shape, generator=g).to(x.dtype), ids_h, torch.full(weights.shape, 1 / k, dtype=weights.dtype))
+        ids_h, *more_h = (torch.stack([torch.randperm(engine.config.n_experts, generator=g)[:k] for _ in range(t.shape[0])])
+                          for t in (ids, *more))
+        riders.extend(t.shape for t in more_h)
+        return (torch.randn(x.shape, generator=g).to(x.dtype), ids_h, torch.full(weights.shape, 1 / k, dtype=weights.dtype),
+                *more_h)
 
     executor.read_host = read_host
     executor.device = DEVICE  # what `hardware.device_info()` names on a machine with a GPU
@@ -160,5 +165,8 @@ def test_tiered_decode_step_reads_routing_once_per_moe_layer(model_file):
     assert logits.device == DEVICE
     assert len(reads) == 2 * n_moe, f"{name}: {len(reads)} routing reads for {n_moe} MoE layers x 2 steps"
     assert executor.host_reads == 2 * n_moe
+    # the prefetcher's next-layer predictions ride on those reads, one per predicted layer and step
+    assert len(riders) == 2 * predicted_layers and predicted_layers >= 1, f"{name}: {len(riders)} riders"
+    assert engine.tiers.executor.stats.as_dict({})["total"]["predicted"] == 2 * predicted_layers * k
     assert copies.reads == [], f"{name}: reads besides the routing reads: {copies.reads}"
     assert copies.blocking_writes == [], f"{name}: blocking host-to-device copies: {copies.blocking_writes}"

@@ -53,8 +53,19 @@ class SlotMemory:
         self.compute = torch.cuda.current_stream(device) if cuda else None
         self.staging = Staging(min(STAGING_SLOTS, max(n, 1)), slot_bytes, pin=True) if cuda else None
 
-    def write(self, slot: int, fmt: ExpertFormat, parts) -> object | None:
-        """Copy an expert's parts into `slot`; on CUDA returns the event marking the copy's end."""
+    def mark(self):
+        """An event after the compute work queued so far (on CUDA; else None), taken when a copy is
+        issued: its slot write waits for exactly that work, not for what is queued later (the next
+        layer's attention, which the copy is meant to overlap)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.compute)
+        return event
+
+    def write(self, slot: int, fmt: ExpertFormat, parts, after=None) -> object | None:
+        """Copy an expert's parts into `slot` once `after` (a `mark`) has passed; on CUDA returns
+        the event marking the copy's end."""
         if self.stream is None:
             for d, s in zip(fmt.split(self.data[slot]), parts):
                 d.copy_(s)
@@ -62,7 +73,10 @@ class SlotMemory:
         i, buf = self.staging.take()
         for d, s in zip(fmt.split(buf), parts):  # host to pinned host: a memcpy on this thread
             d.copy_(s)
-        self.stream.wait_stream(self.compute)  # do not overwrite a slot a queued kernel may still read
+        if after is not None:  # do not overwrite a slot a queued kernel may still read
+            self.stream.wait_event(after)
+        else:
+            self.stream.wait_stream(self.compute)
         with torch.cuda.stream(self.stream):
             self.data[slot, :fmt.nbytes].copy_(buf[:fmt.nbytes], non_blocking=True)
             event = torch.cuda.Event()
@@ -88,12 +102,12 @@ class Copier:
         self.pending: dict[int, Future] = {}
         self.bytes_copied = 0
 
-    def submit(self, slot: int, layer: int, e: int) -> None:
-        self.pending[slot] = self.pool.submit(self._copy, slot, layer, e)
+    def submit(self, slot: int, layer: int, e: int, after=None) -> None:
+        self.pending[slot] = self.pool.submit(self._copy, slot, layer, e, after)
         self.bytes_copied += self.formats[layer].nbytes
 
-    def _copy(self, slot: int, layer: int, e: int):
-        return self.memory.write(slot, self.formats[layer], self.homes[layer].parts(layer, e))
+    def _copy(self, slot: int, layer: int, e: int, after=None):
+        return self.memory.write(slot, self.formats[layer], self.homes[layer].parts(layer, e), after)
 
     def ready(self, slot: int) -> None:
         fut = self.pending.pop(slot, None)
@@ -127,19 +141,25 @@ class DeviceCache:
         self._copy_in(copies)
         return hits, [k for k, _ in copies], rejected
 
-    def prefetch(self, keys: list[int], prefill: bool = False) -> list[int]:
-        """Copy predicted experts in ahead of use."""
+    def prefetch(self, keys: list[int], prefill: bool = False, after=None) -> list[int]:
+        """Copy predicted experts in ahead of use; `after`: the event their writes wait for."""
         copies = self.slots.prefetch(keys, prefill)
-        self._copy_in(copies)
+        self._copy_in(copies, after)
         return [k for k, _ in copies]
 
     def preload(self) -> None:
         """Static hot sets known up front are copied in at start."""
         self._copy_in(self.slots.preload())
 
-    def _copy_in(self, copies) -> None:
+    def _copy_in(self, copies, after=None) -> None:
+        if copies and after is None:
+            after = self.memory.mark()  # the work queued up to now is what may read the slots replaced
         for key, slot in copies:
-            self.copier.submit(slot, *divmod(key, self.n_experts))
+            self.copier.submit(slot, *divmod(key, self.n_experts), after)
+
+    def mark(self):
+        """See `SlotMemory.mark`."""
+        return self.memory.mark()
 
     def parts(self, key: int, fmt: ExpertFormat):
         slot = self.where[key]

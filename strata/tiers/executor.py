@@ -51,16 +51,17 @@ def _grouped(x, ids, weights, experts: set[int], forward) -> torch.Tensor:
     return out
 
 
-def read_routing(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+def read_routing(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *riders: torch.Tensor):
     """The one device-to-host read of a tiered MoE layer's step: its routing ids (which experts,
     so which slots, copies and CPU work), with the router weights and the tokens' hidden states
-    the CPU lane multiplies, copied together and waited for once. CPU tensors come back as they are.
+    the CPU lane multiplies, and `riders` (the next layer's predicted ids, for the prefetcher),
+    copied together and waited for once. CPU tensors come back as they are.
 
     Every host read of a tiered step goes through here (`HybridExecutor.read_host`), so tests count
     them and, under fake CUDA tensors, stand in for the values a device would return."""
     if x.device.type == "cpu":
-        return x, ids, weights
-    host = tuple(t.to("cpu", non_blocking=True) for t in (x, ids, weights))
+        return (x, ids, weights, *riders)
+    host = tuple(t.to("cpu", non_blocking=True) for t in (x, ids, weights, *riders))
     if x.is_cuda:
         torch.cuda.current_stream(x.device).synchronize()
     return host
@@ -113,11 +114,14 @@ class HybridExecutor:
         self.positions = None
         self.read_host = read_routing  # the seam every host read of a tiered step goes through
         self.host_reads = 0
+        self.prefetcher = None  # its next-layer prediction, when on the device, rides on the read
 
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             experts: set[int] | None = None) -> torch.Tensor:
         """The layer's output over the routed experts (only those in `experts`, when given: a shard)."""
-        x_host, ids_host, weights_host = self.read_host(x, ids, weights)  # the step's one read back
+        rider = self.prefetcher.take(layer) if self.prefetcher is not None else None
+        x_host, ids_host, weights_host, *predicted = self.read_host(
+            x, ids, weights, *(() if rider is None else (rider[1],)))  # the step's one read back
         self.host_reads += 1
         if self.tracer is not None:
             self.tracer.record(layer, self.positions, ids_host, weights_host)
@@ -127,6 +131,8 @@ class HybridExecutor:
         on_device, on_cpu = self._split(layer, used)
         futures = self.lane.submit(layer, x_host, ids_host, weights_host, on_cpu)  # runs beside the device
         out = self._device(layer, x, ids, weights, set(on_device), ids_host)
+        if rider is not None:  # after this layer's kernels are queued: the copies wait for those only
+            self.prefetcher.issue(rider[0], predicted[0], self.prefill, self.cache.mark() if self.cache else None)
         for f in futures:  # the host waits for its own threads; the device queue is not synchronised
             out = out + to_device(f.result(), out.device)
         return out.to(x.device)

@@ -2,7 +2,13 @@
 
 The residual stream changes little from one layer to the next, so the next router's
 choice on the current hidden state is a good guess; predicted misses are copied in on
-the copy stream (a thread without CUDA) while layer L's attention and experts compute.
+the copy stream (a thread without CUDA) while the model computes.
+
+On the CPU the prediction is issued at once, before layer L's attention. On a device the ids stay
+there and ride on layer L's own routing read (`take`, then `issue` from the executor, after L's
+expert kernels are queued): no read of their own, and the copies, on the side stream behind an event
+for L's kernels, overlap layer L+1's attention. A prediction whose block makes no routing read (a
+dense block before an MoE one) is dropped on a device.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from strata.tiers.executor import to_device
 from strata.tiers.stats import TierStats
 
 SOURCE = "Strata's prefetcher (layer L+1's router on layer L's input)"
@@ -24,6 +31,7 @@ class Prefetcher:
         self.n_experts, self.nbytes, self.cached_layers = n_experts, nbytes, cached_layers
         self.tracer = tracer  # records each prediction, so `strata cache-sim` replays the prefetches
         self.disk_homes = disk_homes or {}  # layer -> DiskHome: predictions are read ahead into its RAM cache
+        self.riding: dict[int, tuple[int, torch.Tensor]] = {}  # block -> (layer, device ids) for its read
 
     def __call__(self, block: int, x: torch.Tensor, token_mask: torch.Tensor, prefill: bool = False) -> None:
         layer = block + 1
@@ -31,7 +39,19 @@ class Prefetcher:
         if predict is None:
             return
         with torch.inference_mode():
-            ids = predict(x[token_mask])  # (N, k) for the real tokens
+            ids = predict(_real_rows(x, token_mask))  # (N, k) for the real tokens
+        if ids.device.type == "cpu":
+            self.issue(layer, ids, prefill)
+        else:
+            self.riding[block] = (layer, ids)
+
+    def take(self, block: int) -> tuple[int, torch.Tensor] | None:
+        """(layer, device ids) predicted before `block`, for the block's routing read to carry."""
+        return self.riding.pop(block, None)
+
+    def issue(self, layer: int, ids: torch.Tensor, prefill: bool = False, after=None) -> None:
+        """Prefetch `layer`'s predicted experts (host ids); `after`: the compute-stream event the
+        slot writes wait for (the kernels queued so far may read a slot being replaced)."""
         experts = torch.unique(ids).tolist()
         if self.tracer is not None:
             self.tracer.predicted(layer, experts, SOURCE)
@@ -41,7 +61,19 @@ class Prefetcher:
         if home is not None:  # reads start now, while this block computes
             home.request(layer, experts, ahead=True)
         if self.cache is not None and layer in self.cached_layers:
-            self.stats.prefetched(layer, self.cache.prefetch(keys, prefill), self.nbytes[layer])
+            self.stats.prefetched(layer, self.cache.prefetch(keys, prefill, after), self.nbytes[layer])
+
+
+def _real_rows(x: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """(N, hidden) rows of x at the real positions; the host mask becomes host indices, so a device
+    x is gathered without a read back (a boolean index on the device waits for its count)."""
+    flat = x.reshape(-1, x.shape[-1])
+    mask = token_mask.reshape(-1)
+    if x.device.type == "cpu":
+        return flat[mask.to(x.device)]
+    if bool(mask.all()):  # host bookkeeping: every position is real (decode)
+        return flat
+    return flat.index_select(0, to_device(mask.nonzero().reshape(-1), x.device))
 
 
 def router_predictors(model) -> dict[int, Callable]:

@@ -98,6 +98,7 @@ def install(loaded, options) -> TierRuntime:
     for layer, m in modules.items():
         m.backend = TieredExperts(executor, layer)
     prefetcher = _prefetcher(loaded.model, options, cache, executor, formats, plan) if modules else None
+    executor.prefetcher = prefetcher
     runtime = TierRuntime(plan, homes, executor, prefetcher, cache, reader, options.trace_experts,
                           _decode_width(loaded.model, options))
     loaded.model.before_block = runtime.before_block
