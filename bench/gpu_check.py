@@ -277,6 +277,7 @@ def routed_steps(n_experts: int, tokens: int, k: int, device: torch.device):
 def bench_grouped(device: torch.device, hidden: int, ffn: int, n_experts: int, batches, peak, types) -> list[dict]:
     """The grouped SwiGLU product over slots: GB/s of the distinct experts' bytes."""
     from strata.kernels import gpu
+    from strata.kernels.grouped import grouped_swiglu as grouped_swiglu_reference, route_table
 
     print(f"  grouped SwiGLU over {n_experts} slots, experts {ffn} x {hidden} (gate, up) and {hidden} x {ffn} (down):")
     print(f"  {'type':<8} {'tokens':>6} {'experts':>7} {'MB':>7} {'us':>9} {'GB/s':>8} {'of peak':>8} "
@@ -290,13 +291,17 @@ def bench_grouped(device: torch.device, hidden: int, ffn: int, n_experts: int, b
         parts = partial(slot_parts, fmt, random_slots(fmt, n_experts, device))
         for tokens, k in batches:
             x = torch.randn(tokens, hidden, device=device)
-            steps = [(x, ids, w, experts, fmt, parts) for ids, w, experts in routed_steps(n_experts, tokens, k, device)]
-            t = seconds_per_call(cycling([partial(gpu.expert_product, *a) for a in steps]), device)
-            t_ref = seconds_per_call(cycling([partial(gpu.expert_product_reference, *a) for a in steps]),
+            source = lambda e: fmt.qtensors(parts(e))  # noqa: E731
+            # the route tables on the host, as the tiers fill them from their one read back
+            steps = [(x, route_table(ids.cpu(), w.cpu(), experts), source)
+                     for ids, w, experts in routed_steps(n_experts, tokens, k, device)]
+            refs = [(x, table.to(device), src) for x, table, src in steps]
+            t = seconds_per_call(cycling([partial(gpu.grouped_swiglu, *a) for a in steps]), device)
+            t_ref = seconds_per_call(cycling([partial(grouped_swiglu_reference, *a) for a in refs]),
                                      device, iters=5, reps=3)
-            ref = gpu.expert_product_reference(*steps[0])
-            err = float((gpu.expert_product(*steps[0]) - ref).abs().max() / ref.abs().max())
-            n_used = len(steps[0][3])
+            ref = grouped_swiglu_reference(*refs[0])
+            err = float((gpu.grouped_swiglu(*steps[0]) - ref).abs().max() / ref.abs().max())
+            n_used = len(set(steps[0][1].expert.tolist()))
             nbytes = n_used * fmt.nbytes
             gbs = nbytes / t / 1e9
             share = f"{gbs * 1e9 / peak:.1%}" if peak else "-"

@@ -23,9 +23,10 @@ from gguf import GGMLQuantizationType as T
 import strata
 from strata import quant
 from strata.kernels import gpu
-from strata.kernels.grouped import run_experts
+from strata.kernels.grouped import grouped_swiglu, route_table, run_experts
 from strata.formats.weights import QTensor
 from strata.synth import random_blocks
+from strata.tiers.executor import expert_source
 from strata.tiers.store import expert_format
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -137,7 +138,7 @@ def test_grouped_product_matches_reference_moe(qtypes, ffn, layout):
     experts = {0, 2, 3, 5}  # expert 1 is elsewhere (a CPU miss): not in this product
     dense = [tuple(q.dequantize()[e] for q in stacked) for e in range(n_experts)]
     ref = run_experts(x, ids, weights, lambda e: dense[e], experts)
-    got = gpu.expert_product(x, ids, weights, experts, fmt, parts)
+    got = gpu.grouped_swiglu(x, route_table(ids.cpu(), weights.cpu(), experts), expert_source(fmt, parts))
     assert rel_err(got, ref) < 1e-3
     assert got[2].abs().max() > 0  # token 2 still gets expert 3
 
@@ -174,24 +175,25 @@ def test_qmatmul_op_matches_reference():
     assert rel_err(got, x @ w.dequantize().T) < 1e-3
 
 
-def test_expert_pairs_are_grouped_by_expert():
+def test_route_table_is_grouped_by_expert():
     ids = torch.tensor([[4, 1], [1, 7], [4, 0]])
-    tok, flat, expert = gpu.expert_pairs(ids, {1, 4})
-    assert expert.tolist() == [1, 1, 4, 4]
-    assert tok.tolist() == [0, 1, 0, 2] and flat.tolist() == [1, 2, 0, 4]
+    weights = torch.tensor([[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]])
+    table = route_table(ids, weights, {1, 4})
+    assert table.expert.tolist() == [1, 1, 4, 4]
+    assert table.token.tolist() == [0, 1, 0, 2] and table.weight.tolist() == pytest.approx([0.2, 0.3, 0.1, 0.5])
 
 
 def test_tiers_device_path_runs_the_grouped_kernels(monkeypatch):
     """The whole model through the executor: hits computed by Triton from the cache's slots."""
     torch.manual_seed(0)
     calls = []
-    product = gpu.expert_product
+    product = gpu.grouped_swiglu
 
     def counting(x, *args):
         calls.append(x.shape[0])
         return product(x, *args)
 
-    monkeypatch.setattr(gpu, "expert_product", counting)
+    monkeypatch.setattr(gpu, "grouped_swiglu", counting)
     ids = [318, 288]
     from strata import kernels
 
@@ -238,6 +240,7 @@ def test_cuda_kernels_at_real_expert_size(qtype):
     weights = torch.rand(4, 8, device=DEVICE)
     experts = set(range(12))
     x = torch.randn(4, 2048, device=DEVICE)
-    got = gpu.expert_product(x, ids, weights, experts, fmt, parts)
-    ref = gpu.expert_product_reference(x, ids, weights, experts, fmt, parts)
+    table = route_table(ids.cpu(), weights.cpu(), experts)
+    got = gpu.grouped_swiglu(x, table, expert_source(fmt, parts))
+    ref = grouped_swiglu(x, table.to(DEVICE), expert_source(fmt, parts))
     assert rel_err(got, ref) < 1e-3

@@ -5,7 +5,7 @@ kernel (qmm.c, built with the system C compiler on first use and cached) decodes
 a time into a vector register and uses them for up to 8 rows of x, so an expert is read once
 per call and never materialised as floats; output rows are shared out over a small thread
 pool (`threads`, default torch.get_num_threads()). `expert_forward` is one SwiGLU expert on
-top of it, `run_experts_fast` a whole routed-expert layer.
+top of it, `grouped_swiglu` the grouped expert product (`strata.kernels.grouped`) of a layer.
 
 Every fast path has its plain torch reference beside it (`*_reference`: dequantize, then
 matmul). The fast one is used when the type has a kernel, the tensors are on the CPU and the
@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from strata.formats.weights import QTensor
-from strata.kernels import _build
+from strata.kernels import _build, grouped
+from strata.kernels.grouped import ExpertSource, RouteTable
 
 __all__ = [
     "FAST_BATCH_MAX",
@@ -44,6 +45,7 @@ __all__ = [
     "expert_forward",
     "expert_forward_reference",
     "fast_ok",
+    "grouped_swiglu",
     "has_kernel",
     "kernel_types",
     "qmatmul",
@@ -344,7 +346,7 @@ def expert_forward_reference(x: torch.Tensor, gate_q: QTensor, up_q: QTensor, do
 
 
 def experts_fast_ok(x: torch.Tensor, *stacked: QTensor) -> bool:
-    """Whether `run_experts_fast` applies: kernels loaded, CPU tensors, every type has a kernel.
+    """Whether `grouped_swiglu` applies: kernels loaded, CPU tensors, every type has a kernel.
 
     Batch size is not checked here; each expert falls back to the reference on its own when
     it receives more than FAST_BATCH_MAX tokens.
@@ -381,31 +383,23 @@ def _moe_token(x: torch.Tensor, parts, w: list[float], threads, out: torch.Tenso
     return True
 
 
-def run_experts_fast(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert,
-                     threads: int | None = None) -> torch.Tensor:
-    """Grouped expert product like `layers.run_experts`, each expert by `expert_forward`.
-
-    x (N, hidden); ids, weights (N, k); expert(e) -> (gate_q, up_q, down_q) QTensors.
-    """
-    out = torch.zeros_like(x)
-    flat = ids.reshape(-1)
-    if ids.shape[0] == 1:  # decode: one token, no grouping needed
-        w = weights.reshape(-1).tolist()
-        parts = [expert(e) for e in flat.tolist()]
+def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource,
+                   threads: int | None = None) -> torch.Tensor:
+    """The grouped expert product (`strata.kernels.grouped`) by these kernels: a decode token's
+    experts in one C call (strata_moe_token), else the one grouping loop with `expert_forward`."""
+    source = grouped.as_source(experts)
+    if x.shape[0] == 1 and table.expert.numel():  # decode: one token, no grouping needed
+        out = torch.zeros_like(x)
+        parts, w = [source(e) for e in table.expert.tolist()], table.weight.tolist()
         if _moe_token(x, parts, w, threads, out):
             return out
-        for j, p in enumerate(parts):
-            out.add_(expert_forward(x, *p, threads=threads), alpha=w[j])
+        for p, wj in zip(parts, w):
+            out.add_(expert_forward(x, *p, threads=threads), alpha=wj)
         return out
-    order = torch.argsort(flat, stable=True)
-    used, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    token_of = order // ids.shape[1]
-    wflat = weights.reshape(-1)
-    start = 0
-    for e, n in zip(used.tolist(), counts.tolist()):
-        sel = order[start:start + n]
-        tok = token_of[start:start + n]
-        start += n
-        y = expert_forward(x[tok], *expert(e), threads=threads)
-        out.index_add_(0, tok, y * wflat[sel, None])
-    return out
+    return grouped.grouped_swiglu(x, table, source, lambda xs, g, u, d: expert_forward(xs, g, u, d, threads))
+
+
+def run_experts_fast(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert,
+                     threads: int | None = None) -> torch.Tensor:
+    """`grouped_swiglu` over a router's (ids, weights) (N, k); expert(e) -> (gate_q, up_q, down_q)."""
+    return grouped_swiglu(x, grouped.route_table(ids, weights), expert, threads)

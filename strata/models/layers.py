@@ -14,9 +14,9 @@ from torch import nn
 
 from strata.models.cache import KVCache, StepInfo
 from strata.models.rope import Rope
-from strata import kernels
 from strata.formats.weights import QTensor
-from strata.kernels.grouped import run_experts
+from strata.kernels import moe
+from strata.kernels.grouped import route_table
 from strata.models.weights import WeightLoader
 
 Tap = Callable[[str, torch.Tensor], None]
@@ -133,10 +133,6 @@ class ResidentExperts:
     def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
         self.gate, self.up, self.down = gate, up, down
 
-    def expert_weights(self, e: int, dtype: torch.dtype):
-        return (self.gate[e].dequantize(dtype), self.up[e].dequantize(dtype),
-                self.down[e].dequantize(dtype))
-
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":  # experts resident on the device: one custom op, nothing read back
             from strata.kernels.gpu import ops  # noqa: F401  (registers torch.ops.strata.*)
@@ -144,9 +140,7 @@ class ResidentExperts:
             g, u, d = self.gate, self.up, self.down
             return torch.ops.strata.experts(x, ids, weights, g.raw, u.raw, d.raw,
                                             [int(g.qtype), int(u.qtype), int(d.qtype)], g.shape[2], g.shape[1])
-        if kernels.experts_fast_ok(x, self.gate, self.up, self.down):
-            return kernels.run_experts_fast(x, ids, weights, lambda e: (self.gate[e], self.up[e], self.down[e]))
-        return run_experts(x, ids, weights, lambda e: self.expert_weights(e, x.dtype))
+        return moe.grouped_swiglu(x, route_table(ids, weights), (self.gate, self.up, self.down))
 
 
 class Experts(nn.Module):

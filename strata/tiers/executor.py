@@ -14,41 +14,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from strata.kernels import gpu as gpu_kernels
-from strata.kernels.grouped import run_experts
+from strata.kernels import moe
+from strata.kernels.grouped import route_table
 from strata.tiers.device_cache import DeviceCache
 from strata.tiers.stats import TierStats
 from strata.tiers.store import ExpertFormat
 
 
-def expert_product(x, ids, weights, experts: set[int], fmt: ExpertFormat, parts) -> torch.Tensor:
-    """The grouped product over `experts`, computed as the resident path computes it.
-
-    On the CPU, types with a compiled kernel multiply by the stored blocks directly (as
-    `ResidentExperts` does through `strata.kernels`); elsewhere, the reference: dequantize
-    the bytes and `run_experts`. `parts(e)` gives an expert's (gate, up, down) bytes.
-    """
-    from strata import kernels
-
-    if kernels.experts_fast_ok(x, *fmt.qtensors(parts(next(iter(experts))))):
-        return _grouped(x, ids, weights, experts, lambda xs, e: kernels.expert_forward(xs, *fmt.qtensors(parts(e))))
-    return run_experts(x, ids, weights, lambda e: fmt.weights(parts(e), x.dtype), experts)
-
-
-def _grouped(x, ids, weights, experts: set[int], forward) -> torch.Tensor:
-    """`run_experts`' grouping (each expert's tokens in one call) with `forward(xs, e)` per expert."""
-    out = torch.zeros_like(x)
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    used, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    token_of, w = order // ids.shape[1], weights.reshape(-1)
-    start = 0
-    for e, n in zip(used.tolist(), counts.tolist()):
-        sel, tok = order[start:start + n], token_of[start:start + n]
-        start += n
-        if e in experts:
-            out.index_add_(0, tok, forward(x[tok], e) * w[sel, None])
-    return out
+def expert_source(fmt: ExpertFormat, parts):
+    """The grouped product's weights argument: expert (or slot) -> its QTensors, from `parts(e)`'
+    bytes (a home, a cache slot, a read)."""
+    return lambda e: fmt.qtensors(parts(e))
 
 
 def read_routing(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *riders: torch.Tensor):
@@ -97,7 +73,8 @@ class CpuLane:
     def _run(self, layer, x, ids, weights, experts: set[int]) -> torch.Tensor:
         home = self.homes[layer]
         with torch.inference_mode():
-            return expert_product(x, ids, weights, experts, self.formats[layer], lambda e: home.parts(layer, e))
+            table = route_table(ids, weights, experts)
+            return moe.grouped_swiglu(x, table, expert_source(self.formats[layer], lambda e: home.parts(layer, e)))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -130,7 +107,7 @@ class HybridExecutor:
             used = [e for e in used if e in experts]
         on_device, on_cpu = self._split(layer, used)
         futures = self.lane.submit(layer, x_host, ids_host, weights_host, on_cpu)  # runs beside the device
-        out = self._device(layer, x, ids, weights, set(on_device), ids_host)
+        out = self._device(layer, x, ids_host, weights_host, set(on_device))
         if rider is not None:  # after this layer's kernels are queued: the copies wait for those only
             self.prefetcher.issue(rider[0], predicted[0], self.prefill, self.cache.mark() if self.cache else None)
         for f in futures:  # the host waits for its own threads; the device queue is not synchronised
@@ -149,7 +126,8 @@ class HybridExecutor:
         self.stats.step(layer, keys, hits, copied, cpu, self.formats[layer].nbytes)
         return [k - base for k in hits + copied], [k - base for k in cpu]
 
-    def _device(self, layer, x, ids, weights, experts: set[int], ids_host=None) -> torch.Tensor:
+    def _device(self, layer, x, ids_host, weights_host, experts: set[int]) -> torch.Tensor:
+        """The device half: hits and copied-in misses, from their slots (or the device home)."""
         if not experts:
             return torch.zeros_like(x, device=self.device)
         fmt, home = self.formats[layer], self.homes[layer]
@@ -158,10 +136,8 @@ class HybridExecutor:
             parts = lambda e: home.parts(layer, e)  # noqa: E731
         else:
             parts = lambda e: self.cache.parts(base + e, fmt)  # noqa: E731
-        x, ids, weights = x.to(self.device), ids.to(self.device), weights.to(self.device)
-        if gpu_kernels.applies(x, *(p.qtype for p in fmt.parts)):  # Triton, from the slots' blocks
-            return gpu_kernels.expert_product(x, ids, weights, experts, fmt, parts, ids_host)
-        return expert_product(x, ids, weights, experts, fmt, parts)
+        table = route_table(ids_host, weights_host, experts)  # the host copy: no second read
+        return moe.grouped_swiglu(x.to(self.device), table, expert_source(fmt, parts), device_half=True)
 
 
 class TieredExperts:

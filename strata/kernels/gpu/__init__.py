@@ -1,8 +1,8 @@
 """Device kernels for quantized experts: Triton, multiplying straight from ggml blocks.
 
-`qmatmul(x, w)` is `x @ w.T` for a `QTensor` w; `expert_product(...)` is the grouped SwiGLU
-product of a layer's (token, expert) pairs over weights already on the device (cache slots,
-or experts pinned there), summed into tokens in the router's weights. Each picks Triton when
+`qmatmul(x, w)` is `x @ w.T` for a `QTensor` w; `grouped_swiglu(x, table, experts)` is the grouped
+expert product (`strata.kernels.grouped`) of a layer's (token, expert or slot, weight) pairs over
+weights already on the device (cache slots, or experts pinned there). Each picks Triton when
 the tensors are on CUDA, or when TRITON_INTERPRET=1 asks for Triton's interpreter (how the
 tests run the kernels on CPU tensors), the type has a decoder and the batch is small; else it
 takes the plain torch reference beside it (dequantize, then matmul), which wins for large
@@ -21,7 +21,8 @@ from gguf import GGMLQuantizationType as T
 
 from strata.formats.weights import QTensor
 from strata.kernels import qmatmul_reference
-from strata.kernels.grouped import run_experts
+from strata.kernels import grouped
+from strata.kernels.grouped import ExpertSource, RouteTable
 
 __all__ = [
     "KERNEL_TYPES",
@@ -29,9 +30,7 @@ __all__ = [
     "USE_TRITON",
     "applies",
     "available",
-    "expert_pairs",
-    "expert_product",
-    "expert_product_reference",
+    "grouped_swiglu",
     "has_kernel",
     "qmatmul",
     "qmatmul_reference",
@@ -95,20 +94,6 @@ def qmatmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     return qmatmul_reference(x, w)
 
 
-def expert_pairs(ids: torch.Tensor, experts: set[int], ids_host: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The (token, top-k position) pairs routed to `experts`, ordered by expert, as CPU tensors.
-
-    Returns token (P,), the pair's index into ids.reshape(-1) (P,), and its expert (P,); pairs
-    of one expert are adjacent, so their programs share the expert's blocks in L2.
-    """
-    ids_cpu = (ids.cpu() if ids_host is None else ids_host).reshape(-1)  # the host copy: no second read
-    flat = torch.isin(ids_cpu, torch.tensor(sorted(experts), dtype=ids_cpu.dtype)).nonzero().reshape(-1)
-    order = torch.argsort(ids_cpu[flat], stable=True)
-    flat = flat[order]
-    return flat // ids.shape[-1], flat, ids_cpu[flat]
-
-
 def _byte_sources(views: list[tuple[torch.Tensor, ...]]):
     """(per projection a uint8 tensor over the one allocation all experts' bytes share,
     CPU int64 (experts, projections) byte offsets into them), or None when some projection's
@@ -123,29 +108,36 @@ def _byte_sources(views: list[tuple[torch.Tensor, ...]]):
     return bases, torch.tensor(offsets, dtype=torch.int64).T
 
 
-def expert_product(x, ids, weights, experts: set[int], fmt, parts, ids_host=None) -> torch.Tensor:
-    """SwiGLU experts for every (token, expert) pair with expert in `experts`, summed per token.
+def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource) -> torch.Tensor:
+    """The grouped expert product (`strata.kernels.grouped`) by Triton: every pair of `table` in one
+    launch per projection, summed per token in float32, returned in x's dtype.
 
-    x (N, hidden); ids, weights (N, k); fmt the layer's `ExpertFormat`; parts(e) the byte views
-    of expert e's (gate, up, down) on x's device. Triton when `applies`, else the reference.
+    `experts` a function (expert or slot -> its QTensors on x's device): the table is on the host
+    (the tiers' copy, no second read), byte offsets are worked out there and copied over once.
+    `experts` the stacked QTensors: the table is on x's device and so are the offsets (nothing read
+    back). The reference runs where Triton does not apply or an expert's bytes are spread.
     """
-    if not applies(x, *(p.qtype for p in fmt.parts)):
-        return expert_product_reference(x, ids, weights, experts, fmt, parts)
-    tok, flat, expert = expert_pairs(ids, experts, ids_host)
-    used, which = torch.unique_consecutive(expert, return_inverse=True)
-    sources = _byte_sources([parts(e) for e in used.tolist()])
-    if sources is None:
-        return expert_product_reference(x, ids, weights, experts, fmt, parts)
-    bases, offsets = sources
-    # (5, P): token, index into the router's weights, gate / up / down byte offsets; one copy
-    meta = torch.cat([tok[:, None], flat[:, None], offsets[which]], dim=1).T.contiguous()
-    meta = (meta.pin_memory() if x.is_cuda else meta).to(x.device, non_blocking=True)  # no stream sync
-    scale = weights.reshape(-1)[meta[1]]
-    y = _kernels().grouped_swiglu(x, meta[0], scale, list(zip(bases, meta[2:])), fmt.parts)  # (P, hidden)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, meta[0], y)
+    if callable(experts):
+        if not table.token.numel():
+            return torch.zeros_like(x)
+        used, which = torch.unique_consecutive(table.expert, return_inverse=True)
+        views = [experts(e) for e in used.tolist()]
+        parts = views[0]
+        sources = _byte_sources([tuple(q.raw for q in v) for v in views]) if applies(x, *(q.qtype for q in parts)) else None
+        if sources is None:
+            return grouped.grouped_swiglu(x, table.to(x.device), experts)
+        bases, offsets = sources
+        # (4, P): token, gate / up / down byte offsets; one copy, and one of the weights
+        meta = torch.cat([table.token[:, None], offsets[which]], dim=1).T.contiguous()
+        meta, scale = ((t.pin_memory() if x.is_cuda else t).to(x.device, non_blocking=True)  # no stream sync
+                       for t in (meta, table.weight.to(torch.float32)))
+        tok, sources = meta[0], list(zip(bases, meta[1:]))
+    else:
+        parts = tuple(q[0] for q in experts)
+        if not applies(x, *(q.qtype for q in parts)):
+            return grouped.grouped_swiglu(x, table, experts)
+        tok, scale = table.token, table.weight
+        sources = [(q.raw.reshape(-1), table.expert * q.raw[0].numel()) for q in experts]
+    y = _kernels().grouped_swiglu(x, tok, scale, sources, parts)  # (P, hidden)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, tok, y)
     return out.to(x.dtype)
-
-
-def expert_product_reference(x, ids, weights, experts: set[int], fmt, parts) -> torch.Tensor:
-    """The plain path: dequantize each expert's bytes, then `run_experts`."""
-    return run_experts(x, ids, weights, lambda e: fmt.weights(parts(e), x.dtype), experts)

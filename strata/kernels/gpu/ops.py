@@ -14,13 +14,12 @@ need to trace through these calls. The real implementations pick Triton when it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from strata.formats.weights import FLOAT_TYPES, QTensor
+from strata.kernels.grouped import route_table
 
 
 @torch.library.custom_op("strata::attention", mutates_args=())
@@ -48,33 +47,20 @@ def _(x, raw, qtype, in_features):
     return x.new_empty(x.shape[0], raw.shape[0])
 
 
-@dataclass(frozen=True, slots=True)
-class _Part:  # what the grouped Triton kernel reads of a projection: its type and one expert's [out, in]
-    qtype: T
-    shape: tuple[int, int]
-
-
 @torch.library.custom_op("strata::experts", mutates_args=())
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
             down: torch.Tensor, qtypes: list[int], hidden: int, ffn: int) -> torch.Tensor:
     """x (N, hidden); ids, weights (N, k); gate/up (E, ffn, row_bytes), down (E, hidden, row_bytes)
-    stacked experts in their stored types -> (N, hidden) in x's dtype."""
+    stacked experts in their stored types -> (N, hidden) in x's dtype. The route table is built on
+    the device; the grouped product is Triton's, gathered float experts, else the reference."""
     from strata.kernels import gpu
 
-    parts = (_Part(T(qtypes[0]), (ffn, hidden)), _Part(T(qtypes[1]), (ffn, hidden)), _Part(T(qtypes[2]), (hidden, ffn)))
+    shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
+    stacked = tuple(QTensor(t, T(q), (t.shape[0], *s)) for t, q, s in zip((gate, up, down), qtypes, shapes))
     n, k = ids.shape
-    if gpu.applies(x, *(p.qtype for p in parts)):
-        tok = torch.arange(n, device=x.device).repeat_interleave(k)  # pair p = (token p // k, slot p % k)
-        expert = ids.reshape(-1).to(torch.int64)
-        sources = [(src.reshape(-1), expert * src[0].numel()) for src in (gate, up, down)]
-        y = gpu._kernels().grouped_swiglu(x, tok, weights.reshape(-1), sources, parts)  # (P, hidden) fp32
-        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, tok, y).to(x.dtype)
-    if all(p.qtype in FLOAT_TYPES for p in parts) and n * k * ffn * hidden <= 1 << 26:
-        return _gathered(x, ids, weights, (gate, up, down), parts)
-    from strata.kernels.grouped import run_experts  # large batches: one matmul per used expert
-
-    stacked = [QTensor(t, p.qtype, (t.shape[0], *p.shape)) for t, p in zip((gate, up, down), parts)]
-    return run_experts(x, ids, weights, lambda e: tuple(s[e].dequantize(x.dtype) for s in stacked))
+    if all(T(q) in FLOAT_TYPES for q in qtypes) and n * k * ffn * hidden <= 1 << 26:
+        return _gathered(x, ids, weights, (gate, up, down), stacked)
+    return gpu.grouped_swiglu(x, route_table(ids, weights), stacked)
 
 
 @experts.register_fake
@@ -82,11 +68,11 @@ def _(x, ids, weights, gate, up, down, qtypes, hidden, ffn):
     return torch.empty_like(x)
 
 
-def _gathered(x, ids, weights, raws, parts) -> torch.Tensor:
+def _gathered(x, ids, weights, raws, stacked) -> torch.Tensor:
     """Float experts for a few tokens: each pair's weights gathered by index, then batched matmuls;
     no step depends on which experts were picked, so nothing is read back."""
-    g, u, d = (r.view(FLOAT_TYPES[p.qtype]).reshape(r.shape[0], *p.shape)[ids.reshape(-1)].to(x.dtype)
-               for r, p in zip(raws, parts))  # (P, out, in)
+    g, u, d = (r.view(FLOAT_TYPES[q.qtype]).reshape(q.shape)[ids.reshape(-1)].to(x.dtype)
+               for r, q in zip(raws, stacked))  # (P, out, in)
     xs = x.repeat_interleave(ids.shape[1], dim=0)[:, :, None]  # (P, hidden, 1)
     h = F.silu(torch.bmm(g, xs)) * torch.bmm(u, xs)
     y = torch.bmm(d, h)[:, :, 0] * weights.reshape(-1, 1).to(x.dtype)  # (P, hidden)
