@@ -52,3 +52,60 @@ def test_plan_prints_each_reserve_line(capsys):
     out = capsys.readouterr().out
     for line in ("device reserve", "kv cache", "at --ctx-size 8192", "recurrent", "activations", "scratch"):
         assert line in out
+
+
+def test_plan_chooses_blocks_or_floats_per_dense_weight_and_placement_follows(tmp_path, capsys, monkeypatch):
+    """Dense Q8_0 weights on the device: all dequantized to bf16 at placement when the budget has
+    room beside the cache, none when the cache takes it, some (in layer order) in between; the
+    placement converts exactly the planned ones, each by one dequantize call."""
+    from strata import quant
+    from strata.gguf.convert import convert_hf_to_gguf
+    from strata.models.linear import Linear
+    from strata.tiers.placement import place_blocks
+    from reference import randomise, save_hf
+    from test_tiers import Q8_0, qwen3moe
+
+    torch.manual_seed(0)
+    save_hf(randomise(qwen3moe().eval()), tmp_path / "hf")
+    path = convert_hf_to_gguf(tmp_path / "hf", tmp_path / "model.gguf", dense_type=Q8_0, expert_type=Q8_0)
+    opts = dict(pin_experts="ram", gpu_layers="all", experts_cache="0")  # the plan's dtype: bfloat16
+    roomy, _ = _plan(path, CUDA, 256, **opts)
+    forms = roomy.dense_forms
+    assert forms and set(forms.values()) == {"bfloat16"} and roomy.dense_extra > 0
+    assert all(n.startswith("blk.") and "_exps" not in n for n in forms)
+    base = roomy.dense_bytes("gpu") - roomy.dense_extra + roomy.reserved  # everything else, dense as blocks
+    full, _ = _plan(path, CUDA, 256, **{**opts, "experts_cache": "auto", "gpu_memory": str(base + roomy.expert_bytes() // 2)})
+    assert 0 < full.slots < full.n_experts  # the cache takes what is left
+    assert set(full.dense_forms.values()) == {"blocks"} and full.dense_extra == 0
+    half_budget = base + roomy.dense_extra // 2
+    half, _ = _plan(path, CUDA, 256, **{**opts, "gpu_memory": str(half_budget)})
+    chosen = [n for n, f in half.dense_forms.items() if f == "bfloat16"]
+    assert 0 < len(chosen) < len(forms) and 0 < half.dense_extra <= roomy.dense_extra // 2
+    assert half.dense_bytes("gpu") + half.reserved <= half.device_budget
+    assert cli_main(["plan", "-m", str(path), "--pin-experts", "ram", "--gpu-layers", "all", "--experts-cache", "0",
+                     "--gpu-memory", str(half_budget - half.reserved), "--ctx-size", "256"]) == 0  # simulated: no reserve
+    out = capsys.readouterr().out
+    assert (f"{len(forms) - len(chosen)} multiplied from their blocks (Triton), {len(chosen)} dequantized once "
+            f"at placement to bfloat16") in out
+
+    engine = strata_load(path)
+    calls = []
+    real = quant.dequantize
+    monkeypatch.setattr(quant, "dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    place_blocks(engine.model, half, torch.device("cpu"), {n: torch.bfloat16 for n in chosen})
+    linears = {}
+    for m in engine.model.modules():
+        for v in vars(m).values():
+            if isinstance(v, Linear) and v.name in half.dense_forms:
+                linears.setdefault(v.name, []).append(v)
+    assert set(linears) == set(half.dense_forms)
+    for name, ls in linears.items():
+        want_float = name in chosen
+        assert all((l.weight.dtype == torch.bfloat16) if want_float else l.quantized for l in ls), name
+    assert len(calls) == sum(len(linears[n]) for n in chosen)  # one dequantize per converted weight, at placement
+
+
+def strata_load(path):
+    import strata
+
+    return strata.load(path, dtype="bfloat16")

@@ -96,9 +96,9 @@ def test_qmatmul_picks_triton_or_reference(monkeypatch):
     assert gpu.applies(x, T.Q4_K)
     assert rel_err(gpu.qmatmul(x, w), ref) < 1e-3 and gpu.qmatmul(x, w).shape == (2, 3, 7)
     assert gpu.qmatmul(x.bfloat16(), w).dtype == torch.bfloat16
-    big = torch.randn(gpu.MAX_ROWS + 1, 256, device=DEVICE)  # prefill-sized: dequantize + matmul wins
-    assert not gpu.applies(big, T.Q4_K)
-    assert torch.equal(gpu.qmatmul(big, w), gpu.qmatmul_reference(big, w))
+    big = torch.randn(gpu.MAX_ROWS + 1, 256, device=DEVICE)  # prefill-sized: the tiled kernel, no dequantize
+    assert not gpu.applies(big, T.Q4_K) and gpu.on_triton(big, T.Q4_K)
+    assert rel_err(gpu.qmatmul(big, w), gpu.qmatmul_reference(big, w)) < 1e-5
     assert not gpu.applies(x, T.IQ1_S)  # no decoder: the reference
     if not CUDA:
         monkeypatch.delenv("TRITON_INTERPRET")
@@ -166,6 +166,30 @@ def test_resident_experts_op_matches_reference(qtypes):
     assert rel_err(got, ref) < 1e-3
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "IQ2_XS", "MXFP4"])
+def test_prefill_product_from_blocks_never_dequantizes(qtype, monkeypatch):
+    """A prefill-sized x W^T on the device (the `strata::qmatmul` op a device `Linear` calls) is the
+    tiled Triton kernel over W's blocks: against the reference, in float32 and bfloat16 (whose
+    output rounds to bf16: 2^-8), with no call to dequantize."""
+    from strata.kernels.gpu import kernels, ops  # noqa: F401
+
+    qt = T[qtype]
+    cols = 512 if quant.get(qt).block_size == 256 else 9 * 32
+    w = random_qtensor(qt, (70, cols), seed=13)
+    x = torch.randn(gpu.MAX_ROWS + 36, cols, generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    refs = {dt: (x.to(dt) @ w.dequantize(dt).T).float() for dt in (torch.float32, torch.bfloat16)}
+    calls = []
+    for name in ("dequantize",):
+        real = getattr(quant, name)
+        monkeypatch.setattr(quant, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        got = torch.ops.strata.qmatmul(x.to(dt), w.raw, int(qt), cols)
+        assert got.dtype == dt and rel_err(got, refs[dt]) < tol, (qtype, dt)
+    if not CUDA:  # the interpreter runs exactly one of each tile: BM x BN programs
+        assert kernels.batched_tile() == (64, 64)
+    assert calls == [], "the prefill product dequantized the weight"
+
+
 def test_qmatmul_op_matches_reference():
     from strata.kernels.gpu import ops  # noqa: F401
 
@@ -218,7 +242,7 @@ def test_kernels_compile_for_h200():
     done = subprocess.run([sys.executable, "-W", "ignore", "-m", "strata.kernels.gpu.compile_check",
                            "--types", "IQ2_XS"], check=False, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("registers") == 3 and "local 0 B" in done.stdout
+    assert done.stdout.count("registers") == 4 and "local 0 B" in done.stdout and "stack 0 B" in done.stdout
 
 
 @pytest.mark.gpu

@@ -96,11 +96,12 @@ class Linear(_StoredWeight):
     assign a tensor in its place), and one Python call cheaper per use on the decode path.
     """
 
-    __slots__ = ("bias",)
+    __slots__ = ("bias", "name")
 
-    def __init__(self, weight: Weight, bias: torch.Tensor | None = None):
+    def __init__(self, weight: Weight, bias: torch.Tensor | None = None, name: str | None = None):
         self.weight = weight
         self.bias = bias
+        self.name = name  # the file's tensor name, which the plan's per-weight choices are keyed by
 
     @property
     def device(self) -> torch.device:
@@ -122,7 +123,9 @@ class Linear(_StoredWeight):
                 y = F.linear(x.to(w.dtype), w).to(x.dtype)
                 return y if self.bias is None else y + self.bias
             return F.linear(x, w, self.bias)
-        if x.device.type != "cpu":  # on the device: the Triton kernel reads the blocks, nothing is dequantized
+        if x.device.type != "cpu":  # on the device: the Triton kernels read the blocks, nothing is dequantized
+            # (decode rows one program each, prefill in tiles; a type without a decoder was
+            # dequantized at placement: `device_budget.dense_forms`)
             y = _device_qmatmul(x, w)
             return y if self.bias is None else y + self.bias
         y = kernels.try_qmatmul(x, w)  # None: prefill, another device, no kernel, or kernels off
@@ -141,8 +144,9 @@ class Linear(_StoredWeight):
             raise ValueError("split_rows does not split a bias")
         w = self.weight
         if not self.quantized:
-            return [Linear(t) for t in regroup(w)]
-        return [Linear(QTensor(t.contiguous(), w.qtype, (t.shape[0], w.shape[-1]))) for t in regroup(w.raw)]
+            return [Linear(t, name=self.name) for t in regroup(w)]
+        return [Linear(QTensor(t.contiguous(), w.qtype, (t.shape[0], w.shape[-1])), name=self.name)
+                for t in regroup(w.raw)]
 
     def to_device(self, device: torch.device, dequantize: torch.dtype | None = None) -> Linear:
         """Move to `device`; with `dequantize`, a quantized W becomes a float tensor of that dtype
@@ -179,8 +183,8 @@ class InputPermutedLinear(Linear):
 
     __slots__ = ("order",)
 
-    def __init__(self, weight: Weight, order: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__(weight, bias)
+    def __init__(self, weight: Weight, order: torch.Tensor, bias: torch.Tensor | None = None, name: str | None = None):
+        super().__init__(weight, bias, name)
         self.order = order  # long (in,): input column i of W reads x[..., order[i]]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ class TiledGatedDeltaNet(GatedDeltaNet):
         self.wb, self.wa = (lin.split_rows(lambda rows: untile(rows, 1))[0] for lin in (self.wb, self.wa))
         self.dt_bias, self.a = untile_value_heads(self.dt_bias, 0, c, 1), untile_value_heads(self.a, 0, c, 1)
         order = tile_value_heads(torch.arange(self.value_dim), 0, c, dv)
-        self.wo = InputPermutedLinear(self.wo.weight, order, self.wo.bias)
+        self.wo = InputPermutedLinear(self.wo.weight, order, self.wo.bias, self.wo.name)
 
 
 class PLE(nn.Module):

@@ -63,7 +63,7 @@ class WeightLoader:
     def linear(self, name: str, shape: tuple[int, ...], bias: str | None = None):
         """A `Linear` for weight `name` (out, in), with the optional bias tensor `bias` when present."""
         b = self.optional(bias, (shape[0],)) if bias is not None else None
-        return Linear(self._kept(name, shape), b)
+        return Linear(self._kept(name, shape), b, name)
 
     def embedding(self, name: str, shape: tuple[int, ...]):
         return Embedding(self._kept(name, shape), self.dtype)

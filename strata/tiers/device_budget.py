@@ -9,11 +9,22 @@
   a fixed 5 % of the budget, at least 256 MiB, at most 2 GiB.
 
 Sizes come from tensor shapes and the config, so `strata plan` prints them before loading.
+
+`dense_forms` then decides, per dense quantized weight homed on the device, how it is held there:
+its blocks (the Triton kernels multiply from them, a decode row at a time or in tiles for
+prefill) or floats of the run's dtype, dequantized once at placement (cuBLAS then serves prefill)
+while the budget left after the reserve and the expert cache has room. A type without a Triton
+decoder is always dequantized there (else every call would dequantize it). The output head and
+embedding keep their blocks: the head multiplies one row per sequence even in prefill.
 """
 
 from __future__ import annotations
 
 import re
+
+from gguf import GGMLQuantizationType
+
+from strata.formats.weights import FLOAT_TYPES
 
 SCRATCH_MIN, SCRATCH_MAX, SCRATCH_SHARE = 256 * 2**20, 2 * 2**30, 0.05
 LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -55,3 +66,33 @@ def _activation_bytes(config, rows: dict[int, dict[str, int]], chunk: int) -> in
     ffn = max(getattr(config, "expert_ffn_size", 0) * k + getattr(config, "shared_ffn_size", 0),
               getattr(config, "ffn_size", 0), 0)
     return chunk * (4 * hidden + widest + 3 * ffn) * 4
+
+
+BLOCKS = "blocks"  # a dense weight's form on the device when it is not dequantized
+
+
+def dense_forms(plan, source, dtype: str, room: int) -> tuple[dict[str, str], int]:
+    """({name: "blocks" or the dtype it is dequantized to}, bytes the floats add over the blocks)
+    for the device-homed dense quantized weights; optional dequantizing, trunk layers in order,
+    within `room` bytes."""
+    from strata import kernels
+    from strata.kernels import gpu
+
+    elt = {"float32": 4}.get(dtype, 2)
+    experts = plan.expert_names
+    grows = {}
+    floats = {t.name for t in FLOAT_TYPES}
+    for name, home in plan.homes.items():
+        if home != "gpu" or not LAYER.match(name) or name in experts:
+            continue
+        kind, shape, nbytes = source.info(name)  # the stored type's name (safetensors: F32, BF16, ...)
+        qtype = getattr(GGMLQuantizationType, str(kind), None)
+        if len(shape) == 2 and kind not in floats and qtype is not None and kernels.has_kernel(qtype):
+            grows[name] = (int(shape[0]) * int(shape[1]) * elt - nbytes, gpu.has_kernel(qtype))
+    forced = {n: g for n, (g, triton) in grows.items() if not triton}
+    forms, extra = dict.fromkeys(forced, dtype), sum(forced.values())
+    for name, (grow, triton) in grows.items():
+        if triton:
+            fits = grow <= room - extra
+            forms[name], extra = (dtype, extra + grow) if fits else (BLOCKS, extra)
+    return forms, extra

@@ -20,10 +20,11 @@ from strata.models.linear import Embedding, Linear
 HEAD_TENSORS = ("token_embd.weight", "output.weight")
 
 
-def place_blocks(model, plan, device: torch.device, dequantize: torch.dtype | None = None) -> list[int]:
+def place_blocks(model, plan, device: torch.device, dequantize: dict[str, torch.dtype] | None = None) -> list[int]:
     """Move every block whose attention weights the plan homes on the device, and the embedding and
-    head when the plan homes them there too; returns the moved blocks' indices. `dequantize`: dense
-    quantized weights become floats of that dtype on the device, once (the plan's `dense_on_device`)."""
+    head when the plan homes them there too; returns the moved blocks' indices. `dequantize`: the
+    dense quantized weights (by tensor name) that become floats of that dtype on the device, once
+    (the plan's `dense_forms`); the others keep their blocks."""
     moved = []
     hook = _InputsTo()
     for i, block in enumerate(getattr(model, "blocks", [])):
@@ -54,7 +55,7 @@ def _place_head(model, device, dequantize, hook) -> None:
     for name in ("tok_embd", "output", "output_norm", "output_mixer"):
         value = getattr(model, name, None)
         if isinstance(value, (Linear, Embedding)):
-            value.to_device(device) if isinstance(value, Embedding) else value.to_device(device, dequantize)
+            value.to_device(device) if isinstance(value, Embedding) else value.to_device(device, _float(value, dequantize))
         elif isinstance(value, nn.Module):
             move_tensors(value, device, dequantize=dequantize)
             value.register_forward_pre_hook(lambda m, args: (args[0].to(device),) + tuple(args[1:]))
@@ -71,8 +72,12 @@ def _experts_of(block) -> set[int]:
     return {id(m) for m in block.modules() if isinstance(m, Experts)}
 
 
+def _float(linear: Linear, dequantize: dict[str, torch.dtype] | None) -> torch.dtype | None:
+    return (dequantize or {}).get(linear.name) if linear.name is not None else None
+
+
 def move_tensors(module: nn.Module, device: torch.device, skip: set[int] = frozenset(),
-                 dequantize: torch.dtype | None = None) -> None:
+                 dequantize: dict[str, torch.dtype] | None = None) -> None:
     """Parameters, plain tensor attributes and `Linear`/`Embedding` weights (the engine keeps
     weights as all three) of every submodule."""
     for m in module.modules():
@@ -82,7 +87,7 @@ def move_tensors(module: nn.Module, device: torch.device, skip: set[int] = froze
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
                 setattr(m, name, value.to(device))
             elif isinstance(value, Linear):  # a quantized weight moves as its blocks, or dequantized once
-                value.to_device(device, dequantize)
+                value.to_device(device, _float(value, dequantize))
             elif isinstance(value, Embedding):
                 value.to_device(device)
         for name, p in list(m.named_parameters(recurse=False)):

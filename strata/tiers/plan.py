@@ -65,10 +65,17 @@ class Plan:
     device_reserve: dict[str, int] = field(default_factory=dict)  # kv, recurrent, activations, scratch
     reserve_applies: bool = False  # a real device: the reserve is kept out of the expert cache
     ctx_size: int = 0
+    dense_forms: dict[str, str] = field(default_factory=dict)  # device dense quantized weight -> blocks | dtype
+    dense_extra: int = 0  # device bytes the dequantized ones add over their blocks
+
+    @property
+    def expert_names(self) -> set[str]:
+        return {n for layer in self.experts for n in layer.names}
 
     def dense_bytes(self, tier: str) -> int:
-        experts = {n for layer in self.experts for n in layer.names}
-        return sum(b for n, b in self.sizes.items() if self.homes[n] == tier and n not in experts)
+        experts = self.expert_names
+        held = sum(b for n, b in self.sizes.items() if self.homes[n] == tier and n not in experts)
+        return held + (self.dense_extra if tier == "gpu" else 0)
 
     def expert_bytes(self, home: str | None = None) -> int:
         return sum(layer.nbytes for layer in self.experts if home in (None, layer.home))
@@ -113,7 +120,10 @@ def make_plan(source, config, opts, device=None, ctx_size: int | None = None) ->
                 overrides=[(r.pattern, t, n) for (r, t), n in zip(rules, matched)])
     _reserve_device(plan, source, config, opts, device, ctx_size)
     _check_disk_source(plan, source)
+    _dense_forms(plan, source, opts, room=0)  # the forced ones count before the cache is sized
     _size_cache(plan, opts)
+    _dense_forms(plan, source, opts, room=plan.device_budget - plan.dense_bytes("gpu") + plan.dense_extra
+                 - plan.expert_bytes("gpu") - plan.reserved - plan.cache_bytes)
     _size_ram_cache(plan, opts, source, config)
     return plan
 
@@ -137,6 +147,15 @@ def _reserve_device(plan: Plan, source, config, opts, device, ctx_size) -> None:
     room = plan.device_budget - plan.dense_bytes("gpu") - plan.expert_bytes("gpu") - plan.reserved
     if plan.gpu_layers >= plan.n_layers and sum(plan.sizes[n] for n in head) <= room:
         plan.homes.update({n: "gpu" for n in head})
+
+
+def _dense_forms(plan: Plan, source, opts, room: int) -> None:
+    """Blocks or floats for each device dense quantized weight (`device_budget.dense_forms`)."""
+    from strata.tiers import device_budget
+
+    plan.dense_extra = 0
+    plan.dense_forms, plan.dense_extra = device_budget.dense_forms(plan, source, getattr(opts, "dtype", "bfloat16"),
+                                                                   room)
 
 
 def _beside_the_head(name: str, n_layers: int) -> bool:
@@ -366,4 +385,5 @@ def summary(plan: Plan) -> dict:
             "ram_cache": plan.ram_cache, "device_reserve": dict(plan.device_reserve),
             "reserve_applies": plan.reserve_applies, "ctx_size": plan.ctx_size,
             "memory": plan.memory.as_dict() if plan.memory else None,
-            "expert_homes": dict(Counter(layer.home for layer in plan.experts))}
+            "expert_homes": dict(Counter(layer.home for layer in plan.experts)),
+            "dense_forms": dict(Counter(plan.dense_forms.values())), "dense_extra": plan.dense_extra}

@@ -100,6 +100,7 @@ def describe(plan: Plan, model: str) -> str:
                   f"  context {m.ctx_size}" + (" (the longest that fits the budget; --ctx-size sets it)"
                                                if m.ctx_chosen else " (--ctx-size)"), ""]
     lines += _reserve_lines(plan)
+    lines += _dense_form_lines(plan)
     lines += _expert_lines(plan, s)
     lines += [f"  override {pat}={tier}: {n} tensors" for pat, tier, n in plan.overrides]
     return "\n".join(lines)
@@ -116,6 +117,20 @@ def _reserve_lines(plan: Plan) -> list[str]:
             f"    recurrent    {format_size(r['recurrent']):>12}  DeltaNet state and conv windows",
             f"    activations  {format_size(r['activations']):>12}  one prefill chunk's widest layer",
             f"    scratch      {format_size(r['scratch']):>12}  allocator, cuBLAS workspace, kernel tables", ""]
+
+
+def _dense_form_lines(plan: Plan) -> list[str]:
+    """How the device holds its dense quantized weights (`device_budget.dense_forms`)."""
+    forms = list(plan.dense_forms.values())
+    if not forms:
+        return []
+    blocks = forms.count("blocks")
+    floats = {f for f in forms if f != "blocks"}
+    line = f"  dense quantized weights on the device: {blocks} multiplied from their blocks (Triton)"
+    if len(forms) > blocks:
+        line += (f", {len(forms) - blocks} dequantized once at placement to {'/'.join(sorted(floats))} "
+                 f"(+{format_size(plan.dense_extra)})")
+    return [line + ("" if plan.device_is_cuda else " (on a CUDA device; the simulated one runs the CPU's)"), ""]
 
 
 def _expert_lines(plan: Plan, s: dict) -> list[str]:

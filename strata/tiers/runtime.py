@@ -80,8 +80,9 @@ def install(loaded, options) -> TierRuntime:
     """Build the tiers for `loaded` (a LoadedModel) under `options` and hook them in."""
     device = hardware.device_info()
     plan = make_plan(loaded.source, loaded.config, options, device)
-    if device.is_cuda:
-        place_blocks(loaded.model, plan, device.torch_device)
+    if device.is_cuda:  # the plan's dense weights dequantized once here, the others kept as blocks
+        floats = {n: getattr(torch, form) for n, form in plan.dense_forms.items() if form != "blocks"}
+        place_blocks(loaded.model, plan, device.torch_device, floats)
     modules = {m.layer: m for m in loaded.model.modules() if isinstance(m, Experts)}
     formats = _formats(modules, plan, loaded.source)
     n_experts = max((m.n_experts for m in modules.values()), default=1)

@@ -4,9 +4,10 @@
 expert product (`strata.kernels.grouped`) of a layer's (token, expert or slot, weight) pairs over
 weights already on the device (cache slots, or experts pinned there). Each picks Triton when
 the tensors are on CUDA, or when TRITON_INTERPRET=1 asks for Triton's interpreter (how the
-tests run the kernels on CPU tensors), the type has a decoder and the batch is small; else it
-takes the plain torch reference beside it (dequantize, then matmul), which wins for large
-batches (prefill) where cuBLAS on dequantized weights beats re-decoding blocks per token.
+tests run the kernels on CPU tensors), and the type has a decoder. `qmatmul` takes a tiled kernel
+for prefill batches (decoded tiles into `tl.dot`, W read once per 32 rows); the grouped expert
+product takes Triton only for small batches, else the plain torch reference beside it
+(dequantize, then matmul).
 
 Triton is imported only when a kernel first runs, so CPU-only use never loads it.
 """
@@ -32,6 +33,7 @@ __all__ = [
     "available",
     "grouped_swiglu",
     "has_kernel",
+    "on_triton",
     "qmatmul",
     "qmatmul_reference",
     "qmatmul_triton",
@@ -66,11 +68,14 @@ def has_kernel(qtype) -> bool:
     return int(qtype) in {int(t) for t in KERNEL_TYPES}
 
 
+def on_triton(x: torch.Tensor, *qtypes) -> bool:
+    """Whether Triton serves activations x (CUDA, or the interpreter) and weights of these types."""
+    return USE_TRITON and (x.is_cuda or interpreted()) and all(map(has_kernel, qtypes)) and available()
+
+
 def applies(x: torch.Tensor, *qtypes) -> bool:
-    """Whether the Triton path runs for activations x and weights of these types."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    return (USE_TRITON and (x.is_cuda or interpreted()) and rows <= MAX_ROWS
-            and all(map(has_kernel, qtypes)) and available())
+    """Whether the decode-sized Triton kernels (one row of x per program) run for x."""
+    return x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and on_triton(x, *qtypes)
 
 
 def _kernels():
@@ -88,10 +93,17 @@ def qmatmul_triton(x: torch.Tensor, w: QTensor) -> torch.Tensor:
 
 
 def qmatmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
-    """`x @ w.T` in x's dtype: Triton when it applies, else the reference."""
-    if applies(x, w.qtype):
+    """`x @ w.T` in x's dtype from w's blocks: on Triton the decode kernel for a few rows, the tiled
+    one (`tl.dot` over decoded tiles) for a prefill batch, so nothing is dequantized per call;
+    elsewhere the reference."""
+    if not on_triton(x, w.qtype):
+        return qmatmul_reference(x, w)
+    if x.numel() // max(x.shape[-1], 1) <= MAX_ROWS:
         return qmatmul_triton(x, w).to(x.dtype)
-    return qmatmul_reference(x, w)
+    if len(w.shape) != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"x (..., {x.shape[-1]}) cannot multiply a weight of shape {w.shape}")
+    out = _kernels().qmatmul_batched(x.reshape(-1, x.shape[-1]), w.raw, w.qtype, w.shape)
+    return out.reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
 
 
 def _byte_sources(views: list[tuple[torch.Tensor, ...]]):

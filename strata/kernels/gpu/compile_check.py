@@ -25,6 +25,7 @@ POINTERS = {  # pointer arguments of each kernel and their element types
     "_qmv_kernel": {"x": "*fp32", "w": "*u8", "out": "*fp32", "tables": "*fp32"},
     "_gate_up_kernel": {"x": "*fp32", "tok": "*i64", "gate": "*u8", "gate_off": "*i64", "up": "*u8",
                         "up_off": "*i64", "h": "*fp32", "g_tables": "*fp32", "u_tables": "*fp32"},
+    "_qmm_kernel": {"x": "*bf16", "w": "*u8", "out": "*fp32", "tables": "*fp32"},
     "_down_kernel": {"h": "*fp32", "down": "*u8", "down_off": "*i64", "scale": "*fp32", "y": "*fp32",
                      "tables": "*fp32"},
 }
@@ -34,6 +35,9 @@ def _type_constants(qtype, prefix: str = "") -> dict[str, int]:
     q = quant.get(qtype)
     names = ("QTYPE", "QK", "TS") if not prefix else (f"{prefix}T", f"{prefix}_QK", f"{prefix}_TS")
     return dict(zip(names, (int(q.ggml_type), q.block_size, q.type_size)))
+
+
+NUM_WARPS = {"_qmm_kernel": 8}  # launch warps where not Triton's default 4 (the launchers pass the same)
 
 
 def compile_kernel(name: str, constants: dict[str, int], arch: int):
@@ -49,7 +53,7 @@ def compile_kernel(name: str, constants: dict[str, int], arch: int):
         raise TypeError("the kernels were imported under TRITON_INTERPRET=1; run this in a fresh process")
     signature = {a: POINTERS[name].get(a, "constexpr" if a in constants else "i32") for a in fn.arg_names}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
-                          target=GPUTarget("cuda", arch, 32))
+                          target=GPUTarget("cuda", arch, 32), options={"num_warps": NUM_WARPS.get(name, 4)})
 
 
 def resources(compiled) -> str:
@@ -65,7 +69,7 @@ def resources(compiled) -> str:
     return f"{m[1]} registers, stack {m[2]} B, local {m[3]} B" if m else "resources unknown"
 
 
-def jobs(types, bn: int):
+def jobs(types, bn: int, batched: tuple[int, int] = (32, 32)):
     """(label, kernel name, constants) for every kernel over `types` (grouped: gate = up = down)."""
     for t in types:
         one = _type_constants(t)
@@ -73,6 +77,8 @@ def jobs(types, bn: int):
         yield f"gate_up {t.name}", "_gate_up_kernel", {**_type_constants(t, "G"), **_type_constants(t, "U"),
                                                        "BN": bn, "BK": 256}
         yield f"down {t.name}", "_down_kernel", {**one, "BN": bn, "BK": 256}
+        bm, bnn = batched
+        yield f"qmm {t.name}", "_qmm_kernel", {**one, "BM": bm, "BN": bnn, "BK": 256, "DOT": 1}  # bf16 prefill
 
 
 def main(argv=None) -> int:

@@ -114,6 +114,48 @@ def _down_kernel(h, down, down_off, scale, y, tables, F, H, row_bytes,
     tl.store(y + p * H + rows, acc * tl.load(scale + p), mask=rows < H)
 
 
+@triton.jit
+def _qmm_kernel(x, w, out, tables, M, N, K, row_bytes, x_stride, out_stride,
+                QTYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr, DOT: tl.constexpr):
+    """out[m, n] = (x_m . W_n) for a BM x BN tile (prefill): each step decodes a (BN, BK) tile of W
+    once, in registers, and multiplies it into BM rows of x with `tl.dot` (tensor cores), so W is
+    read once per BM rows and never written back as floats. DOT: 0 float32 (IEEE), 1 bfloat16,
+    2 float16, the activations' dtype; the decoded weights are rounded to it, as dequantizing to
+    that dtype rounds them."""
+    n0 = tl.program_id(0) * BN
+    m = tl.program_id(1) * BM + tl.arange(0, BM)
+    NG: tl.constexpr = BK // 32
+    s = tl.arange(0, NG)[None, :, None]
+    l = tl.arange(0, 32)[None, None, :]
+    rows = _row_pointers(w, n0, N, row_bytes, BN)[:, :, None]  # (BN, 1, 1)
+    kk = tl.arange(0, BK)
+    x_rows = x + tl.minimum(m, M - 1).to(tl.int64)[:, None] * x_stride  # (BM, 1); rows past M repeat, unstored
+    acc = tl.full([BM, BN], 0.0, tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + s * 32 + l
+        if QK == 32:
+            blk = rows + tl.minimum(k0 // 32 + s, K // 32 - 1) * TS
+        else:
+            tl.static_assert(QK == BK, "a step must cover one super-block")
+            blk = rows + (k0 // QK) * TS
+        wt = tl.reshape(tl.where(k < K, decode(blk, s, l, tables, tables + 4096, tables + 6144, QTYPE), 0.0),
+                        (BN, BK))
+        xt = tl.load(x_rows + (k0 + kk)[None, :], mask=(k0 + kk)[None, :] < K, other=0.0)  # (BM, BK)
+        if DOT == 1:
+            acc += tl.dot(xt.to(tl.bfloat16), tl.trans(wt.to(tl.bfloat16)))
+        elif DOT == 3:  # bf16 under the interpreter: the same products, exact in float32 (see DOT_TYPES)
+            acc += tl.dot(xt.to(tl.bfloat16).to(tl.float32), tl.trans(wt.to(tl.bfloat16).to(tl.float32)),
+                          input_precision="ieee")
+        elif DOT == 2:
+            acc += tl.dot(xt.to(tl.float16), tl.trans(wt.to(tl.float16)))
+        else:
+            acc += tl.dot(xt.to(tl.float32), tl.trans(wt), input_precision="ieee")
+    cols = n0 + tl.arange(0, BN)
+    tl.store(out + m.to(tl.int64)[:, None] * out_stride + cols[None, :], acc,
+             mask=(m[:, None] < M) & (cols[None, :] < N))
+
+
 # ------------------------------------------------------------------------------ lookup tables
 
 _GRIDS = ("IQ2_XXS", "IQ2_XS", "IQ3_XXS")
@@ -163,6 +205,40 @@ def qmatmul(x: torch.Tensor, raw: torch.Tensor, qtype, shape: tuple[int, int], b
     _qmv_kernel[(triton.cdiv(n, bn), x.shape[0])](
         x, raw, out, tables(qtype, x.device), n, k, k // qk * ts, x.stride(0), out.stride(0),
         QTYPE=qt, QK=qk, TS=ts, BN=bn, BK=BK)
+    return out
+
+
+# the prefill kernel's DOT per activation dtype. Triton 3.9's interpreter multiplies bfloat16 tiles
+# as their raw uint16 bits, so under it bf16 takes DOT 3: the same bf16-rounded operands multiplied
+# in float32, where a product of two bf16 values is exact, as the tensor cores' fp32 accumulation is
+DOT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _dot_type(dtype: torch.dtype) -> int:
+    dot = DOT_TYPES.get(dtype, 0)
+    return 3 if dot == 1 and os.environ.get("TRITON_INTERPRET") == "1" else dot
+
+
+def batched_tile() -> tuple[int, int]:
+    """(BM, BN) of the prefill kernel: 32 x 32 on a GPU (a 32 x 256 decoded tile in registers, see
+    `compile_check`); 64 x 64 under the interpreter, where fewer, larger programs win."""
+    return (64, 64) if os.environ.get("TRITON_INTERPRET") == "1" else (32, 32)
+
+
+def qmatmul_batched(x: torch.Tensor, raw: torch.Tensor, qtype, shape: tuple[int, int],
+                    tile: tuple[int, int] | None = None) -> torch.Tensor:
+    """float32 (B, N) = x (B, K) @ W.T for many rows (prefill), W's blocks decoded per tile; x in
+    float32, bfloat16 or float16 (the dot's input type)."""
+    n, k = shape
+    bm, bn = tile or batched_tile()
+    qt, qk, ts = _type_args(qtype)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    if x.shape[0] == 0 or n == 0:
+        return out
+    _qmm_kernel[(triton.cdiv(n, bn), triton.cdiv(x.shape[0], bm))](
+        x, raw, out, tables(qtype, x.device), x.shape[0], n, k, k // qk * ts, x.stride(0), out.stride(0),
+        QTYPE=qt, QK=qk, TS=ts, BM=bm, BN=bn, BK=BK, DOT=_dot_type(x.dtype), num_warps=8)
     return out
 
 
