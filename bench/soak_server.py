@@ -4,10 +4,11 @@
         [--concurrency 8] [--max-tokens 24] [--drafts on,off]
 
 For each `--drafts` setting (the server's `--draft`: MTP drafts on or off) a fresh server runs:
-first each distinct prompt is served alone (the serial reference; a lone request drafts), then all
-requests run through a pool of `--concurrency` client threads (batched rows decode without
-drafts); every output is compared with its serial reference, and the serial outputs of every
-setting with each other (greedy: drafts must not change the text). Prints errors, mismatches,
+first each distinct prompt is served alone (the serial reference), then all requests run through a
+pool of `--concurrency` client threads (with drafts on, every row of the batch drafts); every
+output is compared with its serial reference, and the serial outputs of every setting with each
+other (greedy: drafts must not change the text, except where the top two logits tie within the
+batched products' rounding, see tests/test_serve_drafts.py). Prints errors, mismatches,
 completion tokens/s of both phases per setting side by side, and the server's RSS over time.
 """
 

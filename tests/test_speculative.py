@@ -32,7 +32,7 @@ from strata.models.gated_deltanet import GDNCache
 from strata.models.qsa import QSACache
 from strata.runtime.generate import generate_step
 from strata.runtime.sampling import SamplingParams
-from strata.runtime.speculative import DraftStats, _accept, speculative_steps
+from strata.runtime.speculative import DraftStats, accept
 from test_qwen3next import VOCAB, tiny_qwen3next
 from test_qwen4exp import CONFIG as Q4_CONFIG
 from test_qwen4exp import VOCAB as Q4_VOCAB
@@ -193,7 +193,7 @@ def schedule(k: int, limit: int, errors) -> list[int]:
 
 def _run(engine, ids, head, n, cache=None, k=3, params=GREEDY):
     stats = DraftStats(k)
-    steps = speculative_steps(engine.model, head, ids, params, cache, k, n, 8192, stats)
+    steps = generate_step(engine.model, [ids], params, cache, 8192, head, k, stats, limit=n)
     out = [int(next(steps)) for _ in range(n)]
     steps.close()
     return out, stats
@@ -356,7 +356,7 @@ def test_sampling_keeps_the_model_distribution():
     counts = torch.zeros(6)
     for _ in range(n):
         d = int(torch.multinomial(q, 1, generator=g))
-        counts[_accept(logits, [d], [q], [], params, g)[0]] += 1
+        counts[accept(logits, [d], [q], [], params, g)[0]] += 1
     p = torch.softmax(p_logits[0], -1)
     assert (counts / n - p).abs().max().item() < 0.04, (counts / n, p)
 

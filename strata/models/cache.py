@@ -200,13 +200,17 @@ class ModelCache:
             if hasattr(c, "track"):
                 c.track(on)
 
-    def rollback(self, n_drop: int) -> None:
-        """Drop every row's last `n_drop` positions (rejected draft tokens).
+    def rollback(self, n_drop) -> None:
+        """Drop every row's last `n_drop` positions (rejected draft tokens): one count for all
+        rows, or a (B,) tensor of counts, one per row.
 
         Attention caches only shorten `lengths`; a recurrent layer restores its state to the
         one after the kept positions, which needs `track()` on before the forward that wrote
         them, and can undo only that last forward."""
-        if n_drop <= 0:
+        if isinstance(n_drop, torch.Tensor):
+            if not bool((n_drop > 0).any()):
+                return
+        elif n_drop <= 0:
             return
         if bool((self.lengths < n_drop).any()):
             raise ValueError(f"cannot drop {n_drop} positions from rows of lengths {self.lengths.tolist()}")

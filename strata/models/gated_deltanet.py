@@ -85,7 +85,7 @@ class GDNCache:
         self.tracking = on
         self.pending = None
 
-    def rollback(self, n_drop: int) -> None:
+    def rollback(self, n_drop) -> None:
         """Undo the last `n_drop` real tokens of the last (tracked) forward: the state is
         recomputed from that forward's start over the kept tokens only (dropped steps get
         g = beta = 0, which leaves the state exactly as it was), and the conv window is
@@ -93,7 +93,7 @@ class GDNCache:
         p = self.pending
         if p is None:
             raise ValueError("GDNCache.rollback needs track() on before the forward it undoes")
-        keep = p.n_new - n_drop  # (B,)
+        keep = p.n_new - torch.as_tensor(n_drop, device=p.n_new.device)  # (B,): one count, or one per row
         if bool((keep < 0).any()):
             raise ValueError(f"cannot drop {n_drop} tokens from a forward of {p.n_new.tolist()}")
         kept = (torch.arange(p.g.shape[1], device=keep.device)[None, :] < keep[:, None])[..., None]

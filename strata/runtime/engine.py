@@ -12,9 +12,10 @@ import torch
 from strata import kernels
 from strata.errors import BadOption, StrataError
 from strata.loader import load_model
-from strata.runtime.generate import Response, generate_step, stream_generate
+from strata.runtime.generate import DecodeBatch, Sequence
 from strata.runtime.sampling import SamplingParams
-from strata.runtime.speculative import DraftStats, speculative_steps
+from strata.runtime.speculative import DraftStats
+from strata.runtime.text import Response, StopText
 from strata.tiers.options import TierOptions, tiers_requested
 
 
@@ -113,7 +114,7 @@ class Engine:
 
             self.kv_tier = kv_tiers.install(self.model, self.options.kv_device_budget,
                                             getattr(torch, self.options.dtype))
-        # speculative decoding with the model's MTP head (single requests; batches run without)
+        # speculative decoding with the model's MTP head (every row of a batch drafts)
         self.drafter = getattr(self.model, "mtp", None)
         if self.options.draft == "on" and self.drafter is None:
             why = getattr(self.model, "mtp_skipped", None) or "the model has no MTP (NextN) layer"
@@ -181,58 +182,58 @@ class Engine:
         return outs if batch else outs[0]
 
     def _generate_batch(self, prompts, max_new_tokens, params, stop_at_eos) -> list[list[int]]:
-        limit = min(max_new_tokens, self.ctx_size - max(len(p) for p in prompts))
-        outs: list[list[int]] = [[] for _ in prompts]
-        done = [False] * len(prompts)
         eos = self.eos_ids if stop_at_eos else set()
-        cache = self.model.new_cache(len(prompts))
+        seqs = [Sequence(p, params, StopText(None, (), eos, min(max_new_tokens, self.ctx_size - len(p))))
+                for p in prompts]
+        outs: dict[int, list[int]] = {id(s): [] for s in seqs}
+        batch = self.decode_batch()
         t0 = time.perf_counter()
-        t_first = None
-        draft = self._draft_steps(max(limit, 0)) if len(prompts) == 1 else None
-        steps = (draft or generate_step)(self.model, prompts, params, cache, self.options.prefill_chunk)
-        for _ in range(max(limit, 0)):
-            tokens = next(steps).tolist()
-            t_first = t_first or time.perf_counter()
-            for row, t in enumerate(tokens):
-                if not done[row]:
-                    if t in eos:
-                        done[row] = True
-                    else:
-                        outs[row].append(t)
-            if all(done):
+        results = batch.add([s for s in seqs if s.text.limit > 0])
+        t_first = time.perf_counter()
+        while True:
+            for s, responses in results:
+                if s.error is not None:
+                    raise s.error
+                outs[id(s)] += [r.token for r in responses if r.token is not None]
+            if not batch.rows:
                 break
-        steps.close()
-        self._record(sum(len(p) for p in prompts), sum(len(o) for o in outs), t0, t_first,
-                     draft.stats if draft else None)
-        return outs
+            results = batch.step()
+        done = [outs[id(s)] for s in seqs]
+        self._record(sum(len(p) for p in prompts), sum(len(o) for o in done), t0, t_first if any(done) else None,
+                     batch.stats)
+        return done
 
-    def _draft_steps(self, limit: int):
-        """A `generate_step` stand-in running the speculative loop, or None when not drafting."""
-        if not self.drafting:
-            return None
-        stats = DraftStats(self.options.draft_tokens)
-
-        def steps(model, prompts, params, cache, prefill_chunk):
-            return speculative_steps(model, self.drafter, prompts[0], params, cache, stats.draft_tokens,
-                                     limit, prefill_chunk, stats)
-
-        steps.stats = stats
-        return steps
+    def decode_batch(self, stats: DraftStats | None = None) -> DecodeBatch:
+        """A new decode loop over this model: drafting with the MTP head when drafting is on."""
+        drafter = self.drafter if self.drafting else None
+        return DecodeBatch(self.model, drafter, self.options.draft_tokens, self.options.prefill_chunk, stats)
 
     def stream(self, token_ids: list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                stop: list[str] = (), stop_at_eos: bool = True, **sampling) -> Iterator[Response]:
         """Yield `Response`s (token, text delta, finish_reason) as tokens are made."""
         prompt = self._check_prompt(token_ids)
         params = SamplingParams(temperature=temperature, **sampling)
-        t0, t_first, n = time.perf_counter(), None, 0
+        limit = min(max_new_tokens, self.ctx_size - len(prompt))
+        if limit <= 0:
+            yield Response(None, "", "length")
+            return
         eos = self.eos_ids if stop_at_eos else set()
-        draft = self._draft_steps(max(0, min(max_new_tokens, self.ctx_size - len(prompt))))
-        for r in stream_generate(self.model, self.tokenizer, prompt, max_new_tokens, params, stop,
-                                 eos, self.ctx_size, self.options.prefill_chunk, step_fn=draft):
-            t_first = t_first or time.perf_counter()
-            n += r.token is not None
-            yield r
-        self._record(len(prompt), n, t0, t_first, draft.stats if draft else None)
+        seq = Sequence(prompt, params, StopText(self.tokenizer, stop, eos, limit))
+        batch = self.decode_batch()
+        t0, t_first, n = time.perf_counter(), None, 0
+        results = batch.add([seq])
+        while True:
+            for s, responses in results:
+                if s.error is not None:
+                    raise s.error
+                for r in responses:
+                    t_first = t_first or time.perf_counter()
+                    n += r.token is not None
+                    yield r
+            if not batch.rows:
+                break
+            results = batch.step()
+        self._record(len(prompt), n, t0, t_first, batch.stats)
 
     def _record(self, n_prompt: int, n_out: int, t0: float, t_first: float | None,
                 draft: DraftStats | None = None) -> None:

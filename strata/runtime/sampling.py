@@ -93,13 +93,17 @@ def filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(probs < limit, float("-inf"))
 
 
+def probs(logits: torch.Tensor, params: SamplingParams, seen: list[list[int]]) -> torch.Tensor:
+    """The distribution `sample` draws from when not greedy: logits (B, V) -> probabilities (B, V)
+    after the repetition penalty, temperature, top-k, top-p and min-p."""
+    x = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty) / params.temperature
+    x = filter_min_p(filter_top_p(filter_top_k(x, params.top_k), params.top_p), params.min_p)
+    return torch.softmax(x, dim=-1)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, seen: list[list[int]],
            generator: torch.Generator | None = None) -> torch.Tensor:
     """logits (B, V) -> token ids (B,)."""
-    logits = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty)
     if params.greedy:
-        return logits.argmax(dim=-1)
-    logits = logits / params.temperature
-    logits = filter_min_p(filter_top_p(filter_top_k(logits, params.top_k), params.top_p), params.min_p)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+        return apply_repetition_penalty(logits.float(), seen, params.repetition_penalty).argmax(dim=-1)
+    return torch.multinomial(probs(logits, params, seen), 1, generator=generator)[:, 0]

@@ -1,17 +1,15 @@
-"""Continuous batching: many requests share one decode batch.
+"""Continuous batching: many requests share one decode loop (`strata.runtime.generate.DecodeBatch`).
 
-One background thread owns the model and one batch `ModelCache`. A submitted request waits in a
-bounded queue; when a slot frees it is prefilled alone (a B=1 cache, so its prompt never waits
-for the others' padding), then its cache rows are appended to the running batch
-(`ModelCache.extend`). Every decode step runs all active rows as one batch of one token each;
-each row samples with its own parameters and seeded generator and applies its own stop rules
-(EOS, stop strings with `stream_generate`'s hold-back, its length limit). A finished or
-cancelled row leaves the batch at once (`ModelCache.select`).
+One background thread owns the model and the loop. A submitted request waits in a bounded queue;
+when slots free, the requests taken are prefilled (grouped while their padded prompts fit one
+prefill chunk, so a prompt never waits behind a long one's padding) and their cache rows join
+the running batch. Every decode step advances all active rows as one batch; each row samples
+with its own parameters and seeded generator and applies its own stop rules (EOS, stop strings,
+its length limit). A finished or cancelled row leaves the batch at once.
 
-With drafting on (the engine's `--draft`, a model with an MTP head), a request admitted while no
-other runs drafts: each step is one speculative round (`speculative.DraftState`), 1..k+1 tokens,
-greedy output unchanged. When another request joins, the drafting row stops drafting and both
-decode as a batch.
+With drafting on (the engine's `--draft`, a model with an MTP head), every step is one
+speculative round for every row (1..k+1 tokens each, greedy output unchanged): the head drafts
+for all rows as one batch and one forward verifies them all.
 
 torch is not async: callers talk to the thread through thread-safe queues. A `Request` is
 iterated synchronously (`for r in request`) or asynchronously (`async for r in request`) and
@@ -29,14 +27,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from strata.errors import StrataError
-from strata.runtime.generate import Response, _find_stop, _stop_safe_end, prefill
-from strata.runtime.sampling import SamplingParams, sample
-from strata.runtime.speculative import DraftState, DraftStats
+from strata.runtime import generate
+from strata.runtime.sampling import SamplingParams
+from strata.runtime.speculative import DraftStats
+from strata.runtime.text import Response, StopText
 
 log = logging.getLogger(__name__)
 
@@ -158,63 +156,6 @@ class Request:
         return "".join(r.text for r in self)
 
 
-@dataclass(slots=True)
-class _Row:
-    """A request in the running batch (engine thread only)."""
-
-    req: Request
-    text: "StopText"
-    generator: torch.Generator | None
-    seen: list[int] = field(default_factory=list)  # context, kept only for repetition_penalty
-    last: int = 0  # the token the next decode step feeds
-    draft: DraftState | None = None  # drafting (it runs alone)
-    committed: list[int] = field(default_factory=list)  # prompt and tokens, while drafting
-
-
-class StopText:
-    """Per-request text and stop rules, as `stream_generate` applies them.
-
-    `push(token)` returns the `Response` for one sampled token: its text delta with any text that
-    may begin a stop string held back, and a finish_reason once EOS, a stop string or `limit`
-    tokens end the request. Unlike `stream_generate`, a request that ends (EOS or length)
-    releases held-back text and the decoder's pending bytes.
-    """
-
-    def __init__(self, tokenizer, stop: Sequence[str], eos_ids, limit: int):
-        self.stop = [s for s in stop if s]
-        self.eos_ids = eos_ids
-        self.limit = limit
-        self.n = 0
-        self.text, self.emitted = "", 0
-        self._feed = self._flush = None
-        if tokenizer is not None:
-            from strata.formats.tokenizer import IncrementalDecoder
-
-            decoder = IncrementalDecoder(tokenizer)
-            self._feed, self._flush = decoder.feed, decoder.flush
-
-    def push(self, token: int) -> Response:
-        self.n += 1
-        if token in self.eos_ids:
-            return self._end(None, "stop")
-        self.text += self._feed(token) if self._feed else ""
-        hit = _find_stop(self.text, self.stop, self.emitted)
-        if hit is not None:
-            return Response(token, self.text[self.emitted:hit], "stop")
-        if self.n >= self.limit:
-            return self._end(token, "length")
-        safe = _stop_safe_end(self.text, self.stop)  # hold back what may begin a stop string
-        delta, self.emitted = self.text[self.emitted:safe], safe
-        return Response(token, delta, None)
-
-    def _end(self, token: int | None, reason: str) -> Response:
-        self.text += self._flush() if self._flush else ""
-        hit = _find_stop(self.text, self.stop, self.emitted)
-        if hit is not None:
-            return Response(token, self.text[self.emitted:hit], "stop")
-        return Response(token, self.text[self.emitted:], reason)
-
-
 class Scheduler:
     """Continuous batching over one engine: `submit` requests, iterate their `Response`s.
 
@@ -235,7 +176,8 @@ class Scheduler:
         options = getattr(engine, "options", None)
         self.prefill_chunk = getattr(options, "prefill_chunk", 8192)
         self.drafter = engine.drafter if getattr(engine, "drafting", False) else None
-        self.draft_stats = DraftStats(getattr(options, "draft_tokens", 2))
+        draft_tokens = getattr(options, "draft_tokens", 2)
+        self.draft_stats = DraftStats(draft_tokens)
         self.max_concurrent = max_concurrent
         self.max_waiting = 4 * max_concurrent if max_waiting is None else max_waiting
         if self.max_waiting < 0:
@@ -259,8 +201,8 @@ class Scheduler:
         self._recent: deque[float] = deque()  # when each of the last window's tokens was sampled
 
         # engine thread only
-        self._rows: list[_Row] = []
-        self._cache = None
+        self._batch = generate.DecodeBatch(self.model, self.drafter, draft_tokens, self.prefill_chunk,
+                                           self.draft_stats)
         self._num_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name="strata-scheduler", daemon=True)
         self._thread.start()
@@ -319,7 +261,7 @@ class Scheduler:
     def stats(self) -> dict:
         """A consistent snapshot for /metrics: counters, queue length, active requests, tokens/s."""
         now = time.perf_counter()
-        cache = self._cache
+        cache = self._batch.cache
         with self._cond:
             self._trim(now)
             span = max(now - self._recent[0], 1.0) if self._recent else 1.0
@@ -386,9 +328,9 @@ class Scheduler:
     def _step(self) -> bool:
         """One turn: take new requests, prefill them, run one decode step. False = stop."""
         with self._cond:
-            while not self._closing and not self._waiting and not self._rows:
+            while not self._closing and not self._waiting and not self._batch.rows:
                 self._cond.wait()
-            if self._closing and (not self._drain or (not self._waiting and not self._rows)):
+            if self._closing and (not self._drain or (not self._waiting and not self._batch.rows)):
                 return False
             admit = []
             while self._waiting and self._n_active < self.max_concurrent:
@@ -401,143 +343,90 @@ class Scheduler:
         for r in cancelled:
             self._finish(r, Response(None, "", CANCELLED))
         self._drop_cancelled()
+        seqs = []
         for req in admit:
             if req.cancelled:
                 self._finish(req, Response(None, "", CANCELLED))
             else:
                 with self._failing(req, "admitting a request"):
-                    self._admit(req, alone=len(admit) == 1 and not self._rows and not self._waiting)
-        if self._rows:
+                    seq = self._sequence(req)
+                    if seq is None:
+                        self._finish(req, Response(None, "", "length"))
+                    else:
+                        seqs.append(seq)
+        if seqs:
+            self._admit(seqs)
+        if self._batch.rows:
             self._decode()
         return True
 
-    def _admit(self, req: Request, alone: bool = False) -> None:
+    def _sequence(self, req: Request) -> generate.Sequence | None:
+        """The loop's sequence for `req`, or None when the context leaves it no token to make."""
         limit = min(req.max_tokens, self.ctx_size - len(req.prompt))
         if limit <= 0:
-            self._finish(req, Response(None, "", "length"))
-            return
-        p = req.params
-        row = _Row(req, StopText(self.tokenizer, req.stop, set() if req.ignore_eos else self.eos_ids, limit),
-                   torch.Generator().manual_seed(p.seed) if p.seed is not None else None,
-                   list(req.prompt) if p.repetition_penalty != 1.0 else [])
+            return None
+        eos = set() if req.ignore_eos else self.eos_ids
+        return generate.Sequence(req.prompt, req.params, StopText(self.tokenizer, req.stop, eos, limit), req)
+
+    def _admit(self, seqs: list[generate.Sequence]) -> None:
         t0 = time.perf_counter()
         try:
-            cache = self.model.new_cache(1)
-            if alone and self.drafter is not None:  # the head reads the prompt too
-                row.draft = DraftState(self.model, self.drafter, p, row.generator, cache, self.draft_stats)
-                logits = row.draft.prefill(list(req.prompt), self.prefill_chunk)[None]
-                row.committed = list(req.prompt)
-            else:
-                logits = prefill(self.model, [req.prompt], cache, self.prefill_chunk)
+            results = self._batch.add(seqs)
         except Exception as e:
             log.exception("prefill failed")
-            self._finish(req, e)
+            self._batch.remove(seqs)
+            for s in seqs:
+                self._finish(s.owner, e)
             return
-        with self._cond:
-            self.counters["prefill_seconds"] += time.perf_counter() - t0
-            self.counters["prompt_tokens"] += len(req.prompt)
-        req.first_token_at = time.perf_counter()
-        if self._emit(row, logits):
-            return
-        if row.draft is not None:
-            row.draft.start()
-        for other in self._rows:  # a batch of several rows decodes without drafts
-            self._stop_drafting(other)
-        if self._cache is None:
-            self._cache = cache
-        else:
-            self._cache.extend(cache)
-        self._rows.append(row)
-
-    def _stop_drafting(self, row: _Row) -> None:
-        if row.draft is not None:
-            row.draft.stop()
-            row.draft, row.committed = None, []
-
-    def _decode(self) -> None:
-        if len(self._rows) == 1 and self._rows[0].draft is not None:
-            return self._draft_round(self._rows[0])
-        t0 = time.perf_counter()
-        tokens = torch.tensor([[row.last] for row in self._rows], dtype=torch.long)
-        try:
-            logits = self.model(tokens, self._cache, last_only=True)[:, 0]  # (B, V)
-        except Exception as e:
-            log.exception("decode step failed")
-            rows, self._rows, self._cache = self._rows, [], None
-            for row in rows:
-                self._finish(row.req, e)
-            return
-        keep = []
-        for i, row in enumerate(self._rows):
-            if row.req.cancelled:
-                self._finish(row.req, Response(None, "", CANCELLED))
-            else:
-                with self._failing(row.req, "sampling a token"):
-                    if not self._emit(row, logits[i:i + 1]):
-                        keep.append(i)
-        with self._cond:
-            self.counters["decode_steps"] += 1
-            self.counters["decode_seconds"] += time.perf_counter() - t0
-        self._keep(keep)
-
-    def _draft_round(self, row: _Row) -> None:
-        """One speculative round for the only running row; its tokens are emitted one by one."""
-        t0 = time.perf_counter()
-        req = row.req
-        k = min(row.draft.stats.draft_tokens, row.text.limit - row.text.n - 1)  # never past the limit
-        try:
-            out = row.draft.round(row.committed, max(k, 0))
-        except Exception as e:
-            log.exception("draft round failed")
-            self._rows, self._cache = [], None
-            self._finish(req, e)
-            return
-        ended = False
-        for token in out:
-            if req.cancelled:
-                self._finish(req, Response(None, "", CANCELLED))
-                ended = True
-                break
-            with self._failing(req, "emitting a drafted token"):
-                ended = self._push(row, token)
-            if ended or req.done.is_set():
-                ended = True
-                break
-        with self._cond:
-            self.counters["decode_steps"] += 1
-            self.counters["decode_seconds"] += time.perf_counter() - t0
-        if ended:
-            self._keep([])
-
-    def _emit(self, row: _Row, logits: torch.Tensor) -> bool:
-        """Sample one token for `row` and hand its response over; True when the request ended."""
-        p = row.req.params
-        token = int(sample(logits, p, [row.seen] if p.repetition_penalty != 1.0 else [], row.generator)[0])
-        return self._push(row, token)
-
-    def _push(self, row: _Row, token: int) -> bool:
-        """Hand `token`'s response over; True when the request ended."""
-        p = row.req.params
-        if p.repetition_penalty != 1.0:
-            row.seen.append(token)
-        if row.draft is not None:
-            row.committed.append(token)
-        row.last = token
         now = time.perf_counter()
         with self._cond:
-            self.counters["generated_tokens"] += 1
-            self._recent.append(now)
-            self._trim(now)
-        resp = row.text.push(token)
-        req = row.req
-        if resp.token is not None:
-            req.token_ids.append(resp.token)
-            req.completion_tokens += 1
-        if resp.finish_reason is not None:
-            self._finish(req, resp)
-            return True
-        req._deliver(resp)
-        return False
+            self.counters["prefill_seconds"] += now - t0
+            self.counters["prompt_tokens"] += sum(s.n_prompt for s in seqs)
+        for s in seqs:
+            s.owner.first_token_at = now
+        self._hand_over(results)
+
+    def _decode(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            results = self._batch.step()
+        except Exception as e:
+            log.exception("decode step failed")
+            for s in self._batch.clear():
+                self._finish(s.owner, e)
+            return
+        with self._cond:
+            self.counters["decode_steps"] += 1
+            self.counters["decode_seconds"] += time.perf_counter() - t0
+        self._hand_over(results)
+
+    def _hand_over(self, results) -> None:
+        """Deliver each sequence's responses to its request; a request cancelled meanwhile ends."""
+        cancelled = []
+        for seq, responses in results:
+            req = seq.owner
+            if seq.error is not None:
+                log.error("sampling failed (request %d): %r", req.id, seq.error)
+                self._finish(req, seq.error)
+                continue
+            for resp in responses:
+                if req.cancelled:
+                    cancelled.append(seq)
+                    self._finish(req, Response(None, "", CANCELLED))
+                    break
+                now = time.perf_counter()
+                with self._cond:
+                    self.counters["generated_tokens"] += 1
+                    self._recent.append(now)
+                    self._trim(now)
+                if resp.token is not None:
+                    req.token_ids.append(resp.token)
+                    req.completion_tokens += 1
+                if resp.finish_reason is not None:
+                    self._finish(req, resp)
+                else:
+                    req._deliver(resp)
+        self._batch.remove(cancelled)
 
     @contextlib.contextmanager
     def _failing(self, req: Request, what: str):
@@ -550,22 +439,10 @@ class Scheduler:
                 self._finish(req, e)
 
     def _drop_cancelled(self) -> None:
-        keep = []
-        for i, row in enumerate(self._rows):
-            if row.req.cancelled:
-                self._finish(row.req, Response(None, "", CANCELLED))
-            else:
-                keep.append(i)
-        self._keep(keep)
-
-    def _keep(self, keep: list[int]) -> None:
-        if len(keep) == len(self._rows):
-            return
-        self._rows = [self._rows[i] for i in keep]
-        if not keep:
-            self._cache = None
-        else:
-            self._cache.select(keep)
+        gone = [s for s in self._batch.rows if s.owner.cancelled]
+        self._batch.remove(gone)
+        for s in gone:
+            self._finish(s.owner, Response(None, "", CANCELLED))
 
     def _finish(self, req: Request, last: Response | BaseException) -> None:
         """The request leaves: free its slot, then hand over its last item."""
@@ -592,8 +469,8 @@ class Scheduler:
             self._closing = True
             waiting, self._waiting = list(self._waiting), deque()
             self._n_active += len(waiting)
-        rows, self._rows, self._cache = self._rows, [], None
-        for req in [r.req for r in rows] + waiting:
+        rows = self._batch.clear()
+        for req in [s.owner for s in rows] + waiting:
             self._finish(req, error)
 
     def _trim(self, now: float) -> None:
