@@ -56,6 +56,15 @@ class HyperConnection(nn.Module):
             return mixed, None
         return mixed, 2 * torch.sigmoid(F.linear(xn, self.inject) / self.hc)
 
+    def ungated(self, x: torch.Tensor) -> torch.Tensor:
+        """The block input with the gate taken as uniform: mean over streams of the normalised x.
+
+        A router prediction (the tiers' prefetch of the next layer's experts) uses this: it skips
+        the down/up products, two thirds of a mix's bytes, and a linear router's ranking only moves
+        by the gate's departure from uniform. Never used for the block's own output."""
+        xn = grouped_rms_norm(x, self.norm, self.hidden, self.eps)
+        return xn.unflatten(-1, (self.hc, self.hidden)).mean(dim=-2)
+
     @staticmethod
     def combine(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every stream of the residual x adds the block output `out`, scaled by its weight."""

@@ -11,6 +11,7 @@ floating-point rounding, whatever the cache holds.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import chain
 
 import torch
 
@@ -52,6 +53,27 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
+ARRIVAL_ROWS = 8  # up to this many tokens, a disk home's experts are computed one by one as they land
+
+
+def _first_once(source):
+    """`source` whose first answer is kept for the one call that repeats it: the primitive asks
+    for its first expert to check the types, then again to compute, and a disk home would
+    count (and could read) that expert twice."""
+    kept = {}
+
+    def once(e):
+        if e in kept:
+            return kept.pop(e)
+        out = source(e)
+        if not once.asked:
+            kept[e] = out
+            once.asked = True
+        return out
+    once.asked = False
+    return once
+
+
 class CpuLane:
     """`threads` workers computing missed experts where their weights live (RAM or disk)."""
 
@@ -72,9 +94,19 @@ class CpuLane:
 
     def _run(self, layer, x, ids, weights, experts: set[int]) -> torch.Tensor:
         home = self.homes[layer]
+        arrival = getattr(home, "arrival", None)
         with torch.inference_mode():
-            table = route_table(ids, weights, experts)
-            return moe.grouped_swiglu(x, table, expert_source(self.formats[layer], lambda e: home.parts(layer, e)))
+            source = lambda: _first_once(expert_source(self.formats[layer], lambda e: home.parts(layer, e)))  # noqa: E731
+            if arrival is None or x.shape[0] > ARRIVAL_ROWS:
+                return moe.grouped_swiglu(x, route_table(ids, weights, experts), source())
+            # a disk home at decode: each expert as its read lands, the products summed in expert
+            # order (so the result does not depend on which read came first)
+            products = {e: moe.grouped_swiglu(x, route_table(ids, weights, {e}), source())
+                        for e in arrival(layer, sorted(experts))}
+            out = torch.zeros_like(x)
+            for e in sorted(products):
+                out += products[e]
+            return out
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -89,7 +89,12 @@ def router_predictors(model) -> dict[int, Callable]:
 
 
 def _predictor(block) -> Callable:
+    """A norm that offers `ungated` (qwen4exp's hyper-connection mixer) is applied without its
+    gate's products: a prediction may be approximate, and the full mix cost a third of the
+    model's hyper-connection work again on every decoded token."""
+    norm = getattr(block.ffn_norm, "ungated", block.ffn_norm)
+
     def predict(h: torch.Tensor) -> torch.Tensor:
         h = h.to(block.ffn.router.device)
-        return block.ffn.route(F.linear(block.ffn_norm(h), block.ffn.router))[0]
+        return block.ffn.route(F.linear(norm(h), block.ffn.router))[0]
     return predict

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -217,6 +218,25 @@ class DiskHome:
                 if ahead:
                     self.read_ahead += 1
                     self.ahead[key] = True
+
+    def arrival(self, layer: int, experts):
+        """`experts` in the order their bytes are here: cached first, then reads as they finish
+        (anything neither cached nor being read last), so compute never waits on one read while
+        another has landed. Holds expert ids only, never a read's future (whose result would keep
+        an evicted expert's bytes alive). Counts nothing: `parts` does."""
+        landed: queue.SimpleQueue = queue.SimpleQueue()
+        here, pending = [], 0
+        with self._lock:
+            for e in experts:
+                future = self.inflight.get((layer, e))
+                if (layer, e) in self.entries or future is None:
+                    here.append(e)
+                else:
+                    future.add_done_callback(lambda _f, e=e: landed.put(e))
+                    pending += 1
+        yield from here
+        for _ in range(pending):
+            yield landed.get()
 
     def parts(self, layer: int, e: int) -> tuple[torch.Tensor, ...]:
         key = (layer, e)
