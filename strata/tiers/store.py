@@ -203,6 +203,7 @@ class DiskHome:
         self.read_ahead = 0  # reads started from a prediction, before the layer asked
         self.ahead: dict[tuple[int, int], bool] = {}  # read ahead and not used yet
         self.ahead_used = 0  # uses served by a read ahead (the first use after it)
+        self.demand: dict[tuple[int, int], bool] = {}  # read because a layer asked, not used yet: a miss
         self.wait_s = 0.0  # time compute threads waited for a read
         self.reading = self.max_reading = 0  # reads in progress now / at most
         self._lock = threading.Lock()
@@ -218,6 +219,8 @@ class DiskHome:
                 if ahead:
                     self.read_ahead += 1
                     self.ahead[key] = True
+                else:
+                    self.demand[key] = True
 
     def arrival(self, layer: int, experts):
         """`experts` in the order their bytes are here: cached first, then reads as they finish
@@ -236,17 +239,24 @@ class DiskHome:
                     pending += 1
         yield from here
         for _ in range(pending):
-            yield landed.get()
+            t0 = time.perf_counter()
+            e = landed.get()
+            with self._lock:
+                self.wait_s += time.perf_counter() - t0
+            yield e
 
     def parts(self, layer: int, e: int) -> tuple[torch.Tensor, ...]:
         key = (layer, e)
         with self._lock:
             flat = self.entries.get(key)
             ahead = self.ahead.pop(key, False)
+            demand = self.demand.pop(key, False)
             if flat is not None:
                 self.entries.move_to_end(key)
                 if ahead:
                     self.ahead_used += 1  # a read a prediction started, here in time: not a cache hit
+                elif demand:
+                    self.misses += 1  # read for this use (it landed before the use asked)
                 else:
                     self.hits += 1
                 return self.formats[layer].split(flat)
@@ -297,6 +307,7 @@ class DiskHome:
             gone, old = self.entries.popitem(last=False)
             self.held -= old.numel()
             self.ahead.pop(gone, None)  # a read ahead evicted unused: a wasted read
+            self.demand.pop(gone, None)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -1,0 +1,44 @@
+"""A disk home's reads: computed in the order they land, and each use counted once as what it was."""
+
+import os
+import threading
+
+from strata.tiers.store import DiskHome, ExpertFormat, FileReader, Part
+
+SIZES = (4096, 4096, 8192)  # gate, up, down bytes of one expert
+N_EXPERTS = 6
+
+
+def _home(path, capacity, readers=2) -> DiskHome:
+    path.write_bytes(os.urandom(sum(SIZES) * N_EXPERTS))
+    offsets, start = [], 0
+    for n in SIZES:
+        offsets.append(start)
+        start += n * N_EXPERTS
+    fmt = ExpertFormat(tuple(Part(None, (1, n), n, off) for n, off in zip(SIZES, offsets)))
+    return DiskHome({0: fmt}, FileReader(path), capacity=capacity, readers=readers)
+
+
+def test_arrival_yields_reads_as_they_land_and_uses_count_as_misses_hits_and_reads_ahead(tmp_path):
+    home = _home(tmp_path / "m.gguf", capacity=sum(SIZES) * N_EXPERTS)
+    gate = threading.Event()
+    read = home._read
+    home._read = lambda layer, e: (gate.wait(5) if e == 1 else None, read(layer, e))[1]  # expert 1 lands last
+    try:
+        home.request(0, [4], ahead=True)  # a prediction
+        home.request(0, [1, 2, 3, 4])  # the layer's own misses (4 already being read ahead)
+        order = home.arrival(0, [1, 2, 3, 4])
+        first = [next(order) for _ in range(3)]
+        assert sorted(first) == [2, 3, 4]  # nothing waits for the slow read of expert 1
+        gate.set()
+        assert next(order) == 1
+        for e in (1, 2, 3, 4):
+            home.parts(0, e)
+        assert (home.misses, home.hits, home.ahead_used, home.read_ahead) == (3, 0, 1, 1)
+        for e in (1, 2):
+            home.parts(0, e)  # cached now
+        assert (home.misses, home.hits, home.ahead_used) == (3, 2, 1)
+        assert home.stats()["disk_reads"] == 4
+    finally:
+        gate.set()
+        home.close()
