@@ -89,6 +89,24 @@ def test_qmatmul_matches_reference(qtype):
         assert rel_err(got, ref) < 1e-3, (qtype, rows, batch)
 
 
+@pytest.mark.parametrize("qtype", [t.name for t in gpu.KERNEL_TYPES])
+def test_decoders_are_bit_exact(qtype):
+    """Both kernels times rows of the identity: each output is one decoded weight times 1 plus zeros,
+    so it must equal the reference dequantization bit for bit (the word loads, unpacking and
+    spreading of shared fields included), for rows at every offset of the tile."""
+    from strata.kernels import gpu as g
+    from strata.kernels.gpu import kernels
+
+    qt = T[qtype]
+    cols = 256 if quant.get(qt).block_size == 256 else 7 * 32  # 32-value types: a ragged step
+    w = random_qtensor(qt, (37, cols), seed=5)
+    eye = torch.eye(cols, device=DEVICE)
+    ref = w.dequantize().T
+    assert kernels.word(qt, w.raw.data_ptr(), w.raw.shape[1]) == g.kernels.WORD[qt]  # aligned: the widest words
+    assert torch.equal(kernels.qmatmul(eye[::17], w.raw, qt, w.shape), ref[::17])
+    assert torch.equal(kernels.qmatmul_batched(eye, w.raw, qt, w.shape), ref)
+
+
 def test_qmatmul_picks_triton_or_reference(monkeypatch):
     w = random_qtensor(T.Q4_K, (7, 256), 4)
     x = torch.randn(2, 3, 256, device=DEVICE)  # any leading shape
@@ -231,7 +249,10 @@ def test_tiers_device_path_runs_the_grouped_kernels(monkeypatch):
     finally:
         kernels.set_activations(before)
     assert calls, "the device path did not use the Triton kernels"
-    assert rel_err(got, ref) < 1e-4
+    # the decoded values are bit-exact (test_decoders_are_bit_exact); what is left is the order of
+    # float32 sums (the interpreter's pairwise tree against the CPU's), which this trained model
+    # turns into 2.6e-4 at the logits (with numpy's order instead, they are equal)
+    assert rel_err(got, ref) < 1e-3
     assert got[..., -1, :].argmax() == ref[..., -1, :].argmax()
 
 

@@ -15,6 +15,7 @@ Triton is imported only when a kernel first runs, so CPU-only use never loads it
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -139,6 +140,7 @@ def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource) ->
         if sources is None:
             return grouped.grouped_swiglu(x, table.to(x.device), experts)
         bases, offsets = sources
+        align = [functools.reduce(math.gcd, offsets[:, i].tolist(), 0) for i in range(3)]  # for the word size
         # (4, P): token, gate / up / down byte offsets; one copy, and one of the weights
         meta = torch.cat([table.token[:, None], offsets[which]], dim=1).T.contiguous()
         meta, scale = ((t.pin_memory() if x.is_cuda else t).to(x.device, non_blocking=True)  # no stream sync
@@ -150,6 +152,7 @@ def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource) ->
             return grouped.grouped_swiglu(x, table, experts)
         tok, scale = table.token, table.weight
         sources = [(q.raw.reshape(-1), table.expert * q.raw[0].numel()) for q in experts]
-    y = _kernels().grouped_swiglu(x, tok, scale, sources, parts)  # (P, hidden)
+        align = [q.raw[0].numel() for q in experts]  # offsets are multiples of one expert's bytes
+    y = _kernels().grouped_swiglu(x, tok, scale, sources, parts, offset_align=align)  # (P, hidden)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, tok, y)
     return out.to(x.dtype)

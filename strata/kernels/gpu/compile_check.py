@@ -32,11 +32,15 @@ POINTERS = {  # pointer arguments of each kernel and their element types
 
 
 def _type_constants(qtype, prefix: str = "") -> dict[str, int]:
+    """The type's constants, with the widest word its layout allows (what aligned tensors get)."""
+    from strata.kernels.gpu.decode import WORD
+
     q = quant.get(qtype)
-    names = ("QTYPE", "QK", "TS") if not prefix else (f"{prefix}T", f"{prefix}_QK", f"{prefix}_TS")
-    return dict(zip(names, (int(q.ggml_type), q.block_size, q.type_size)))
+    names = ("QTYPE", "QK", "TS", "W") if not prefix else (f"{prefix}T", f"{prefix}_QK", f"{prefix}_TS", f"{prefix}_W")
+    return dict(zip(names, (int(q.ggml_type), q.block_size, q.type_size, WORD[q.ggml_type])))
 
 
+ALIGNED_INTS = {"row_bytes", "g_row_bytes", "u_row_bytes", "x_stride", "out_stride", "K", "F", "H"}
 NUM_WARPS = {"_qmm_kernel": 8}  # launch warps where not Triton's default 4 (the launchers pass the same)
 
 
@@ -52,7 +56,11 @@ def compile_kernel(name: str, constants: dict[str, int], arch: int):
     if not isinstance(fn, triton.runtime.JITFunction):
         raise TypeError("the kernels were imported under TRITON_INTERPRET=1; run this in a fresh process")
     signature = {a: POINTERS[name].get(a, "constexpr" if a in constants else "i32") for a in fn.arg_names}
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+    # what a launch specialises on (Triton marks pointers and ints divisible by 16 so): aligned tensors,
+    # and row sizes and strides that are multiples of 16, as real shapes' are
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+               if a in POINTERS[name] or a in ALIGNED_INTS}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
                           target=GPUTarget("cuda", arch, 32), options={"num_warps": NUM_WARPS.get(name, 4)})
 
 
@@ -69,14 +77,27 @@ def resources(compiled) -> str:
     return f"{m[1]} registers, stack {m[2]} B, local {m[3]} B" if m else "resources unknown"
 
 
+_LOAD = re.compile(r"ld\.global(?:\.nc)?(?:\.v(\d))?\.[bufs](8|16|32|64)|cp\.async\.c[ag]\.shared\.global[^\n]*?\],\s*(0x[0-9a-f]+|\d+)")
+
+
+def loads(compiled) -> str:
+    """The global loads in the kernel's PTX by width (static count x bytes): word loads show as 4-16 B
+    (`ld.global.v2.b32` is 8 B; `cp.async` 16 B copies feed the tiled kernel's dot), bytes as 1 B."""
+    widths: dict[int, int] = {}
+    for vec, bits, copy in _LOAD.findall(compiled.asm["ptx"]):
+        width = int(copy, 0) if copy else int(vec or 1) * int(bits) // 8
+        widths[width] = widths.get(width, 0) + 1
+    return "loads " + " ".join(f"{n}x{w}B" for w, n in sorted(widths.items()))
+
+
 def jobs(types, bn: int, batched: tuple[int, int] = (32, 32)):
     """(label, kernel name, constants) for every kernel over `types` (grouped: gate = up = down)."""
     for t in types:
         one = _type_constants(t)
-        yield f"qmv {t.name}", "_qmv_kernel", {**one, "BN": bn, "BK": 256}
+        yield f"qmv {t.name}", "_qmv_kernel", {**one, "BN": bn, "BK": 256, "INTERP": 0}
         yield f"gate_up {t.name}", "_gate_up_kernel", {**_type_constants(t, "G"), **_type_constants(t, "U"),
-                                                       "BN": bn, "BK": 256}
-        yield f"down {t.name}", "_down_kernel", {**one, "BN": bn, "BK": 256}
+                                                       "BN": bn, "BK": 256, "INTERP": 0}
+        yield f"down {t.name}", "_down_kernel", {**one, "BN": bn, "BK": 256, "INTERP": 0}
         bm, bnn = batched
         yield f"qmm {t.name}", "_qmm_kernel", {**one, "BM": bm, "BN": bnn, "BK": 256, "DOT": 1}  # bf16 prefill
 
@@ -92,7 +113,8 @@ def main(argv=None) -> int:
     for label, name, constants in jobs(types, args.block_rows):
         t0 = time.perf_counter()
         try:
-            info = resources(compile_kernel(name, constants, args.arch))
+            compiled = compile_kernel(name, constants, args.arch)
+            info = f"{resources(compiled)}; {loads(compiled)}"
         except Exception as e:  # noqa: BLE001  (compiler errors of any kind: report each kernel, then fail)
             failed += 1
             info = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

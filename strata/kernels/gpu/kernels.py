@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from strata import quant
-from strata.kernels.gpu.decode import decode
+from strata.kernels.gpu.decode import WORD, decode
 from strata.quant import iquants, mxfp4
 
 BK = 256  # weight values decoded per step: one k-/i-quant super-block, eight 32-value blocks
@@ -33,20 +33,37 @@ def block_rows() -> int:
     return 128 if os.environ.get("TRITON_INTERPRET") == "1" else 8
 
 
-# Only builtins of triton.language below (tl.full, tl.reduce, ...), none of the helpers it
-# writes in Triton itself (tl.zeros, tl.sum): those are compiled-mode functions if triton was
-# imported before TRITON_INTERPRET was set, and the interpreter then refuses to call them.
-# Sums reduce with tl.sum's own combine function, which the interpreter maps to numpy's sum.
-_SUM = tl.standard._sum_combine
+@triton.jit
+def _halve(v, BN: tl.constexpr, H: tl.constexpr):
+    """(BN, 2H) -> (BN, H): adjacent pairs added."""
+    a, b = tl.split(tl.reshape(v, (BN, H, 2)))
+    return a + b
 
 
 @triton.jit
-def _dot_rows(x_row, w_rows, K, grid, signs, vals,
-              QTYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _tile_sums(t, BN: tl.constexpr, N: tl.constexpr, INTERP: tl.constexpr):
+    """float32 (BN,): each row's sum of a (BN, ..., ...) tile of N values a row. Compiled, `tl.sum`;
+    under the interpreter pairwise adds (`tl.split`), because `tl.sum` is written in Triton itself and,
+    when triton was imported before TRITON_INTERPRET was set, stays a compiled-mode function the
+    interpreter refuses to call."""
+    if INTERP:
+        tl.static_assert(N == 256, "the interpreter's sums are written out for a 256-value step")
+        v = tl.reshape(t, (BN, N))
+        v = _halve(_halve(_halve(_halve(_halve(_halve(_halve(_halve(v, BN, 128), BN, 64), BN, 32), BN, 16),
+                                         BN, 8), BN, 4), BN, 2), BN, 1)
+        out = tl.reshape(v, (BN,))
+    else:
+        out = tl.sum(tl.reshape(t, (BN, N)), 1)
+    return out
+
+
+@triton.jit
+def _dot_rows(x_row, w_rows, K, grid, signs, vals, QTYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr, W: tl.constexpr, INTERP: tl.constexpr):
     """float32 (BN,): each of BN weight rows (pointers w_rows, (BN, 1)) dotted with x_row (K values).
 
     A step covers BK values as (BK / 32) groups of 32: one super-block of a 256-value type,
-    or BK / 32 blocks of a 32-value one.
+    or BK / 32 blocks of a 32-value one; W: the decoders' word size (`decode.WORD`).
     """
     NG: tl.constexpr = BK // 32
     s = tl.arange(0, NG)[None, :, None]  # (1, NG, 1): group
@@ -62,8 +79,8 @@ def _dot_rows(x_row, w_rows, K, grid, signs, vals,
         else:
             tl.static_assert(QK == BK, "a step must cover one super-block")
             blk = rows + (k0 // QK) * TS  # (BN, 1, 1)
-        w = decode(blk, s, l, grid, signs, vals, QTYPE)  # (BN, NG, 32)
-        acc += tl.reduce(tl.reduce(tl.where(inside, w * xv, 0.0), 2, _SUM), 1, _SUM)
+        w = decode(blk, s, l, grid, signs, vals, QTYPE, W)  # (BN, NG, 32)
+        acc += _tile_sums(tl.where(inside, w * xv, 0.0), BN, BK, INTERP)
     return acc
 
 
@@ -76,40 +93,43 @@ def _row_pointers(base, n0, N, row_bytes, BN: tl.constexpr):
 
 @triton.jit
 def _qmv_kernel(x, w, out, tables, N, K, row_bytes, x_stride, out_stride,
-                QTYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                QTYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                W: tl.constexpr, INTERP: tl.constexpr):
     """out[b, n] = (W x_b)[n] for this program's row b of x and BN rows n of W."""
     n0 = tl.program_id(0) * BN
     b = tl.program_id(1).to(tl.int64)
     w_rows = _row_pointers(w, n0, N, row_bytes, BN)
-    acc = _dot_rows(x + b * x_stride, w_rows, K, tables, tables + 4096, tables + 6144, QTYPE, QK, TS, BN, BK)
+    acc = _dot_rows(x + b * x_stride, w_rows, K, tables, tables + 4096, tables + 6144, QTYPE, QK, TS, BN, BK, W, INTERP)
     rows = n0 + tl.arange(0, BN)
     tl.store(out + b * out_stride + rows, acc, mask=rows < N)
 
 
 @triton.jit
 def _gate_up_kernel(x, tok, gate, gate_off, up, up_off, h, g_tables, u_tables, F, H, g_row_bytes, u_row_bytes,
-                    x_stride, GT: tl.constexpr, G_QK: tl.constexpr, G_TS: tl.constexpr,
-                    UT: tl.constexpr, U_QK: tl.constexpr, U_TS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    x_stride, GT: tl.constexpr, G_QK: tl.constexpr, G_TS: tl.constexpr, G_W: tl.constexpr,
+                    UT: tl.constexpr, U_QK: tl.constexpr, U_TS: tl.constexpr, U_W: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, INTERP: tl.constexpr):
     """h[p, n] = silu(gate_p x_t) * (up_p x_t) for pair p = (token t, expert), n in this program's rows."""
     p = tl.program_id(0).to(tl.int64)
     n0 = tl.program_id(1) * BN
     x_row = x + tl.load(tok + p) * x_stride
     g_rows = _row_pointers(gate + tl.load(gate_off + p), n0, F, g_row_bytes, BN)
     u_rows = _row_pointers(up + tl.load(up_off + p), n0, F, u_row_bytes, BN)
-    g = _dot_rows(x_row, g_rows, H, g_tables, g_tables + 4096, g_tables + 6144, GT, G_QK, G_TS, BN, BK)
-    u = _dot_rows(x_row, u_rows, H, u_tables, u_tables + 4096, u_tables + 6144, UT, U_QK, U_TS, BN, BK)
+    g = _dot_rows(x_row, g_rows, H, g_tables, g_tables + 4096, g_tables + 6144, GT, G_QK, G_TS, BN, BK, G_W, INTERP)
+    u = _dot_rows(x_row, u_rows, H, u_tables, u_tables + 4096, u_tables + 6144, UT, U_QK, U_TS, BN, BK, U_W, INTERP)
     rows = n0 + tl.arange(0, BN)
     tl.store(h + p * F + rows, g / (1.0 + tl.exp(-g)) * u, mask=rows < F)
 
 
 @triton.jit
 def _down_kernel(h, down, down_off, scale, y, tables, F, H, row_bytes,
-                 QTYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 QTYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 W: tl.constexpr, INTERP: tl.constexpr):
     """y[p, n] = scale[p] * (down_p h_p)[n]."""
     p = tl.program_id(0).to(tl.int64)
     n0 = tl.program_id(1) * BN
     rows_ptr = _row_pointers(down + tl.load(down_off + p), n0, H, row_bytes, BN)
-    acc = _dot_rows(h + p * F, rows_ptr, F, tables, tables + 4096, tables + 6144, QTYPE, QK, TS, BN, BK)
+    acc = _dot_rows(h + p * F, rows_ptr, F, tables, tables + 4096, tables + 6144, QTYPE, QK, TS, BN, BK, W, INTERP)
     rows = n0 + tl.arange(0, BN)
     tl.store(y + p * H + rows, acc * tl.load(scale + p), mask=rows < H)
 
@@ -117,7 +137,7 @@ def _down_kernel(h, down, down_off, scale, y, tables, F, H, row_bytes,
 @triton.jit
 def _qmm_kernel(x, w, out, tables, M, N, K, row_bytes, x_stride, out_stride,
                 QTYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr, DOT: tl.constexpr):
+                BK: tl.constexpr, DOT: tl.constexpr, W: tl.constexpr):
     """out[m, n] = (x_m . W_n) for a BM x BN tile (prefill): each step decodes a (BN, BK) tile of W
     once, in registers, and multiplies it into BM rows of x with `tl.dot` (tensor cores), so W is
     read once per BM rows and never written back as floats. DOT: 0 float32 (IEEE), 1 bfloat16,
@@ -139,7 +159,7 @@ def _qmm_kernel(x, w, out, tables, M, N, K, row_bytes, x_stride, out_stride,
         else:
             tl.static_assert(QK == BK, "a step must cover one super-block")
             blk = rows + (k0 // QK) * TS
-        wt = tl.reshape(tl.where(k < K, decode(blk, s, l, tables, tables + 4096, tables + 6144, QTYPE), 0.0),
+        wt = tl.reshape(tl.where(k < K, decode(blk, s, l, tables, tables + 4096, tables + 6144, QTYPE, W), 0.0),
                         (BN, BK))
         xt = tl.load(x_rows + (k0 + kk)[None, :], mask=(k0 + kk)[None, :] < K, other=0.0)  # (BM, BK)
         if DOT == 1:
@@ -190,6 +210,20 @@ def _type_args(qtype) -> tuple[int, int, int]:
     return int(q.ggml_type), q.block_size, q.type_size
 
 
+def word(qtype, *byte_offsets: int) -> int:
+    """The decoders' word size for `qtype`: its layout's (`decode.WORD`), halved until it divides every
+    address and byte count given (a view at an odd offset, rows of an odd number of blocks), since a
+    misaligned word load faults on the device."""
+    w = WORD[quant.get(qtype).ggml_type]
+    while w > 1 and any(int(o) % w for o in byte_offsets):
+        w //= 2
+    return w
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 # ------------------------------------------------------------------------------ launchers
 
 
@@ -202,9 +236,10 @@ def qmatmul(x: torch.Tensor, raw: torch.Tensor, qtype, shape: tuple[int, int], b
     out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     if x.shape[0] == 0 or n == 0:
         return out
+    row_bytes = k // qk * ts
     _qmv_kernel[(triton.cdiv(n, bn), x.shape[0])](
-        x, raw, out, tables(qtype, x.device), n, k, k // qk * ts, x.stride(0), out.stride(0),
-        QTYPE=qt, QK=qk, TS=ts, BN=bn, BK=BK)
+        x, raw, out, tables(qtype, x.device), n, k, row_bytes, x.stride(0), out.stride(0),
+        QTYPE=qt, QK=qk, TS=ts, BN=bn, BK=BK, W=word(qtype, raw.data_ptr(), row_bytes), INTERP=_interpreted())
     return out
 
 
@@ -236,18 +271,22 @@ def qmatmul_batched(x: torch.Tensor, raw: torch.Tensor, qtype, shape: tuple[int,
     out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     if x.shape[0] == 0 or n == 0:
         return out
+    row_bytes = k // qk * ts
     _qmm_kernel[(triton.cdiv(n, bn), triton.cdiv(x.shape[0], bm))](
-        x, raw, out, tables(qtype, x.device), x.shape[0], n, k, k // qk * ts, x.stride(0), out.stride(0),
-        QTYPE=qt, QK=qk, TS=ts, BM=bm, BN=bn, BK=BK, DOT=_dot_type(x.dtype), num_warps=8)
+        x, raw, out, tables(qtype, x.device), x.shape[0], n, k, row_bytes, x.stride(0), out.stride(0),
+        QTYPE=qt, QK=qk, TS=ts, BM=bm, BN=bn, BK=BK, DOT=_dot_type(x.dtype), W=word(qtype, raw.data_ptr(), row_bytes),
+        num_warps=8)
     return out
 
 
 def grouped_swiglu(x: torch.Tensor, tok: torch.Tensor, scale: torch.Tensor, sources, parts,
-                   bn: int | None = None) -> torch.Tensor:
+                   bn: int | None = None, offset_align=(1, 1, 1)) -> torch.Tensor:
     """float32 (P, H): pair p's expert applied to x[tok[p]], times scale[p].
 
     sources: per projection (gate, up, down) a (uint8 base tensor, int64 (P,) byte offsets);
-    parts: the layer's three `Part`s (type and [out, in] shape of one expert's projection).
+    parts: the layer's three `Part`s (type and [out, in] shape of one expert's projection);
+    offset_align: per projection a number every offset is a multiple of (the offsets are on the
+    device, so the host is told rather than reading them), for the decoders' word size.
     """
     (gate, g_off), (up, u_off), (down, d_off) = sources
     f, hidden = parts[0].shape
@@ -259,11 +298,15 @@ def grouped_swiglu(x: torch.Tensor, tok: torch.Tensor, scale: torch.Tensor, sour
     if n_pairs == 0:
         return y
     (gt, gqk, gts), (ut, uqk, uts), (dt, dqk, dts) = (_type_args(p.qtype) for p in parts)
+    g_row, u_row, d_row = hidden // gqk * gts, hidden // uqk * uts, f // dqk * dts
+    g_w, u_w, d_w = (word(p.qtype, base.data_ptr(), row, align)
+                     for p, base, row, align in zip(parts, (gate, up, down), (g_row, u_row, d_row), offset_align))
+    interp = _interpreted()
     _gate_up_kernel[(n_pairs, triton.cdiv(f, bn))](
         x, tok, gate, g_off, up, u_off, h, tables(gt, x.device), tables(ut, x.device), f, hidden,
-        hidden // gqk * gts, hidden // uqk * uts, x.stride(0),
-        GT=gt, G_QK=gqk, G_TS=gts, UT=ut, U_QK=uqk, U_TS=uts, BN=bn, BK=BK)
+        g_row, u_row, x.stride(0),
+        GT=gt, G_QK=gqk, G_TS=gts, G_W=g_w, UT=ut, U_QK=uqk, U_TS=uts, U_W=u_w, BN=bn, BK=BK, INTERP=interp)
     _down_kernel[(n_pairs, triton.cdiv(hidden, bn))](
         h, down, d_off, scale.to(torch.float32).contiguous(), y, tables(dt, x.device), f, hidden,
-        f // dqk * dts, QTYPE=dt, QK=dqk, TS=dts, BN=bn, BK=BK)
+        d_row, QTYPE=dt, QK=dqk, TS=dts, BN=bn, BK=BK, W=d_w, INTERP=interp)
     return y
