@@ -96,11 +96,14 @@ def soak(args, draft: str) -> dict:
                 if done % 100 == 0:
                     rss.append((done, rss_mb(server.pid)))
         wall = time.perf_counter() - t0
+        draft = {line.split()[0][len("strata_draft_"):]: float(line.split()[1])
+                 for line in httpx.get(f"{base}/metrics").text.splitlines() if line.startswith("strata_draft_")}
     finally:
         server.terminate()
         server.wait(30)
     return {"serial": serial, "serial_tok_s": serial_tokens / serial_s, "tok_s": tokens / wall,
-            "req_s": args.requests / wall, "wall": wall, "errors": errors, "mismatches": mismatches, "rss": rss}
+            "req_s": args.requests / wall, "wall": wall, "errors": errors, "mismatches": mismatches, "rss": rss,
+            "draft": draft}
 
 
 def main() -> None:
@@ -118,6 +121,13 @@ def main() -> None:
     for d, r in runs.items():
         print(f"{d:>8} {r['serial_tok_s']:13.1f} {r['tok_s']:17.1f} {r['req_s']:11.2f} {len(r['errors']):7d} "
               f"{r['mismatches']:11d}")
+    for d, r in runs.items():
+        c = r["draft"]
+        if c:  # both phases, from the server's /metrics
+            print(f"--draft {d}: {c['accepted_tokens_total'] / max(c['tokens_total'], 1):.1%} of "
+                  f"{c['tokens_total']:.0f} drafts accepted; {c['rounds_total'] / max(c['passes_total'], 1):.2f} "
+                  f"rows per verify pass; {(c['rounds_total'] + c['accepted_tokens_total']) / max(c['rounds_total'], 1):.2f}"
+                  " tokens per row round")
     if {"on", "off"} <= set(runs):
         on, off = runs["on"], runs["off"]
         same = sum(on["serial"][p] == off["serial"][p] for p in PROMPTS)

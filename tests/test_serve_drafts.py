@@ -117,7 +117,9 @@ def test_concurrent_served_greedy_text_with_drafts_equals_without():
 
     prompts = [f"def {name}(path):\n" for name in
                ("main", "read_config", "load", "parse_args", "walk", "checksum", "merge", "to_json")]
-    texts, ids, stats = {}, {}, {}
+    import httpx
+
+    texts, ids, stats, metrics = {}, {}, {}, {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a small model: threads only contend (the scheduler copies this)
     try:
@@ -134,6 +136,7 @@ def test_concurrent_served_greedy_text_with_drafts_equals_without():
 
                 with ThreadPoolExecutor(len(prompts)) as pool:
                     texts[draft] = list(pool.map(ask, prompts))
+                metrics[draft] = httpx.get(url + "/metrics").text
             stats[draft] = sched.stats()
             ids[draft] = {tuple(r.prompt): r.token_ids for r in sched.requests}
         alone = {p: engine.generate(p, 24) for p in ids["off"]}  # drafts off, one at a time
@@ -147,4 +150,6 @@ def test_concurrent_served_greedy_text_with_drafts_equals_without():
     d = stats["on"]["draft"]
     assert stats["off"]["draft"] is None and d["rounds"] > 0 and d["accepted"] > 0
     assert d["passes"] < d["rounds"]  # batch rows drafted together
+    assert f"strata_draft_accepted_tokens_total {d['accepted']}" in metrics["on"].splitlines()
+    assert "strata_draft_" not in metrics["off"]
     assert stats["on"]["decode_steps"] < stats["off"]["decode_steps"]  # accepted drafts saved steps

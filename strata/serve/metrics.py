@@ -61,6 +61,19 @@ def scheduler_metrics(stats: dict, model_name: str) -> list[Metric]:
         Metric.summary("request_seconds", "From submission to the end of the request.",
                        stats["request_seconds_sum"], stats["request_count"]),
         m("model_info", "gauge", "The served model.", 1, model=model_name),
+    ] + draft_metrics(stats.get("draft"))
+
+
+def draft_metrics(draft: dict | None) -> list[Metric]:
+    """The MTP head's drafting, when the server drafts (`--draft`)."""
+    if not draft:
+        return []
+    m = Metric.one
+    return [
+        m("draft_passes_total", "counter", "Verify passes (decode steps that judged drafts).", draft["passes"]),
+        m("draft_rounds_total", "counter", "Row rounds: one request's drafts judged by one pass.", draft["rounds"]),
+        m("draft_tokens_total", "counter", "Draft tokens proposed.", draft["drafted"]),
+        m("draft_accepted_tokens_total", "counter", "Draft tokens the model kept.", draft["accepted"]),
     ]
 
 
