@@ -1,7 +1,7 @@
 """Soak: many requests at fixed concurrency against a real `strata serve` process (not a test).
 
     .venv/bin/python bench/soak_server.py [--model strata/demo/strata-demo.gguf] [--requests 1000]
-        [--concurrency 8] [--max-tokens 24] [--drafts on,off]
+        [--concurrency 8] [--max-tokens 24] [--drafts on,off] [--threads 1]
 
 For each `--drafts` setting (the server's `--draft`: MTP drafts on or off) a fresh server runs:
 first each distinct prompt is served alone (the serial reference), then all requests run through a
@@ -15,6 +15,7 @@ completion tokens/s of both phases per setting side by side, and the server's RS
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
 import subprocess
@@ -50,7 +51,8 @@ def soak(args, draft: str) -> dict:
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "strata.cli", "serve", "--model", args.model,
                                "--port", str(port), "--max-concurrent", str(args.concurrency),
-                               "--model-name", "demo", "--log-level", "warning", "--draft", draft])
+                               "--model-name", "demo", "--log-level", "warning", "--draft", draft,
+                               "--cpu-threads", str(args.threads)])
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
@@ -113,9 +115,11 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--drafts", default="on,off", help="server --draft settings to run, comma-separated")
+    p.add_argument("--threads", type=int, default=1, help="the server's --cpu-threads")
     args = p.parse_args()
     runs = {d: soak(args, d) for d in args.drafts.split(",")}
-    print(f"{args.requests} requests, concurrency {args.concurrency}, {args.max_tokens} max tokens, greedy")
+    print(f"{args.requests} requests, concurrency {args.concurrency}, {args.max_tokens} max tokens, greedy, "
+          f"{args.threads} server thread(s); load average {os.getloadavg()[0]:.1f} at the end")
     print(f"{'--draft':>8} {'serial tok/s':>13} {'concurrent tok/s':>17} {'requests/s':>11} {'errors':>7} "
           f"{'mismatches':>11}")
     for d, r in runs.items():

@@ -123,8 +123,7 @@ class DecodeBatch:
             logits, pending = prefill(self.model, prompts, cache, self.prefill_chunk, self.drafter, head_cache)
             for s, p in zip(group, pending):
                 s.pending = p
-        results = [(s, self._emit(s, lambda s=s, i=i: accept(logits[i:i + 1], [], [], s.ids, s.params, s.generator)))
-                   for i, s in enumerate(group)]
+        results = [(s, self._emit(s, self._accept(s, logits[i:i + 1], [], []))) for i, s in enumerate(group)]
         keep = [i for i, s in enumerate(group) if not s.finished]
         if keep:
             if len(keep) < len(group):
@@ -177,22 +176,23 @@ class DecodeBatch:
             stats.passes += 1
             stats.draft_s += t1 - t0
             stats.verify_s += time.perf_counter() - t1
-        results = [(s, self._emit(s, lambda o=o: o)) for s, o in zip(rows, outs)]
+        results = [(s, self._emit(s, o)) for s, o in zip(rows, outs)]
         self.remove([s for s in rows if s.finished])
         return results
 
     def _accept(self, s: Sequence, logits, drafts, qs) -> list[int]:
+        """The row's tokens this step (`speculative.accept`); a failure ends this row alone."""
         try:
             return accept(logits, drafts, qs, s.ids, s.params, s.generator)
-        except Exception as e:  # this row's sampling failed (the others go on)
+        except Exception as e:
             s.error = e
             return []
 
-    def _emit(self, s: Sequence, tokens) -> list[Response]:
-        """Commit `tokens()` to `s` through its stop rules, up to the one that ends it."""
+    def _emit(self, s: Sequence, tokens: list[int]) -> list[Response]:
+        """Commit `tokens` to `s` through its stop rules, up to the one that ends it."""
         out = []
         try:
-            for t in tokens():
+            for t in tokens:
                 s.ids.append(t)
                 out.append(s.text.push(t))
                 if out[-1].finish_reason is not None:
