@@ -277,6 +277,35 @@ def test_one_token_moe_in_one_call_equals_expert_by_expert(types, act_mode, monk
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_fused_residual_pass_equals_ggmls_two_passes(qtype):
+    """"q8x2" in one pass (qmm.c's AVX-512 VNNI kernels: each weight block unpacked once for both
+    8-bit activations) against ggml's vec_dot run twice: the same sums up to float order."""
+    lib = _build.load()
+    if qtype not in kernels.ggml_types() or not lib.strata_fused_types(int(T[qtype])):
+        pytest.skip(f"no fused q8x2 kernel for {qtype} on this CPU (AVX-512 VNNI) or no ggml")
+    before = kernels.activations()
+    kernels.set_activations("q8x2")
+    try:
+        for rows, cols, seed in ((37, 3 * 256, 1), (5, 256, 2), (300, 2048, 3)):
+            w = random_qtensor(qtype, (rows, cols), seed=seed, wild_scales=True)
+            ref = None
+            for batch in (1, 3):
+                x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch)) * 3
+                ref = x @ w.dequantize().T
+                for threads in (1, 2):
+                    lib.strata_set_fused(0)
+                    two = kernels.qmatmul_fast(x, w, threads=threads)
+                    lib.strata_set_fused(1)
+                    one = kernels.qmatmul_fast(x, w, threads=threads)
+                    assert rel_err(one, two) < 1e-5, (qtype, rows, cols, batch, threads)
+                    assert rel_err(one, ref) < 3e-4
+    finally:
+        lib.strata_set_fused(1)
+        kernels.set_activations(before)
+
+
+@needs_kernels
 @pytest.mark.parametrize("qtype", ["Q4_K", "IQ2_XS"])  # an own kernel, a ggml-only type
 def test_a_cached_plan_does_not_keep_the_weight_alive(qtype):
     """A disk-homed expert's bytes are read for one use and dropped: its cached kernel plan must
