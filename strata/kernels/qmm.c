@@ -865,13 +865,25 @@ typedef struct {
     ggml_vec_dot_fn dot;
 } ext_args;
 
+/* Software prefetch of the weight stream: one core's hardware prefetchers left the products at
+ * ~6 GB/s from DRAM on a shared machine; asking for the bytes PREFETCH_AHEAD ahead of the row
+ * being multiplied keeps more cache-line reads in flight. Never past the matrix's end. */
+#define PREFETCH_AHEAD 4096
+static inline void prefetch_ahead(const uint8_t *row, int64_t wrow, const uint8_t *end) {
+    const uint8_t *p = row + PREFETCH_AHEAD, *q = p + wrow;
+    if (q > end) q = end;
+    for (; p < q; p += 64) __builtin_prefetch(p, 0, 2);
+}
+
 static void tile_ext(const void *a_, int64_t tile) {
     const ext_args *a = (const ext_args *)a_;
     const int64_t t0 = tile * a->tile_rows;
     const int64_t t1 = t0 + a->tile_rows < a->rows ? t0 + a->tile_rows : a->rows;
+    const uint8_t *end = a->W + a->rows * a->wrow;
     for (int64_t b = 0; b < a->B; b++)
         for (int64_t r = t0; r < t1; r++) {
             float *y = a->Y + b * a->rows + r;
+            if (b == 0) prefetch_ahead(a->W + r * a->wrow, a->wrow, end);
             a->dot((int)a->cols, y, 0, a->W + r * a->wrow, 0, a->XQ + b * a->xrow, 0, 1);
             if (a->XR) { /* the same row again, still in L1: the residual's product */
                 float lo;
@@ -1041,9 +1053,12 @@ static void tile_fused(const void *a_, int64_t tile) {
     const fused_args *a = (const fused_args *)a_;
     const int64_t t0 = tile * a->tile_rows;
     const int64_t t1 = t0 + a->tile_rows < a->rows ? t0 + a->tile_rows : a->rows;
+    const uint8_t *end = a->W + a->rows * a->wrow;
     for (int64_t b = 0; b < a->B; b++)
-        for (int64_t r = t0; r < t1; r++)
+        for (int64_t r = t0; r < t1; r++) {
+            if (b == 0) prefetch_ahead(a->W + r * a->wrow, a->wrow, end);
             a->Y[b * a->rows + r] = a->dot2(a->cols, a->W + r * a->wrow, a->XQ + b * a->xrow, a->XR + b * a->xrow);
+        }
 }
 
 /* x back from ggml's 8-bit activation blocks: q8_0 {f16 d; i8 q[32]}, q8_1 {f16 d, s; i8 q[32]},
