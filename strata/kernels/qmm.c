@@ -899,8 +899,8 @@ static int act_mode = 3;
  *
  * "q8x2" takes two 8-bit dot products per weight row: x's 8-bit value and its 8-bit residual.
  * Through ggml's vec_dot that is two passes, each unpacking the weight blocks again, which made
- * q8x2 1.7-1.9x the time of llama.cpp's single pass at one thread. For the K-quant mixes of the
- * common releases (Q4_K, Q6_K) these kernels unpack each weight block once and feed both
+ * q8x2 1.7-1.9x the time of llama.cpp's single pass at one thread. For Q4_K, Q6_K (the K-quant
+ * mixes of the common releases) and Q4_1 these kernels unpack each weight block once and feed both
  * activations to vpdpbusd (u8 weights x s8 activations, 64 products per instruction), keeping
  * the two integer sums apart until the float scales apply: the same arithmetic as the two
  * passes up to the order of float additions. Activation blocks are ggml's, from its own quantizer.
@@ -1024,22 +1024,95 @@ static float dot2_q6_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uin
     return _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(m);
 }
 
+/* Q4_1: {f16 d, m; u8 qs[16]} x q8_1 {f16 d, s; i8 qs[32]}. What does not depend on the weight row
+ * is laid out once per product by q4_1_prep (x's 8-bit values and residuals back to back, their
+ * block scales spread over 8 lanes each, and each block's sum of x as an exact integer sum times
+ * its scales, where q8_1 keeps an f16), so a row costs two vpdpbusd per two blocks and its scales. */
+static int64_t q4_1_prep_bytes(int64_t n) { const int64_t nb = n / 32; return nb * 64 + nb * 8 * 4 * 2 + nb * 4; }
+
+static void q4_1_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) {
+    const int64_t nb = n / 32;
+    int8_t *vq = (int8_t *)out, *vr = vq + nb * 32;
+    float *dq = (float *)(out + nb * 64), *dr = dq + nb * 8, *xs = dr + nb * 8;
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *q = xq + i * 36, *r = xr + i * 36;
+        memcpy(vq + i * 32, q + 4, 32);
+        memcpy(vr + i * 32, r + 4, 32);
+        const float a = rd_f16(q), c = rd_f16(r);
+        int32_t sq = 0, sr = 0;
+        for (int l = 0; l < 32; l++) {
+            sq += ((const int8_t *)(q + 4))[l];
+            sr += ((const int8_t *)(r + 4))[l];
+        }
+        for (int l = 0; l < 8; l++) {
+            dq[i * 8 + l] = a;
+            dr[i * 8 + l] = c;
+        }
+        xs[i] = a * (float)sq + c * (float)sr;
+    }
+}
+
+static float dot2_q4_1(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
+    (void)unused;
+    const int64_t nb = n / 32;
+    const int8_t *vq = (const int8_t *)prep, *vr = vq + nb * 32;
+    const float *dq = (const float *)(prep + nb * 64), *dr = dq + nb * 8, *xs = dr + nb * 8;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m512 acc = _mm512_setzero_ps();
+    float mins = 0.0f;
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) {
+        const uint8_t *b0 = w + i * 20, *b1 = b0 + 20;
+        const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + 4))),
+                                                    _mm_loadu_si128((const __m128i *)(b1 + 4)), 1);
+        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, m4)),
+                                             _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), 1);
+        const __m512i w8 = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)); /* lo0 hi0 lo1 hi1 */
+        const __m512i pq = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w8, _mm512_loadu_si512(vq + i * 32));
+        const __m512i pr = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w8, _mm512_loadu_si512(vr + i * 32));
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pq), _mm512_loadu_ps(dq + i * 8),
+                                         _mm512_mul_ps(_mm512_cvtepi32_ps(pr), _mm512_loadu_ps(dr + i * 8)));
+        uint16_t h0, h1;
+        memcpy(&h0, b0, 2);
+        memcpy(&h1, b1, 2);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)h0)),
+                                                                  _mm_set1_epi16((short)h1), 1));
+        acc = _mm512_fmadd_ps(t, dw, acc);
+        mins += rd_f16(b0 + 2) * xs[i] + rd_f16(b1 + 2) * xs[i + 1];
+    }
+    float tail = 0.0f;
+    for (; i < nb; i++) { /* an odd last block */
+        const uint8_t *b = w + i * 20;
+        int32_t pq = 0, pr = 0;
+        for (int l = 0; l < 16; l++) {
+            const int lo = b[4 + l] & 15, hi = b[4 + l] >> 4;
+            pq += lo * vq[i * 32 + l] + hi * vq[i * 32 + l + 16];
+            pr += lo * vr[i * 32 + l] + hi * vr[i * 32 + l + 16];
+        }
+        tail += rd_f16(b) * (dq[i * 8] * (float)pq + dr[i * 8] * (float)pr) + rd_f16(b + 2) * xs[i];
+    }
+    return _mm512_reduce_add_ps(acc) + mins + tail;
+}
+
 /* The fused kernel for a ggml type and its activation layout (qblk, qsize), or NULL. */
 static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     if (type == 12 && qblk == 256 && qsize == 292) return dot2_q4_k;
     if (type == 14 && qblk == 256 && qsize == 292) return dot2_q6_k;
+    if (type == 3 && qblk == 32 && qsize == 36) return dot2_q4_1;
     return NULL;
 }
 #else
 typedef float (*dot2_fn)(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr);
 static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) { (void)type; (void)qblk; (void)qsize; return NULL; }
+static int64_t q4_1_prep_bytes(int64_t n) { (void)n; return 0; }
+static void q4_1_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) { (void)n; (void)xq; (void)xr; (void)out; }
 #endif
 
 /* 1 (default): "q8x2" takes the fused kernels above where a type has one; 0: ggml's two passes
  * (tests compare the two). */
 static int fused2_on = 1;
 void strata_set_fused(int on) { fused2_on = on; }
-int strata_fused_types(int type) { return fused2_for(type, 256, 292) != NULL; }
+int strata_fused_types(int type) { return fused2_for(type, type == 3 ? 32 : 256, type == 3 ? 36 : 292) != NULL; }
 
 typedef struct {
     const uint8_t *W;
@@ -1112,7 +1185,19 @@ int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const
     int64_t tile_rows = ROW_TILE;
     while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
     const dot2_fn dot2 = twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
-    if (dot2) {
+    if (dot2 && type == 3) { /* Q4_1: the row-independent part laid out once (q4_1_prep) */
+        const int64_t prow = q4_1_prep_bytes(cols);
+        uint8_t *prep = malloc((size_t)(B * prow) + 64);
+        if (!prep) {
+            free(xq);
+            free(tmp);
+            return 0;
+        }
+        for (int64_t b = 0; b < B; b++) q4_1_prep(cols, xq + b * xrow, xr + b * xrow, prep + b * prow);
+        const fused_args f = {W, rows, cols, B, tile_rows, wrow, prow, prep, prep, Y, dot2};
+        pool_run(tile_fused, &f, (rows + tile_rows - 1) / tile_rows, nth < 1 ? 1 : nth);
+        free(prep);
+    } else if (dot2) {
         const fused_args f = {W, rows, cols, B, tile_rows, wrow, xrow, xq, xr, Y, dot2};
         pool_run(tile_fused, &f, (rows + tile_rows - 1) / tile_rows, nth < 1 ? 1 : nth);
     } else {
