@@ -19,6 +19,11 @@ Two JSON-lines layouts that vLLM users publish are read (the layout is detected 
   (every token routed alike) are dropped; a forward wider than the median one is marked
   prefill (a batched prompt), the others decode.
 
+With `--predict`, the trace also holds next-layer predictions made from the routing alone
+(bench/routing_predictor.py: which experts of layer l+1 followed the token's experts at layer
+l in earlier forwards), so `strata cache-sim` can show prefetch on and off on real routing.
+Only adjacent logged layers get predictions; they are not the runtime's router predictions.
+
 Nothing is shipped from those repositories (they carry no licence); the README in
 `bench/routing_logs.md` says how to fetch the logs and which commands made the tables.
 """
@@ -35,6 +40,9 @@ import torch
 
 from strata.errors import StrataError
 from strata.tiers.trace import TraceRecorder
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from routing_predictor import SOURCE, CooccurrencePredictor  # noqa: E402
 
 # Routed experts per layer and, at about 4.5 bits per weight (Q4_K_M), the bytes of one expert
 # (gate, up and down projections): what a copy moves. From the models' config.json files.
@@ -134,7 +142,8 @@ def model_of(rows: list[dict], name: str | None) -> str | None:
     return next((m for m in KNOWN_MODELS if m in text), None)
 
 
-def convert(paths: list[Path], out: Path, model: str | None = None, n_experts: int | None = None) -> dict:
+def convert(paths: list[Path], out: Path, model: str | None = None, n_experts: int | None = None,
+            predict: bool = False) -> dict:
     files = [read_lines(p) for p in paths]
     kinds = {layout(rows) for rows in files}
     if len(kinds) > 1:
@@ -152,18 +161,28 @@ def convert(paths: list[Path], out: Path, model: str | None = None, n_experts: i
     expert_bytes = {layer: known["expert_bytes"] for layer in range(n_layers)} if known else {}
     meta = {"source": [str(p) for p in paths], "model": model_of(files[0], model) or "unknown"}
     rec = TraceRecorder(n_experts, meta, expert_bytes)
-    position = 0
+    predictor = CooccurrencePredictor(n_layers + 1, n_experts) if predict else None
+    position, predicted = 0, 0
     for prefill, layers in forwards:
         rec.next_step(prefill)
         for layer, tokens in layers.items():
             ids = torch.tensor([t[0] for t in tokens], dtype=torch.int32)
             weights = torch.tensor([t[1] for t in tokens], dtype=torch.float32)
             rec.record(layer, torch.arange(position, position + len(tokens)), ids, weights)
+            after = layers.get(layer + 1)
+            if predictor is not None and after is not None and len(after) == len(tokens):
+                named = predictor.predict(layer, ids.numpy())
+                if named:  # issued before layer + 1's record, as the runtime's prefetch is
+                    rec.predicted(layer + 1, named, SOURCE)
+                    predicted += 1
+                predictor.observe(layer, ids.numpy(), np.array([t[0] for t in after]))
+        if predictor is not None:
+            predictor.end_forward()
         position += max(len(t) for t in layers.values())
     path = rec.save(out)
     tokens = [max(len(t) for t in layers.values()) for _, layers in forwards]
     return {"path": str(path), "forwards": len(forwards), "layers": sorted({l for _, ls in forwards for l in ls}),
-            "n_experts": n_experts, "top_k": int(ids.shape[1]),
+            "n_experts": n_experts, "top_k": int(ids.shape[1]), "predictions": predicted,
             "prefill_tokens": sum(n for n, (p, _) in zip(tokens, forwards) if p),
             "decode_tokens": sum(n for n, (p, _) in zip(tokens, forwards) if not p),
             "max_batch": max(n for n, (p, _) in zip(tokens, forwards) if not p) if any(not p for p, _ in forwards) else 0}
@@ -175,9 +194,11 @@ def main(argv=None) -> int:
     p.add_argument("-o", "--out", type=Path, required=True, help="the trace to write (.npz)")
     p.add_argument("--model", help="model name, when the log does not say (mixtral, qwen1.5-moe)")
     p.add_argument("--n-experts", type=int, help="routed experts per layer, when the model is not known")
+    p.add_argument("--predict", action="store_true",
+                   help="add next-layer predictions made from the routing alone (bench/routing_predictor.py)")
     args = p.parse_args(argv)
     try:
-        info = convert(args.logs, args.out, args.model, args.n_experts)
+        info = convert(args.logs, args.out, args.model, args.n_experts, args.predict)
     except (StrataError, OSError, KeyError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

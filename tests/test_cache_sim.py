@@ -201,8 +201,7 @@ def test_parse_sizes():
 
 def test_prefetch_skips_admission_and_is_pinned_until_its_layer_runs():
     slots = SlotMap(regions(make_policy("adaptive", 2, 100)), n_experts=10)
-    slots.request([0, 1], prefill=False)  # layer 0: both copied into the free slots
-    slots.request([0, 1], prefill=False)
+    slots.request([0, 1], prefill=False)  # layer 0: both copied into the free slots, valued at the prior 0.2
     assert [k for k, _ in slots.prefetch([11])] == [11]  # a never-used expert: admission would reject it
     assert [k for k, _ in slots.prefetch([21])] == [21]  # evicts layer 0's other expert, not the pinned 11
     assert slots.prefetch([31]) == [] and set(slots.where) == {11, 21}  # every slot pinned: nothing to evict
@@ -214,13 +213,24 @@ def test_prefill_region_leaves_the_main_policy_alone():
     main = make_policy("adaptive", 2, 100)
     slots = SlotMap(regions(main, reserve=2), n_experts=10)
     slots.request([1, 2], prefill=False)
-    state = (main.runs.copy(), main.uses.copy(), main.seen.copy())
+    state = (main.runs.copy(), main.routed.copy(), main.seen.copy())
     for e in range(3, 9):
         slots.request([e], prefill=True)
         slots.prefetch([e + 1], prefill=True)
     assert main.resident == {1, 2}
-    assert all(np.array_equal(a, b) for a, b in zip(state, (main.runs, main.uses, main.seen)))
+    assert all(np.array_equal(a, b) for a, b in zip(state, (main.runs, main.routed, main.seen)))
     assert len(slots.where) == 4
+
+
+def test_adaptive_weighs_a_batched_step_by_the_tokens_each_expert_served():
+    """Two experts used in every batched step, one by 20 tokens, one by 1: the rarer is the victim;
+    counted once per step each (no counts), they tie and the first placed goes."""
+    for counts, victim in (([20, 1], 2), (None, 1)):
+        main = make_policy("adaptive", 2, 10)
+        slots = SlotMap(regions(main), n_experts=10)
+        for _ in range(5):
+            slots.request([1, 2], prefill=False, counts=counts)
+        assert main.victim(set()) == victim
 
 
 def perfectly_predicted_trace(path, n_tokens=200, n_layers=3, n_experts=16, k=2, seed=0):
@@ -302,6 +312,26 @@ def test_converter_reads_decode_logs_per_token(tmp_path):
     assert info["decode_tokens"] == 10 and info["prefill_tokens"] == 0 and trace.n_experts == 8
     assert trace.layer.tolist()[:8] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert trace.ids[1].tolist() == [1, 3] and trace.expert_bytes[0] > 0  # token 0, layer 1
+
+
+def test_converter_predicts_the_next_layer_from_earlier_forwards_only(tmp_path):
+    """--predict: layer 1's experts follow layer 0's by a fixed rule; the first forward has nothing to
+    learn from, so no prediction; later ones name exactly what layer 1 uses, before its record."""
+    import json
+
+    rows = [{"dataset": "gsm8k", "problem_id": 0, "layer": layer, "token_idx": t, "gating_probs": [0.5, 0.5],
+             "experts": [t % 4, 4 + t % 4] if layer == 0 else [(t + 1) % 4, 4 + (t + 2) % 4]}
+            for layer in range(2) for t in range(12)]
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join(json.dumps(r) for r in rows))
+    info = _converter().convert([log], tmp_path / "p", predict=True)
+    trace = load_trace(tmp_path / "p")
+    by_record = trace.predictions_by_record()
+    assert info["predictions"] == len(trace.predictions) == 8  # tokens 4..11: each rule seen once before
+    assert min(by_record) == 9 and all(layer == 1 for p in by_record.values() for layer, _ in p)
+    for record, preds in by_record.items():
+        assert preds[0][1] == sorted(set(trace.ids[record].tolist()))  # record `record` is layer 1's
+    assert "co-occurrence" in trace.meta["predictions"]
 
 
 def test_converter_merges_per_layer_logger_files(tmp_path):

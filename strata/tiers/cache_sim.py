@@ -50,7 +50,7 @@ class Belady(Policy):
         order = sorted(misses, key=lambda k: (nxt.get(k, math.inf), -self.uses.get(k, 0)))
         return super().place(order, protected, force, confidence)
 
-    def access(self, keys):
+    def access(self, keys, counts=None):
         self.i += 1
         for k in keys:
             if k in self.resident:
@@ -117,11 +117,13 @@ class SimResult:
 
 
 def replay(requests: list[tuple[int, list[int]]], policy: Policy, n_experts: int, prefill: list[bool] | None = None,
-           predictions: dict | None = None, reserve: int = 0, expert_bytes=None) -> SimResult:
+           predictions: dict | None = None, reserve: int = 0, expert_bytes=None,
+           counts: list[list[int]] | None = None) -> SimResult:
     """Drive `policy` through the requests as the runtime does, through the runtime's `SlotMap`.
 
     `predictions` (record index -> [(layer, experts)]) are the prefetcher's guesses, issued
-    before that record as the runtime issues them; `reserve` slots form the prefill region."""
+    before that record as the runtime issues them; `reserve` slots form the prefill region;
+    `counts` (per record, aligned with its experts) the token-routings each expert served."""
     result = SimResult()
     slots = SlotMap(regions(policy, reserve), n_experts)
     unpaid = {k for k, _ in slots.preload()}  # a preloaded expert costs one copy, charged at its first use
@@ -134,7 +136,7 @@ def replay(requests: list[tuple[int, list[int]]], policy: Policy, n_experts: int
             copies = slots.prefetch(keys, in_prefill)
             result.stats.prefetched(p_layer, [k for k, _ in copies], _nbytes(expert_bytes, p_layer))
         keys = [layer * n_experts + e for e in experts]
-        hits, copies, cpu = slots.request(keys, in_prefill)
+        hits, copies, cpu = slots.request(keys, in_prefill, counts[i] if counts else None)
         copied = [k for k, _ in copies]
         if unpaid:
             paid = unpaid.intersection(hits)
@@ -158,7 +160,7 @@ def replay_trace(trace: Trace, policy: str, slots: int, reserve: int = 0, prefet
         ranking = _ranking([[layer * trace.n_experts + e for e in ex] for layer, ex in requests])
     return replay(requests, _policy(policy, slots - reserve, n_keys, trace, ranking), trace.n_experts,
                   trace.prefill_flags(), trace.predictions_by_record() if prefetch else None, reserve,
-                  trace.expert_bytes)
+                  trace.expert_bytes, trace.request_counts())
 
 
 def simulate(trace: Trace, policies, fractions, prefetch: bool = True, reserve: int = 0) -> dict:

@@ -135,9 +135,10 @@ class DeviceCache:
     def regions(self) -> list[Region]:
         return self.slots.regions
 
-    def request(self, keys: list[int], prefill: bool) -> tuple[list[int], list[int], list[int]]:
-        """(hits, copied in, left to the CPU) for one step's experts."""
-        hits, copies, rejected = self.slots.request(keys, prefill)
+    def request(self, keys: list[int], prefill: bool, served: list[int] | None = None
+                ) -> tuple[list[int], list[int], list[int]]:
+        """(hits, copied in, left to the CPU) for one step's experts (`served`: token-routings each)."""
+        hits, copies, rejected = self.slots.request(keys, prefill, served)
         self._copy_in(copies)
         return hits, [k for k, _ in copies], rejected
 

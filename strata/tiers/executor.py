@@ -134,10 +134,10 @@ class HybridExecutor:
         self.host_reads += 1
         if self.tracer is not None:
             self.tracer.record(layer, self.positions, ids_host, weights_host)
-        used = torch.unique(ids_host).tolist()
-        if experts is not None:
-            used = [e for e in used if e in experts]
-        on_device, on_cpu = self._split(layer, used)
+        unique, served = torch.unique(ids_host, return_counts=True)  # served: token-routings per expert
+        served = dict(zip(unique.tolist(), served.tolist()))
+        used = [e for e in served if experts is None or e in experts]
+        on_device, on_cpu = self._split(layer, used, [served[e] for e in used])
         futures = self.lane.submit(layer, x_host, ids_host, weights_host, on_cpu)  # runs beside the device
         out = self._device(layer, x, ids_host, weights_host, set(on_device))
         if rider is not None:  # after this layer's kernels are queued: the copies wait for those only
@@ -146,15 +146,16 @@ class HybridExecutor:
             out = out + to_device(f.result(), out.device)
         return out.to(x.device)
 
-    def _split(self, layer: int, used: list[int]) -> tuple[list[int], list[int]]:
-        """Experts for the device and for the CPU; counts the step."""
+    def _split(self, layer: int, used: list[int], served: list[int] | None = None) -> tuple[list[int], list[int]]:
+        """Experts for the device and for the CPU (the cache weighs each by the tokens it `served`);
+        counts the step."""
         base = layer * self.n_experts
         keys = [base + e for e in used]
         kind = self.homes[layer].kind
         if kind == "gpu" or self.cache is None:  # pinned on the device, or no cache at all
             hits, copied, cpu = (keys, [], []) if kind == "gpu" else ([], [], keys)
         else:
-            hits, copied, cpu = self.cache.request(keys, self.prefill)
+            hits, copied, cpu = self.cache.request(keys, self.prefill, served)
         self.stats.step(layer, keys, hits, copied, cpu, self.formats[layer].nbytes)
         return [k - base for k in hits + copied], [k - base for k in cpu]
 

@@ -1,15 +1,18 @@
 """Which experts the device cache keeps: replacement and admission, shared by runtime and simulator.
 
-Keys are integers (`layer * n_experts + expert`). Per step, `access(keys)` records that
-one layer used keys; `place(misses, protected)` decides, per miss, whether to copy it in
+Keys are integers (`layer * n_experts + expert`). Per step, `access(keys, counts)` records
+that one layer used keys (and how many of the step's tokens each served); `place(misses, protected)` decides, per miss, whether to copy it in
 (and whom it evicts) or leave it to the CPU lane. Keys of the current step are protected.
 
 - `lru`: recency only; every miss is copied in.
 - `lfu`: frequency only (ties broken by recency); every miss is copied in.
 - `adaptive` (the default): the probability that an expert is used the next time its layer
   runs, learned online from the routing itself: a table of how often an expert was used
-  given how many runs of its layer ago it was last used and how often it is used (relative
-  to the layer's mean). It evicts the least likely expert and copies a miss in only when the
+  given how many runs of its layer ago it was last used and its share of the layer's
+  token-routings (relative to the mean share). A batched step or a prefill chunk counts each
+  expert by the tokens it served, not once, so a long prompt teaches the frequencies that a
+  batch of decode steps would. The table is read as non-decreasing in that share (a sparse
+  cell may not rank a rarer expert above a commoner one at the same lag). It evicts the least likely expert and copies a miss in only when the
   miss is likelier than that victim, so a one-off expert stays on the CPU. Real routing
   differs in what predicts reuse (Mixtral's is close to memoryless, batched Qwen1.5-MoE's
   is all frequency); the table learns which, instead of a fixed blend of the two.
@@ -19,7 +22,11 @@ Measured with bench/bench_cache_policy.py on public vLLM routing logs (Mixtral-8
 Qwen1.5-MoE-A2.7B-Chat) and the demo's trace; the tables are in bench/routing_logs.md.
 Rejected there: LRFU with a fixed half-life (the previous default: at LRU's level on
 Mixtral), a table with aged instead of lifetime frequency, following whichever of LFU and
-the table has hit more lately (no better, three times slower), and admitting every miss.
+the table has hit more lately (no better, three times slower), admitting every miss, a
+ghost list that admits a miss rejected in its layer's last 2-8 runs (churns batched
+routing), the table also non-increasing in lag (Mixtral's hot pairs alternate), and
+scaling the next layer's estimates by an expert-id co-occurrence with the layer that just
+ran (lower in both directions on Mixtral).
 
 `SlotMap` puts a policy to work over the cache's regions (decode, prefill) and prefetches;
 the runtime's `DeviceCache` and `strata cache-sim` both drive it, so they count alike.
@@ -34,7 +41,7 @@ import numpy as np
 
 # Buckets of the adaptive policy's table. Lag: runs of the key's layer since its last use
 # (0 = used in the latest run): 0, 1, 2, 3, 4-6, 7-12, 13-24, 25+, never used. Frequency: the
-# key's share of its layer's runs over the layer's mean share (k / E), in these steps.
+# key's share of its layer's token-routings over the mean share (1 / E), in these steps.
 LAG_EDGES = np.array([1, 2, 3, 4, 7, 13, 25])
 SHARE_EDGES = np.array([0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 6.0, 16.0, 64.0, 256.0])
 HORIZON = 2  # the table's target: the key is used within this many runs of its layer
@@ -54,8 +61,9 @@ class Policy:
         self.capacity = capacity
         self.resident: set[int] = set()
 
-    def access(self, keys: list[int]) -> None:
-        pass
+    def access(self, keys: list[int], counts: list[int] | None = None) -> None:
+        """One run of a layer used `keys`; `counts[i]` of the step's token-routings went to keys[i]
+        (None: one each)."""
 
     def victim(self, protected: set[int]) -> int | None:
         raise NotImplementedError
@@ -108,7 +116,7 @@ class LRU(Policy):
         super().__init__(capacity)
         self.order: OrderedDict[int, None] = OrderedDict()
 
-    def access(self, keys):
+    def access(self, keys, counts=None):
         for k in keys:
             if k in self.order:
                 self.order.move_to_end(k)
@@ -182,7 +190,7 @@ class LFU(Scored):
         self.score[:] = 0.0
         self.clock = 0
 
-    def access(self, keys):
+    def access(self, keys, counts=None):
         self.clock += 1
         for k in keys:
             self.score[k] = np.floor(self.score[k]) + 1 + self.clock * 1e-9
@@ -210,10 +218,12 @@ class Adaptive(Packed):
         self.runs = np.zeros(n_layers, dtype=np.int64)  # runs of each layer so far
         self.mean_share = np.zeros(n_layers)  # experts used per run / E, running mean
         self.last = np.full(n_layers * self.n_experts, -1, dtype=np.int64)  # run of the last use
-        self.uses = np.zeros(n_layers * self.n_experts)
+        self.routed = np.zeros(n_layers * self.n_experts)  # sum over runs of the key's share of the run
         shape = (len(LAG_EDGES) + 2, len(SHARE_EDGES) + 1)
         self.seen = np.zeros(shape)  # per cell: (key, run) pairs observed
-        self.used = np.zeros(shape)  # of those, the key was used
+        self.used = np.zeros(shape)  # of those, the key was used within the horizon
+        self.seen_next = np.zeros(shape)  # the same with the next run as the horizon: what `value` reads
+        self.used_next = np.zeros(shape)
 
     def _cells(self, keys: np.ndarray):
         layer = keys // self.n_experts
@@ -221,18 +231,22 @@ class Adaptive(Packed):
         never = self.last[keys] < 0
         lag = np.searchsorted(LAG_EDGES, runs - self.last[keys], side="right")
         lag = np.where(never, len(LAG_EDGES) + 1, lag)
-        mean = np.maximum(self.mean_share[layer], 1e-9)
-        share = self.uses[keys] / np.maximum(runs, 1)
-        return lag, np.searchsorted(SHARE_EDGES, share / mean, side="right"), mean, share
+        share = self.routed[keys] / np.maximum(runs, 1)  # of the layer's token-routings; the mean is 1 / E
+        return lag, np.searchsorted(SHARE_EDGES, share * self.n_experts, side="right"), self.mean_share[layer], share
 
-    def estimate(self, keys: np.ndarray) -> np.ndarray:
+    def estimate(self, keys: np.ndarray, seen=None, used=None) -> np.ndarray:
+        """Per key: the cell's use rate, shrunk towards the layer's mean by PRIOR pseudo-runs; the
+        observed part taken as the running maximum over the rarer cells at the same lag."""
+        seen, used = (self.seen, self.used) if seen is None else (seen, used)
         lag, freq, mean, _ = self._cells(keys)
-        return (self.used[lag, freq] + PRIOR * mean) / (self.seen[lag, freq] + PRIOR)
+        observed = np.maximum.accumulate(used / (seen + PRIOR), axis=1)
+        return observed[lag, freq] + PRIOR / (seen[lag, freq] + PRIOR) * mean
 
     def value(self, key):
-        return float(self.estimate(np.array([key]))[0])
+        """The chance of a use at the layer's next run (a prediction's confidence is one for that run)."""
+        return float(self.estimate(np.array([key]), self.seen_next, self.used_next)[0])
 
-    def access(self, keys):
+    def access(self, keys, counts=None):
         if not keys:
             return
         layer = keys[0] // self.n_experts
@@ -241,9 +255,12 @@ class Adaptive(Packed):
         waiting = self.waiting.setdefault(layer, deque())
         waiting.append((int(self.runs[layer]), lag, freq))
         used = np.asarray(keys, dtype=np.int64)
+        np.add.at(self.seen_next, (lag, freq), 1)
+        np.add.at(self.used_next, (lag[used - every[0]], freq[used - every[0]]), 1)
         self.runs[layer] += 1
         self.mean_share[layer] += (len(keys) / self.n_experts - self.mean_share[layer]) / min(self.runs[layer], 64)
-        self.uses[used] += 1
+        served = np.ones(len(used)) if counts is None else np.asarray(counts, dtype=np.float64)
+        np.add.at(self.routed, used, served / served.sum())
         self.last[used] = self.runs[layer]
         if self.runs[layer] - waiting[0][0] >= self.horizon:  # the oldest observation's horizon has passed
             run, lag, freq = waiting.popleft()
@@ -312,14 +329,16 @@ class SlotMap:
         self.pending: dict[int, set[int]] = {}  # layer -> keys predicted for its next run
         self.outcomes: dict[int, list[int]] = {}  # layer -> [predicted keys used, predicted keys]
 
-    def request(self, keys: list[int], prefill: bool) -> tuple[list[int], Copies, list[int]]:
-        """(hits, misses copied in with their slots, misses left to the CPU) for one step's keys."""
+    def request(self, keys: list[int], prefill: bool, counts: list[int] | None = None
+                ) -> tuple[list[int], Copies, list[int]]:
+        """(hits, misses copied in with their slots, misses left to the CPU) for one step's keys;
+        `counts[i]`: how many of the step's token-routings went to keys[i] (None: one each)."""
         hits = [k for k in keys if k in self.where]
         misses = [k for k in keys if k not in self.where]
         region = self.region(prefill)
         for r in self.regions:
             if not (prefill and r.name == "main" and region is not None and region.name == "prefill"):
-                r.policy.access(keys)
+                r.policy.access(keys, counts)
         if keys:
             self._score_prediction(keys)
         if keys and self.pinned:

@@ -117,6 +117,15 @@ class Trace:
             start += n
         return out
 
+    def request_counts(self) -> list[list[int]]:
+        """Per record, aligned with `requests()`: how many token-routings went to each expert."""
+        out, start = [], 0
+        for n in self.tokens.tolist():
+            _, counts = np.unique(self.ids[start:start + n].reshape(-1), return_counts=True)
+            out.append(counts.tolist())
+            start += n
+        return out
+
     def prefill_flags(self) -> list[bool]:
         return self.prefill.tolist() if self.prefill is not None else [False] * len(self.layer)
 
