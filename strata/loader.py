@@ -11,8 +11,12 @@ import torch
 from strata.errors import BadModelFile, StrataError
 from strata.formats.checkpoint import open_config
 from strata.models import registry
+from strata.models.seams import InPlace, Resident, Seams
 from strata.models.weights import WeightLoader
+from strata.tiers.kv_tiers import TieredKV
 from strata.tiers.ngram_table import open_table
+from strata.tiers.placement import BlockPlacement
+from strata.tiers.runtime import TieredProvider, install as install_tiers
 
 
 @dataclass(slots=True)
@@ -25,14 +29,41 @@ class LoadedModel:
     metadata: dict
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = False) -> LoadedModel:
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = False,
+               seams: Seams | None = None) -> LoadedModel:
+    """The model built with `seams` (`strata.models.seams`: experts provider, KV-cache factory, table
+    reader, placement); by default all resident, the n-gram table read by the tiers' `open_table`."""
     from strata.runtime.progress import tensor_bar
 
+    seams = seams or Seams(table_reader=open_table)
     arch, config, source, meta = open_config(path)
-    seams = {"table_reader": open_table} if getattr(config, "ple_layers", ()) else {}  # an n-gram table (PLE)
     with tensor_bar(len(source.names()), progress) as advance:
-        model = registry.model_class(arch.ARCH)(config, WeightLoader(source, dtype, on_tensor=advance), **seams).eval()
+        model = registry.model_class(arch.ARCH)(config, WeightLoader(source, dtype, on_tensor=advance), seams).eval()
     return LoadedModel(model, model.config, arch, _tokenizer(Path(path), meta), source, meta)
+
+
+def load_with_tiers(path: str | Path, options) -> tuple[LoadedModel, object | None, object | None]:
+    """The model built with the seams `options` (an `EngineOptions`) ask for, then those completed
+    over it: (loaded, the expert tiers or expert-parallel runtime or None, --kv-device's
+    `KVTierConfig` or None). Without tier options the model is the plain resident one."""
+    from strata.tiers.options import tiers_requested
+
+    dtype = getattr(torch, options.dtype)
+    experts, placement = Resident(), InPlace()
+    if options.expert_parallel:  # imported here: torch.distributed is slow to import and rarely used
+        from strata.tiers.expert_parallel.rank0 import ParallelProvider, install as install_parallel
+
+        experts, placement = ParallelProvider(), BlockPlacement()
+    elif tiers_requested(options):
+        experts, placement = TieredProvider(), BlockPlacement()
+    kv = TieredKV(options.kv_device_budget, dtype) if options.kv_device_budget is not None else None
+    loaded = load_model(path, dtype, options.progress, Seams(experts, kv, open_table, placement))
+    tiers = None
+    if options.expert_parallel:
+        tiers = install_parallel(loaded, options)
+    elif isinstance(experts, TieredProvider):
+        tiers = install_tiers(loaded, options)
+    return loaded, tiers, kv.configure(loaded.model) if kv is not None else None  # KV after the tiers' placement
 
 
 def _tokenizer(path: Path, meta: dict):

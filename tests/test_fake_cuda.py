@@ -29,7 +29,10 @@ from torch.utils._pytree import tree_leaves
 import strata
 from strata.kernels.gpu import ops  # noqa: F401  (registers torch.ops.strata.* before the fake mode)
 from strata.models.layers import Experts
-from strata.tiers.placement import move_tensors, place_blocks
+from strata.loader import load_model
+from strata.models.seams import Seams
+from strata.tiers.ngram_table import open_table
+from strata.tiers.placement import BlockPlacement, move_tensors, place_blocks
 from test_dtypes import BUILDERS, _near_init_norms
 from reference import randomise, save_hf
 from strata.gguf.convert import convert_hf_to_gguf
@@ -117,10 +120,10 @@ def _decode_twice(model, cache) -> torch.Tensor:
 
 def test_resident_decode_step_reads_nothing_back(model_file):
     name, path = model_file
-    engine = strata.load(path, dtype="bfloat16")
+    engine = load_model(path, torch.bfloat16, seams=Seams(table_reader=open_table, placement=BlockPlacement()))
     model = engine.model
     with FakeCuda() as copies:
-        place_blocks(model, _AllOnDevice(engine.loaded.source.names()), DEVICE)
+        place_blocks(model, _AllOnDevice(engine.source.names()), DEVICE)
         for m in model.modules():
             if isinstance(m, Experts):
                 b = m.backend

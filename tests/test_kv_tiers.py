@@ -37,9 +37,10 @@ def qwen4exp_paths(tmp_path_factory):
 
 
 def _tiered(path, budget: str, block: int = BLOCK, **options):
-    engine = strata.load(path, **options)
-    kv_tiers.install(engine.model, budget, torch.float32, block=block)
-    return engine
+    """An engine built with the tiered KV factory (`--kv-device budget`), in blocks of `block` tokens."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kv_tiers, "DEFAULT_BLOCK", block)
+        return strata.load(path, kv_device_budget=budget, **options)
 
 
 def _watch_device_bytes(model, limit: int):
@@ -57,7 +58,7 @@ def _watch_device_bytes(model, limit: int):
 
 
 def _per_layer(engine) -> int:
-    """Attention layers the budget is split over (`install` gives each an equal share)."""
+    """Attention layers the budget is split over (`TieredKV.configure` gives each an equal share)."""
     from strata.models.layers import Attention
 
     return sum(isinstance(m, Attention) for m in engine.model.modules())
@@ -137,8 +138,7 @@ def test_qsa_keeps_the_most_selected_blocks_resident(qwen4exp_paths):
     from test_qwen4exp import eos_prompt
 
     one_block = kv_tiers.block_bytes(2, 16, 4, torch.float32)
-    engine = strata.load(qwen4exp_paths)
-    kv_tiers.install(engine.model, str(6 * one_block * _per_layer(engine)), torch.float32, block=4)
+    engine = _tiered(qwen4exp_paths, str(6 * one_block * _per_layer(strata.load(qwen4exp_paths))), block=4)
     cache = engine.model.new_cache(1)
     with torch.inference_mode():
         engine.model(torch.tensor([eos_prompt(80, seed=2)]), cache)
@@ -210,13 +210,12 @@ def test_speculative_decoding_with_tiered_kv_equals_plain(qwen3next_mtp):
     from test_speculative import PROMPTS
 
     plain = strata.load(qwen3next_mtp, draft="off")
-    engine = strata.load(qwen3next_mtp, draft="on", draft_tokens=3)
-    attn = _per_layer(engine)
+    attn = _per_layer(plain)
     from strata.models.layers import Attention
 
-    a = next(m for m in engine.model.modules() if isinstance(m, Attention))
-    kv_tiers.install(engine.model, str(2 * kv_tiers.block_bytes(a.n_kv, a.head_dim, 4, torch.float32) * attn),
-                     torch.float32, block=4)
+    a = next(m for m in plain.model.modules() if isinstance(m, Attention))
+    engine = _tiered(qwen3next_mtp, str(2 * kv_tiers.block_bytes(a.n_kv, a.head_dim, 4, torch.float32) * attn),
+                     block=4, draft="on", draft_tokens=3)
     assert engine.drafter.new_cache(1).layers and isinstance(engine.drafter.new_cache(1).layers[0], TieredKVCache)
     for ids in PROMPTS[:2]:
         assert engine.generate(ids, 20, stop_at_eos=False) == plain.generate(ids, 20, stop_at_eos=False)

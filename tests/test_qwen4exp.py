@@ -33,6 +33,7 @@ from strata.models.cache import LayerCache
 from strata.models.gated_deltanet import GDNCache
 from strata.models.qsa import QSACache, QSAIndexer
 from strata.models.qwen4exp import Model as Qwen4ExpModel
+from strata.models.seams import Seams
 from strata.tiers.ngram_table import open_table
 
 VOCAB, EOS = 256, 5
@@ -152,7 +153,7 @@ def test_qsa_prunes_the_blocks_transformers_prunes(checkpoint):
 def test_pruning_changes_the_output(checkpoint):
     """Dense attention is not what transformers computes here: dropping the indexer moves the logits."""
     ref_model, paths = checkpoint
-    model = Qwen4ExpModel(*_config_and_loader(paths["gguf"]), table_reader=open_table)
+    model = Qwen4ExpModel(*_config_and_loader(paths["gguf"]), Seams(table_reader=open_table))
     for block in model.blocks:
         if hasattr(block.attn, "indexer"):
             block.attn.indexer = None

@@ -16,6 +16,7 @@ import torch
 import strata
 from strata.gguf.convert import convert_hf_to_gguf
 from strata.models.layers import Experts, ResidentExperts
+from strata.runtime.engine import EngineOptions
 from strata.tiers.executor import TieredExperts
 from strata.tiers.trace import load_trace
 from reference import prompt, randomise, save_hf
@@ -201,8 +202,9 @@ def test_demo_model_is_exact(size):
     engine.close()
 
 
-def test_block_placement_hooks_keep_outputs(model):
-    """The CUDA placement path (moved blocks, device-built step masks, hooks) forced onto the CPU."""
+def test_block_placement_keeps_outputs(model):
+    """The CUDA placement path (moved blocks, device-built step masks, the model's BlockPlacement)
+    forced onto the CPU."""
     from strata.tiers.placement import place_blocks
 
     path, ids, ref_logits, ref_tokens, _ = model
@@ -289,3 +291,48 @@ def test_verify_passes_count_as_decode():
     assert _decode_width(drafting, SimpleNamespace(draft="auto", draft_tokens=3)) == 4
     assert _decode_width(drafting, SimpleNamespace(draft="off", draft_tokens=3)) == 1
     assert _decode_width(SimpleNamespace(), SimpleNamespace(draft="on", draft_tokens=3)) == 1
+
+
+def _attributes(model) -> dict:
+    """Every module's attributes that are not tensors (tensors move between devices), by identity,
+    and its forward hooks."""
+    out = {}
+    for name, m in model.named_modules():
+        for key, value in vars(m).items():
+            if key in ("_parameters", "_buffers", "_modules") or isinstance(value, torch.Tensor):
+                continue
+            out[(name, key)] = id(value)
+        out[(name, "hooks")] = (len(m._forward_pre_hooks), len(m._forward_hooks))
+    return out
+
+
+def test_tiers_plug_in_at_construction_and_assign_nothing_onto_the_model(model, tmp_path):
+    """The tiers reach the model only through the seams it was built with (`strata.models.seams`):
+    installing the expert tiers, placing the blocks and configuring tiered KV add or replace no
+    attribute of any module of the built model and register no forward hook."""
+    from strata.loader import load_model
+    from strata.models.seams import ExpertLayer, ExpertsProvider, Placement, Seams
+    from strata.tiers.kv_tiers import TieredKV
+    from strata.tiers.ngram_table import open_table
+    from strata.tiers.placement import BlockPlacement, place_blocks
+    from strata.tiers.runtime import TieredProvider, install
+
+    path, ids, ref_logits, ref_tokens, _ = model
+    provider, kv = TieredProvider(), TieredKV("64M", torch.float32)
+    loaded = load_model(path, seams=Seams(provider, kv, open_table, BlockPlacement()))
+    assert isinstance(provider, ExpertsProvider) and isinstance(loaded.model.seams.placement, Placement)
+    experts = [m for m in loaded.model.modules() if isinstance(m, Experts)]
+    assert experts and all(isinstance(m.backend, TieredExperts) and isinstance(m.backend, ExpertLayer)
+                           and m.backend.provider is provider for m in experts)
+    assert set(provider.weights) == {m.layer for m in experts}
+    before = _attributes(loaded.model)
+    options = EngineOptions.from_kwargs(experts_cache="30%", gpu_layers="1", trace_experts=str(tmp_path / "t.npz"))
+    runtime = install(loaded, options)
+    assert place_blocks(loaded.model, runtime.plan, torch.device("cpu")) == [0]
+    kv.configure(loaded.model)
+    assert _attributes(loaded.model) == before
+    with torch.inference_mode():
+        logits = loaded.model(torch.tensor([ids]), loaded.model.new_cache(1))[0]
+    assert (logits - ref_logits).abs().max().item() < 1e-4
+    assert runtime.executor.host_reads > 0  # the tiers served the experts
+    runtime.close()

@@ -67,8 +67,8 @@ class Attention(nn.Module):
         self.rope = rope
 
     def new_cache(self, kv_cache=None):
-        """A `KVCache`, or what the model's KV-cache factory `kv_cache(attention)` makes (the tiers'
-        bounded device pool for --kv-device)."""
+        """A `KVCache`, or what the model's KV-cache factory `kv_cache(attention)` (`Seams.kv_cache`)
+        makes: the tiers' bounded device pool for --kv-device."""
         return kv_cache(self) if kv_cache is not None else KVCache()
 
     def forward(self, x, cache: KVCache, step: StepInfo, rope_cs, tap: Tap = no_tap):
@@ -124,11 +124,8 @@ class SharedExpert(nn.Module):
 
 
 class ResidentExperts:
-    """The plain backend: every expert in memory in its stored type, dequantized per use.
-
-    The tiered runtime swaps this object for one that knows about caches and homes;
-    model code only ever calls `Experts.forward`.
-    """
+    """One layer's experts in memory in their stored type (`seams.Resident` makes these): the
+    grouped product over them, dequantized per use or multiplied from the blocks by the kernels."""
 
     def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
         self.gate, self.up, self.down = gate, up, down
@@ -144,15 +141,18 @@ class ResidentExperts:
 
 
 class Experts(nn.Module):
-    """Stacked experts `[E, out, in]` behind one call: experts(x, ids, weights)."""
+    """Stacked experts `[E, out, in]` behind one call: experts(x, ids, weights).
+
+    The model's `ExpertsProvider` (`strata.models.seams`) receives them at construction and
+    returns what computes them (`backend`): resident, tiered, or spread over ranks."""
 
     def __init__(self, w: WeightLoader, prefix: str, n_experts: int, hidden: int, ffn: int,
-                 layer: int):
+                 layer: int, provider):
         super().__init__()
         self.layer = layer
         self.n_experts = n_experts
-        self.backend = ResidentExperts(
-            w.quantized(f"{prefix}.ffn_gate_exps.weight", (n_experts, ffn, hidden)),
+        self.backend = provider.layer(
+            layer, w.quantized(f"{prefix}.ffn_gate_exps.weight", (n_experts, ffn, hidden)),
             w.quantized(f"{prefix}.ffn_up_exps.weight", (n_experts, ffn, hidden)),
             w.quantized(f"{prefix}.ffn_down_exps.weight", (n_experts, hidden, ffn)))
 

@@ -27,7 +27,7 @@ Another architecture needs three things (qwen4exp does them, with `qwen4exp_mtp.
   * `Config.from_gguf`: n_layers = block_count - `{arch}.nextn_predict_layers` (and
     `gguf_metadata` writing both back), as qwen3next does;
   * `Model.__init__`: `self.mtp = load_mtp(self, w, make_block)`, with `make_block(i)` building
-    block i the architecture's way (the model must have `config`, `rope`, `tok_embd`, `output`
+    block i the architecture's way (the model must have `config`, `seams`, `rope`, `tok_embd`, `output`
     and, unless the head brings its own, `output_norm`), before `w.finish`;
   * `model(tokens, cache, hidden=True)` returning (logits, h) with h every position's hidden
     state as the output head reads it (after the final norm: `DecoderLM.forward` does).
@@ -66,13 +66,11 @@ class MTPHead(nn.Module):
     holding the pair (h_p, x_{p+1}), rolled back like the model's (`ModelCache.rollback`).
     """
 
-    # the KV-cache factory: kv_cache(attention) -> that layer's cache; None makes a `KVCache`.
-    # `strata.tiers.kv_tiers.install` sets the tiered one (--kv-device)
-    kv_cache = None
-
     def __init__(self, config, w: WeightLoader, block: nn.Module, rope: Rope, embed: torch.Tensor,
-                 output: torch.Tensor, output_norm: RMSNorm | None = None):
+                 output: torch.Tensor, output_norm: RMSNorm | None = None, kv_cache=None):
+        """`kv_cache`: the model's KV-cache factory (`Seams.kv_cache`; None makes a `KVCache`)."""
         super().__init__()
+        self.kv_cache = kv_cache
         c = config
         p = f"{mtp_prefix(c)}.nextn"
         hidden = c.hidden_size
@@ -148,4 +146,4 @@ def load_mtp(model: nn.Module, w: WeightLoader, make_block: Callable[[int], nn.M
         model.mtp_skipped = f"incomplete MTP layer {mtp_prefix(c)} (no {', '.join(missing)}); drafting is off"
         return None
     return head(c, w, make_block(c.n_layers), model.rope, model.tok_embd, model.output,
-                getattr(model, "output_norm", None))
+                getattr(model, "output_norm", None), model.seams.kv_cache)

@@ -17,21 +17,22 @@ from strata.models.gated_deltanet import GatedDeltaNet
 from strata.models.layers import Attention, DenseFFN, Experts, RMSNorm, SharedExpert, softmax_topk
 from strata.models.mtp import load_mtp, mtp_prefix
 from strata.models.rope import Rope
+from strata.models.seams import Seams
 from strata.models.transformer import Block, DecoderLM, MoE
 from strata.models.weights import WeightLoader
 
 
 class Model(DecoderLM):
-    def __init__(self, c: Config, w: WeightLoader):
+    def __init__(self, c: Config, w: WeightLoader, seams: Seams = Seams()):
         rope = Rope(c.rope)
-        blocks = [self._block(c, w, i, rope) for i in range(c.n_layers)]
-        super().__init__(c, w, blocks, rope, c.rms_eps)
+        blocks = [self._block(c, w, i, rope, seams) for i in range(c.n_layers)]
+        super().__init__(c, w, blocks, rope, c.rms_eps, seams)
         # the MTP draft head: full attention, like the layer HF builds for it
-        self.mtp = load_mtp(self, w, lambda i: self._block(c, w, i, rope, recurrent=False))
+        self.mtp = load_mtp(self, w, lambda i: self._block(c, w, i, rope, seams, recurrent=False))
         w.finish(ignore=("hf:mtp.",) + ((mtp_prefix(c) + ".",) if self.mtp_skipped else ()))
 
     @staticmethod
-    def _block(c: Config, w: WeightLoader, i: int, rope: Rope, recurrent: bool | None = None) -> Block:
+    def _block(c: Config, w: WeightLoader, i: int, rope: Rope, seams: Seams, recurrent: bool | None = None) -> Block:
         p = f"blk.{i}"
         if c.recurrent[i] if recurrent is None else recurrent:
             mixer = GatedDeltaNet(w, p, c.hidden_size, c.linear_k_heads, c.linear_v_heads, c.linear_k_dim,
@@ -47,7 +48,7 @@ class Model(DecoderLM):
             if w.has(f"{p}.ffn_up_shexp.weight"):
                 shared = SharedExpert(w, p, c.hidden_size, c.shared_ffn_size)
             ffn = MoE(w.dense(f"{p}.ffn_gate_inp.weight", (c.n_experts, c.hidden_size)),
-                      Experts(w, p, c.n_experts, c.hidden_size, c.expert_ffn_size, layer=i),
+                      Experts(w, p, c.n_experts, c.hidden_size, c.expert_ffn_size, layer=i, provider=seams.experts),
                       route=lambda logits: softmax_topk(logits, k, normalize=norm), shared=shared)
         return Block(RMSNorm(w.dense(f"{p}.attn_norm.weight", (c.hidden_size,)), c.rms_eps), mixer,
                      RMSNorm(w.dense(f"{p}.post_attention_norm.weight", (c.hidden_size,)), c.rms_eps), ffn)

@@ -42,6 +42,7 @@ from strata.models.mtp import load_mtp
 from strata.models.qsa import QSAAttention, QSAIndexer
 from strata.models.qwen4exp_mtp import HyperMTPHead
 from strata.models.rope import Rope
+from strata.models.seams import Seams
 from strata.models.transformer import MoE, _prefixed
 from strata.models.weights import WeightLoader
 
@@ -117,7 +118,7 @@ class PLE(nn.Module):
 class Block(nn.Module):
     """[PLE], hyper-connected mixer (Gated DeltaNet or QSA), hyper-connected MoE."""
 
-    def __init__(self, c: Config, w: WeightLoader, i: int, rope: Rope):
+    def __init__(self, c: Config, w: WeightLoader, i: int, rope: Rope, seams: Seams):
         super().__init__()
         p, h = f"blk.{i}", c.hidden_size
         self.attn_hc = HyperConnection(w, f"{p}.hc_attn", h, c.hc_count, c.hc_rank, c.rms_eps)
@@ -135,7 +136,7 @@ class Block(nn.Module):
             self.attn = QSAAttention(w, p, h, c.n_heads, c.n_kv_heads, c.head_dim, rope, c.rms_eps, indexer)
         k, norm = c.n_experts_used, c.norm_topk_prob
         self.ffn = MoE(w.dense(f"{p}.ffn_gate_inp.weight", (c.n_experts, h)),
-                       Experts(w, p, c.n_experts, h, c.expert_ffn_size, layer=i),
+                       Experts(w, p, c.n_experts, h, c.expert_ffn_size, layer=i, provider=seams.experts),
                        route=lambda logits: softmax_topk(logits, k, normalize=norm),
                        shared=SharedExpert(w, p, h, c.shared_ffn_size))
         self.ffn_norm = self.ffn_hc  # hidden state -> MoE input, for the tiers' router prefetch
@@ -163,17 +164,16 @@ class Model(nn.Module):
     `ple_table` (an `NgramTable`) reads the n-gram rows; `ple_table.stats()` reports its reads.
     """
 
-    before_block = None  # set by the tiers, as for `DecoderLM`
-    kv_cache = None  # the KV-cache factory, as for `DecoderLM`
-
-    def __init__(self, c: Config, w: WeightLoader, table_reader=None):
-        """`table_reader(source, hash, row_dim, rows)` opens the n-gram table (the tiers'
+    def __init__(self, c: Config, w: WeightLoader, seams: Seams = Seams()):
+        """`seams` (`strata.models.seams`): the experts provider, KV-cache factory and placement, and
+        `seams.table_reader(source, hash, row_dim, rows)`, which opens the n-gram table (the tiers'
         `open_table`); a model with a PLE layer needs one."""
         super().__init__()
         self.config = c
+        self.seams = seams
         self.tok_embd = w.embedding("token_embd.weight", (c.vocab_size, c.hidden_size))
         self.rope = Rope(c.rope)
-        self.blocks = nn.ModuleList([Block(c, w, i, self.rope) for i in range(c.n_layers)])
+        self.blocks = nn.ModuleList([Block(c, w, i, self.rope, seams) for i in range(c.n_layers)])
         self.output_mixer = HyperConnection(w, "output_hc", c.hidden_size, c.hc_count, c.hc_rank, c.rms_eps,
                                             inject=False)
         self.output = w.linear("output.weight", (c.vocab_size, c.hidden_size)) if w.has("output.weight") \
@@ -182,12 +182,12 @@ class Model(nn.Module):
         self.ple_hash = c.ple_hash
         self.ple_table = None
         if self.ple_layer is not None:
-            if table_reader is None:
+            if seams.table_reader is None:
                 raise ValueError("a qwen4exp model with a PLE layer needs a table_reader")
             check_hash_buffers(w.source, c)
-            self.ple_table = table_reader(w.source, c.ple_hash, c.ple_row_dim, c.ple_rows)
+            self.ple_table = seams.table_reader(w.source, c.ple_hash, c.ple_row_dim, c.ple_rows)
         # the MTP draft head (`qwen4exp_mtp`): block n_layers; a file with only part of it loads without
-        self.mtp = load_mtp(self, w, lambda i: Block(c, w, i, self.rope), head=HyperMTPHead)
+        self.mtp = load_mtp(self, w, lambda i: Block(c, w, i, self.rope, seams), head=HyperMTPHead)
         skipped = () if self.mtp is not None else tuple(f"blk.{c.n_layers + k}." for k in range(c.nextn_layers))
         # llama.cpp's converter writes compress_ratios 0 for "indexed_attention" layers and their indexer
         # tensors too; llama.cpp then attends densely (exact within the budget) and so does Strata
@@ -198,7 +198,7 @@ class Model(nn.Module):
         w.finish(ignore=(TABLE, *skipped, *dense, "hf:mtp.", "hf:model.mtp."))
 
     def new_cache(self, batch: int = 1) -> ModelCache:
-        return ModelCache([b.new_cache(self.kv_cache) for b in self.blocks], batch)
+        return ModelCache([b.new_cache(self.seams.kv_cache) for b in self.blocks], batch)
 
     def _start_ple(self, tokens: torch.Tensor, cache: ModelCache, step: StepInfo):
         """Hash this step's tokens and start reading their rows; the PLE layer waits for them."""
@@ -224,9 +224,9 @@ class Model(nn.Module):
         pending = self._start_ple(tokens, cache, step) if self.ple_layer is not None else None
         x = F.embedding(tokens, self.tok_embd).repeat(1, 1, c.hc_count)  # (B, T, hc * hidden)
         rope_cs = self.rope.cos_sin(step.positions)
+        experts, place = self.seams.experts, self.seams.placement
         for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
-            if self.before_block is not None:
-                self.before_block(i, x, step)
+            experts.begin_block(i, x, step)
             emb = None
             if i == self.ple_layer:
                 reads, real = pending
@@ -236,8 +236,10 @@ class Model(nn.Module):
                 else:
                     emb = x.new_zeros(*tokens.shape, c.ple_embed_dim)
                     emb[real.to(x.device)] = rows
-            x = block(x, layer_cache, step, rope_cs, _prefixed(tap, i), emb)
+            x, block_step, block_cs = place.block_inputs(i, x, step, rope_cs)  # on the block's device
+            x = block(x, layer_cache, block_step, block_cs, _prefixed(tap, i), emb)
             tap(f"l_out-{i}", x)
+        x = place.head_input(x)
         cache.advance(step)
         if hidden:
             h = self.output_mixer(x)

@@ -14,6 +14,7 @@ from strata.models.cache import KVCache, ModelCache, StepInfo
 from strata.models.layers import Attention, RMSNorm, Tap, no_tap
 from strata.models.linear import Linear
 from strata.models.rope import Rope
+from strata.models.seams import Seams
 from strata.models.weights import WeightLoader
 
 
@@ -80,16 +81,13 @@ class Block(nn.Module):
 class DecoderLM(nn.Module):
     """Token embedding, a stack of blocks, final norm and output projection."""
 
-    # before_block(i, x, step): set by the tiers to prefetch block i+1's experts while block i runs
-    before_block = None
-    # the KV-cache factory: kv_cache(attention) -> that layer's cache; None makes a `KVCache`.
-    # `strata.tiers.kv_tiers.install` sets the tiered one (--kv-device)
-    kv_cache = None
-
-    def __init__(self, config, w: WeightLoader, blocks: list[nn.Module], rope: Rope, eps: float):
+    def __init__(self, config, w: WeightLoader, blocks: list[nn.Module], rope: Rope, eps: float, seams: Seams):
+        """`seams`: what the blocks' experts were built with, and the KV-cache factory and placement
+        the forward loop uses (`strata.models.seams`)."""
         super().__init__()
         c = config
         self.config = c
+        self.seams = seams
         self.tok_embd = w.embedding("token_embd.weight", (c.vocab_size, c.hidden_size))
         self.blocks = nn.ModuleList(blocks)
         self.output_norm = RMSNorm(w.dense("output_norm.weight", (c.hidden_size,)), eps)
@@ -100,7 +98,7 @@ class DecoderLM(nn.Module):
         self.rope = rope
 
     def new_cache(self, batch: int = 1) -> ModelCache:
-        return ModelCache([b.new_cache(self.kv_cache) for b in self.blocks], batch)
+        return ModelCache([b.new_cache(self.seams.kv_cache) for b in self.blocks], batch)
 
     def forward(self, tokens: torch.Tensor, cache: ModelCache, n_new: torch.Tensor | None = None,
                 tap: Tap = no_tap, last_only: bool = False, hidden: bool = False):
@@ -112,11 +110,13 @@ class DecoderLM(nn.Module):
         step = cache.step(tokens.shape[1], n_new)
         x = self.tok_embd(tokens)  # (B, T, hidden)
         rope_cs = self.rope.cos_sin(step.positions)
+        experts, place = self.seams.experts, self.seams.placement
         for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
-            if self.before_block is not None:
-                self.before_block(i, x, step)
-            x = block(x, layer_cache, step, rope_cs, _prefixed(tap, i))
+            experts.begin_block(i, x, step)
+            x, block_step, block_cs = place.block_inputs(i, x, step, rope_cs)  # on the block's device
+            x = block(x, layer_cache, block_step, block_cs, _prefixed(tap, i))
             tap(f"l_out-{i}", x)
+        x = place.head_input(x)
         cache.advance(step)
         if hidden:
             h = self.output_norm(x)

@@ -11,12 +11,12 @@ import torch
 
 from strata import kernels
 from strata.errors import BadOption, StrataError
-from strata.loader import load_model
+from strata.loader import load_with_tiers
 from strata.runtime.generate import DecodeBatch, Sequence
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.speculative import DraftStats
 from strata.runtime.text import Response, StopText
-from strata.tiers.options import TierOptions, tiers_requested
+from strata.tiers.options import TierOptions
 
 
 @dataclass(slots=True)
@@ -88,32 +88,15 @@ class Engine:
         if self.options.exact_activations:
             kernels.set_activations("float32")
         t0 = time.perf_counter()
-        loaded = load_model(path, getattr(torch, self.options.dtype), self.options.progress)
+        loaded, self.tiers, self.kv_tier = load_with_tiers(path, self.options)  # the tiers plug in at construction
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.loaded = loaded
-        self.tiers = None
-        if self.options.expert_parallel:
-            from strata.tiers.expert_parallel.rank0 import install as install_parallel
-
-            self.tiers = install_parallel(loaded, self.options)
-            memory = self.tiers.plan.memory  # rank 0's share: its dense weights, experts, context
-        elif tiers_requested(self.options):
-            from strata.tiers.runtime import install
-
-            self.tiers = install(loaded, self.options)
-            memory = self.tiers.plan.memory
-        else:
-            memory = resident_memory(loaded, self.options)
-        self.memory = memory  # the RAM budget's lines (tiers/budget.py)
+        # the RAM budget's lines (tiers/budget.py); under --expert-parallel rank 0's share
+        memory = self.tiers.plan.memory if self.tiers is not None else resident_memory(loaded, self.options)
+        self.memory = memory
         self.ctx_size = memory.ctx_size if memory is not None else (self.options.ctx_size or self.config.context_length)
         if memory is not None and memory.prefill_chunk < self.options.prefill_chunk:
             self.options.prefill_chunk = memory.prefill_chunk  # the scratch a longer chunk needs does not fit
-        self.kv_tier = None
-        if self.options.kv_device_budget is not None:  # after the tiers: they may move attention layers
-            from strata.tiers import kv_tiers
-
-            self.kv_tier = kv_tiers.install(self.model, self.options.kv_device_budget,
-                                            getattr(torch, self.options.dtype))
         # speculative decoding with the model's MTP head (every row of a batch drafts)
         self.drafter = getattr(self.model, "mtp", None)
         if self.options.draft == "on" and self.drafter is None:

@@ -87,8 +87,7 @@ class CpuLane:
             return []
         x, ids, weights = x.cpu(), ids.cpu(), weights.cpu()
         home = self.homes[layer]
-        if hasattr(home, "request"):  # disk: start every read now, several in flight; compute as they land
-            home.request(layer, experts)
+        home.request(layer, experts)  # disk: start every read now, several in flight; compute as they land
         groups = [experts[i::self.threads] for i in range(min(self.threads, len(experts)))]
         return [self.pool.submit(self._run, layer, x, ids, weights, set(g)) for g in groups]
 
@@ -174,10 +173,11 @@ class HybridExecutor:
 
 
 class TieredExperts:
-    """Stands in for `ResidentExperts` inside an `Experts` module: same call, tiered work."""
+    """One MoE layer's face in the model (what `TieredProvider.layer` returns): its calls go to the
+    provider's executor, built once the model is."""
 
-    def __init__(self, executor: HybridExecutor, layer: int):
-        self.executor, self.layer = executor, layer
+    def __init__(self, provider, layer: int):
+        self.provider, self.layer = provider, layer
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.executor.run(self.layer, x, ids, weights)
+        return self.provider.executor.run(self.layer, x, ids, weights)

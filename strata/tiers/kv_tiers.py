@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.errors import BadOption
+from strata.errors import BadOption, StrataError
 from strata.models.cache import StepInfo
 from strata.models.layers import Attention
 from strata.models.qsa import IndexKeys, QSAAttention
@@ -497,23 +497,24 @@ def model_device_bytes(cache) -> int:
 
 
 class TieredKV:
-    """The KV-cache factory of tiered attention (`model.kv_cache`): each attention layer's cache
-    keeps at most `config.budget` bytes on the device."""
+    """The KV-cache factory of tiered attention (`Seams.kv_cache`, --kv-device): each attention
+    layer's cache keeps at most its share of the `text` budget on the device. The model is built
+    with it; `configure(model)` then splits the budget over the model's attention layers (its MTP
+    head's included)."""
 
-    def __init__(self, config: KVTierConfig):
-        self.config = config
+    def __init__(self, text: str, dtype: torch.dtype, block: int | None = None):
+        self.text, self.dtype, self.block = text, dtype, block
+        self.config: KVTierConfig | None = None
+
+    def configure(self, model) -> KVTierConfig:
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.config = layer_configs(self.text, layers, self.dtype, self.block or DEFAULT_BLOCK)
+        return self.config
 
     def __call__(self, attention: Attention) -> TieredKVCache:
+        if self.config is None:
+            raise StrataError("a tiered KV cache was asked for before --kv-device was configured",
+                              "call TieredKV.configure(model) once the model is built")
         if isinstance(attention, QSAAttention):  # keep the most selected blocks resident
             return TieredQSACache(self.config, frequency=attention.indexer is not None)
         return TieredKVCache(self.config)
-
-
-def install(model, text, dtype: torch.dtype, block: int = DEFAULT_BLOCK) -> KVTierConfig:
-    """Make every attention layer of `model` (its MTP head's included) build tiered caches."""
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    config = layer_configs(text, layers, dtype, block)
-    model.kv_cache = TieredKV(config)
-    if getattr(model, "mtp", None) is not None:
-        model.mtp.kv_cache = model.kv_cache
-    return config

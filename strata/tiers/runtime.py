@@ -1,14 +1,17 @@
-"""Wire the tiers into a loaded model: plan, homes, device cache, executor, prefetch, trace.
+"""The tiers behind a model's experts: plan, homes, device cache, executor, prefetch, trace.
 
-`install(loaded, options)` replaces the backend of every `Experts` module and hooks the
-forward loop; model code is untouched and never learns where an expert is.
+The model is built with a `TieredProvider` as its experts provider (`strata.models.seams`): each
+MoE layer hands it its stacked experts and gets a `TieredExperts` face back. `install(loaded,
+options)` then builds the tiers over what the provider received and completes the provider; model
+code never learns where an expert is, and nothing is assigned onto the model.
 """
 
 from __future__ import annotations
 
 import torch
 
-from strata.models.layers import Experts
+from strata.errors import StrataError
+from strata.formats.weights import QTensor
 from strata.tiers import hardware
 from strata.tiers.device_cache import Copier, DeviceCache, SlotMemory
 from strata.tiers.executor import CpuLane, HybridExecutor, TieredExperts
@@ -31,8 +34,8 @@ class TierRuntime:
         self.decode_width = decode_width  # the widest forward that is still decode (a verify pass)
         self.closed = False
 
-    def before_block(self, block: int, x: torch.Tensor, step) -> None:
-        """Called by the forward loop before each block: step bookkeeping, then prefetch."""
+    def begin_block(self, block: int, x: torch.Tensor, step) -> None:
+        """Before each block of a forward: step bookkeeping, then prefetch."""
         if block == 0:
             self.executor.prefill = step.width > self.decode_width
             self.executor.positions = step.positions[step.token_mask]
@@ -59,8 +62,7 @@ class TierRuntime:
         if self.cache is not None:
             self.cache.copier.close()
         for home in _unique(self.homes.values()):
-            if hasattr(home, "close"):
-                home.close()  # the disk readers, before the file closes
+            home.close()  # the disk readers, before the file closes
         path = None
         if self.trace_path and self.executor.tracer is not None:
             path = str(self.executor.tracer.save(self.trace_path))
@@ -76,19 +78,47 @@ def _unique(items):
     return list(seen.values())
 
 
+class TieredProvider:
+    """The tiers' `ExpertsProvider`: records each MoE layer's stacked experts as the model is built
+    and answers with a `TieredExperts` face; `install` then builds the executor they call."""
+
+    def __init__(self):
+        self.weights: dict[int, tuple[QTensor, QTensor, QTensor]] = {}  # layer -> (gate, up, down)
+        self.runtime: TierRuntime | None = None
+
+    def layer(self, index: int, gate: QTensor, up: QTensor, down: QTensor) -> TieredExperts:
+        self.weights[index] = (gate, up, down)
+        return TieredExperts(self, index)
+
+    @property
+    def executor(self) -> HybridExecutor:
+        if self.runtime is None:
+            raise StrataError("the tiered experts ran before the tiers were installed",
+                              "call strata.tiers.runtime.install(loaded, options) after building the model")
+        return self.runtime.executor
+
+    def begin_block(self, index: int, x: torch.Tensor, step) -> None:
+        if self.runtime is not None:
+            self.runtime.begin_block(index, x, step)
+
+
 def install(loaded, options) -> TierRuntime:
-    """Build the tiers for `loaded` (a LoadedModel) under `options` and hook them in."""
+    """Build the tiers for `loaded` (a LoadedModel built with a `TieredProvider` and, for the device,
+    a `BlockPlacement`) under `options`, and complete its provider."""
+    provider = loaded.model.seams.experts
+    if not isinstance(provider, TieredProvider):
+        raise StrataError("the model was built without the tiers' experts provider",
+                          "build it with Seams(experts=TieredProvider()) (strata.loader.load_with_tiers does)")
     device = hardware.device_info()
     plan = make_plan(loaded.source, loaded.config, options, device)
     if device.is_cuda:  # the plan's dense weights dequantized once here, the others kept as blocks
         floats = {n: getattr(torch, form) for n, form in plan.dense_forms.items() if form != "blocks"}
         place_blocks(loaded.model, plan, device.torch_device, floats)
-    modules = {m.layer: m for m in loaded.model.modules() if isinstance(m, Experts)}
-    formats = _formats(modules, plan, loaded.source)
-    n_experts = max((m.n_experts for m in modules.values()), default=1)
-    reader = FileReader(loaded.source.file.path) if hasattr(loaded.source, "file") and modules else None
+    sources = provider.weights
+    formats = _formats(sources, plan, loaded.source)
+    n_experts = max((g.shape[0] for g, _, _ in sources.values()), default=1)
+    reader = FileReader(loaded.source.file.path) if hasattr(loaded.source, "file") and sources else None
     n = {layer.layer: layer.n_experts for layer in plan.experts}
-    sources = {i: (m.backend.gate, m.backend.up, m.backend.down) for i, m in modules.items()}
     # pageable: the cache copies through bounded pinned staging
     homes = build_homes(plan, formats, reader, device, lambda fmts, kind: RamHome(fmts, n, reader, sources))
     cache = build_cache(plan, options, homes, formats, n_experts, device)
@@ -96,14 +126,11 @@ def install(loaded, options) -> TierRuntime:
                            {i: f.nbytes for i, f in formats.items()}) if options.trace_experts else None
     lane = CpuLane(getattr(options, "cpu_threads", 0) or 1, homes, formats)
     executor = HybridExecutor(homes, formats, cache, lane, TierStats(), n_experts, device.torch_device, tracer)
-    for layer, m in modules.items():
-        m.backend = TieredExperts(executor, layer)
-    prefetcher = _prefetcher(loaded.model, options, cache, executor, formats, plan) if modules else None
+    prefetcher = _prefetcher(loaded.model, options, cache, executor, formats, plan) if sources else None
     executor.prefetcher = prefetcher
-    runtime = TierRuntime(plan, homes, executor, prefetcher, cache, reader, options.trace_experts,
-                          _decode_width(loaded.model, options))
-    loaded.model.before_block = runtime.before_block
-    return runtime
+    provider.runtime = TierRuntime(plan, homes, executor, prefetcher, cache, reader, options.trace_experts,
+                                   _decode_width(loaded.model, options))
+    return provider.runtime
 
 
 def _decode_width(model, options) -> int:
@@ -114,13 +141,13 @@ def _decode_width(model, options) -> int:
     return 1 + (getattr(options, "draft_tokens", 0) if drafts else 0)
 
 
-def _formats(modules, plan: Plan, source) -> dict:
+def _formats(sources, plan: Plan, source) -> dict:
+    """layer -> ExpertFormat, from the layer's stacked (gate, up, down) as the model was built."""
     files = getattr(getattr(source, "file", None), "tensors", None)
     out = {}
     for layer in plan.experts:
-        b = modules[layer.layer].backend
         offsets = tuple(files[n].offset for n in layer.names) if files else None
-        out[layer.layer] = expert_format((b.gate, b.up, b.down), offsets)
+        out[layer.layer] = expert_format(sources[layer.layer], offsets)
     return out
 
 

@@ -145,7 +145,22 @@ def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
         done += got
 
 
-class RamHome:
+class Home:
+    """Where a layer's experts live: `parts(layer, e)` gives expert e's (gate, up, down) bytes."""
+
+    kind = "ram"
+
+    def parts(self, layer: int, e: int) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def request(self, layer: int, experts, ahead: bool = False) -> None:
+        """Start reading these experts (a home in memory has them already: nothing to do)."""
+
+    def close(self) -> None:
+        """Stop any reader threads (none for a home in memory)."""
+
+
+class RamHome(Home):
     """Every expert in anonymous (page-locked with CUDA) memory, read once at start."""
 
     kind = "ram"
@@ -180,7 +195,7 @@ class RamHome:
         return {"home": self.kind, "bytes": sum(t.numel() for ts in self.data.values() for t in ts)}
 
 
-class DiskHome:
+class DiskHome(Home):
     """Experts read from the file on demand into a RAM cache of `capacity` bytes (LRU).
 
     Reads run on a pool of `readers` threads, so a layer's missing experts (and the next layer's

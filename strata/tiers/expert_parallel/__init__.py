@@ -8,7 +8,7 @@ with its own hybrid executor, and the partial outputs are summed back on rank 0.
 share     which rank holds which experts (bytes, and expected load from a trace); the shard's view
 shard     one rank's experts in its own homes, cache and executor
 link      the process group, the per-layer exchange (broadcast/reduce or all-to-all), its counters
-rank0     the engine side: the `Experts` backends that hand each layer to the ranks
+rank0     the engine side: the experts provider (`ParallelProvider`) whose layers go to the ranks
 worker    the loop non-zero ranks run until rank 0 says stop
 cli       the flags, the rank split for `strata run` / `strata serve`, `strata plan`'s per-rank lines
 """

@@ -1,4 +1,4 @@
-"""Rank 0's side: its own share in its tiers, and `Experts` backends that hand each layer to the ranks."""
+"""Rank 0's side: its own share in its tiers, and the experts provider whose layers go to the ranks."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import atexit
 
 import torch
 
+from strata.errors import StrataError
 from strata.tiers.expert_parallel.link import Link, join
 from strata.tiers.expert_parallel.share import partition
 from strata.tiers.expert_parallel.shard import Shard
@@ -13,15 +14,33 @@ from strata.tiers.expert_parallel.worker import handshake
 
 
 class ShardedExperts:
-    """Stands in for `ResidentExperts` inside an `Experts` module: the layer's experts across ranks."""
+    """One MoE layer's face in the model (what `ParallelProvider.layer` returns): its experts across
+    the ranks, once `install` has joined them."""
 
-    def __init__(self, runtime: "ParallelRuntime", layer: int):
-        self.runtime, self.layer = runtime, layer
+    def __init__(self, provider: "ParallelProvider", layer: int):
+        self.provider, self.layer = provider, layer
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        rt = self.runtime
+        rt = self.provider.runtime
+        if rt is None:
+            raise StrataError("the expert-parallel experts ran before the ranks were joined",
+                              "call strata.tiers.expert_parallel.rank0.install(loaded, options) first")
         return rt.link.run_layer(self.layer, x, ids, weights, rt.prefill,
                                  lambda x, ids, w: rt.shard.run(self.layer, x, ids, w))
+
+
+class ParallelProvider:
+    """The `ExpertsProvider` of rank 0 under --expert-parallel (`strata.models.seams`)."""
+
+    def __init__(self):
+        self.runtime: ParallelRuntime | None = None
+
+    def layer(self, index: int, gate, up, down) -> ShardedExperts:
+        return ShardedExperts(self, index)  # the shards read their experts from the file themselves
+
+    def begin_block(self, index: int, x: torch.Tensor, step) -> None:
+        if self.runtime is not None:
+            self.runtime.begin_block(index, x, step)
 
 
 class ParallelRuntime:
@@ -44,7 +63,7 @@ class ParallelRuntime:
         """Why the job can no longer serve (a rank died or went silent), or None."""
         return str(self.link.broken) if self.link.broken is not None else None
 
-    def before_block(self, block: int, x: torch.Tensor, step) -> None:
+    def begin_block(self, block: int, x: torch.Tensor, step) -> None:
         if block == 0:
             self.prefill = step.width > self.decode_width
             self.shard.executor.prefill = self.prefill
@@ -68,11 +87,16 @@ class ParallelRuntime:
 
 
 def install(loaded, options) -> ParallelRuntime:
-    """Rank 0: join the group, load its share, wait for every rank's, hook the model's MoE layers."""
+    """Rank 0: join the group, load its share, wait for every rank's, then complete the provider the
+    model was built with (`ParallelProvider`; a `BlockPlacement` for the device)."""
     import torch.distributed as dist
 
-    from strata.models.layers import Experts
     from strata.tiers.runtime import _decode_width
+
+    provider = loaded.model.seams.experts
+    if not isinstance(provider, ParallelProvider):
+        raise StrataError("the model was built without the expert-parallel experts provider",
+                          "build it with Seams(experts=ParallelProvider()) (strata.loader.load_with_tiers does)")
 
     rank, world = join(options.dist_timeout)
     if rank != 0:  # the CLI sends other ranks to the worker loop before loading a model
@@ -94,9 +118,6 @@ def install(loaded, options) -> ParallelRuntime:
         raise network_error(e, options.dist_timeout, "a rank") from None
     link = Link(shares, options.ep_comm, options.dist_timeout)
     runtime = ParallelRuntime(shard, link, shares, _decode_width(loaded.model, options))
-    for m in loaded.model.modules():
-        if isinstance(m, Experts):
-            m.backend = ShardedExperts(runtime, m.layer)
-    loaded.model.before_block = runtime.before_block
+    provider.runtime = runtime
     atexit.register(runtime.close)
     return runtime

@@ -17,10 +17,10 @@ from strata.tiers.plan import make_plan, summary
 from strata.tiers.runtime import build_cache, build_homes
 from strata.tiers.expert_parallel.share import ShardSource, expert_tensors
 from strata.tiers.stats import TierStats
-from strata.tiers.store import DiskHome, ExpertFormat, FileReader, Part
+from strata.tiers.store import DiskHome, ExpertFormat, FileReader, Home, Part
 
 
-class ShardRamHome:
+class ShardRamHome(Home):
     """A share's experts in anonymous RAM (page-locked with CUDA), read once at start, by global id."""
 
     kind = "ram"
