@@ -12,7 +12,8 @@ that one layer used keys (and how many of the step's tokens each served); `place
   token-routings (relative to the mean share). A batched step or a prefill chunk counts each
   expert by the tokens it served, not once, so a long prompt teaches the frequencies that a
   batch of decode steps would. The table is read as non-decreasing in that share (a sparse
-  cell may not rank a rarer expert above a commoner one at the same lag). It evicts the least likely expert and copies a miss in only when the
+  cell may not rank a rarer expert above a commoner one at the same lag), and a key's share
+  starts from SHARE_PRIOR runs at the mean (two lucky runs do not make it the hottest). It evicts the least likely expert and copies a miss in only when the
   miss is likelier than that victim, so a one-off expert stays on the CPU. Real routing
   differs in what predicts reuse (Mixtral's is close to memoryless, batched Qwen1.5-MoE's
   is all frequency); the table learns which, instead of a fixed blend of the two.
@@ -46,6 +47,7 @@ LAG_EDGES = np.array([1, 2, 3, 4, 7, 13, 25])
 SHARE_EDGES = np.array([0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 6.0, 16.0, 64.0, 256.0])
 HORIZON = 2  # the table's target: the key is used within this many runs of its layer
 PRIOR = 2.0  # pseudo-observations at the layer's mean share, so an empty cell starts at the mean
+SHARE_PRIOR = 2.0  # pseudo-runs at the mean share (1 / E) in a key's own share, so two runs cannot make it top
 TIE = 1e-3  # weight of the frequency share inside one cell: equal cells evict the rarer key
 
 Placement = tuple[list[tuple[int, int | None]], list[int]]  # (admitted (key, victim)), rejected
@@ -231,7 +233,7 @@ class Adaptive(Packed):
         never = self.last[keys] < 0
         lag = np.searchsorted(LAG_EDGES, runs - self.last[keys], side="right")
         lag = np.where(never, len(LAG_EDGES) + 1, lag)
-        share = self.routed[keys] / np.maximum(runs, 1)  # of the layer's token-routings; the mean is 1 / E
+        share = (self.routed[keys] + SHARE_PRIOR / self.n_experts) / (runs + SHARE_PRIOR)  # of the layer's token-routings
         return lag, np.searchsorted(SHARE_EDGES, share * self.n_experts, side="right"), self.mean_share[layer], share
 
     def estimate(self, keys: np.ndarray, seen=None, used=None) -> np.ndarray:
