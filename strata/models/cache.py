@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from strata.kernels.gpu.graphs import boundary
+
 
 _HOST = torch.device("cpu")
 
@@ -98,6 +100,7 @@ class KVCache:
         self.v.scatter_(2, idx.expand(b, h, t, v.shape[-1]), v)
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    @boundary  # a length that grows every step: compiled decode steps attend eagerly (kernels/gpu/graphs.py)
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInfo,
                allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Write this step's `(B, H, T, D)` keys/values, then attend `q` `(B, Hq, T, D)` to every key

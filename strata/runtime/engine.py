@@ -10,6 +10,7 @@ from typing import Iterator
 import torch
 
 from strata import kernels
+from strata.kernels.gpu import graphs
 from strata.errors import BadOption, StrataError
 from strata.loader import load_with_tiers
 from strata.runtime.generate import DecodeBatch, Sequence
@@ -34,6 +35,7 @@ class EngineOptions(TierOptions):  # tier options (placement, expert cache, trac
     ep_trace: str | None = None  # balance the shards by this routing trace's expert use
     dist_timeout: float = 120.0  # seconds a rank may take to join or answer
     ep_comm: str = "broadcast"  # broadcast | alltoall: how a layer's tokens reach the ranks
+    cuda_graphs: str = "auto"  # auto (on when the blocks run on CUDA) | on | off: decode steps' dense segments
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineOptions":
@@ -52,9 +54,17 @@ class EngineOptions(TierOptions):  # tier options (placement, expert cache, trac
             from strata.tiers.sizes import parse_size
 
             parse_size(opts.kv_device_budget, "--kv-device")
+        if opts.cuda_graphs not in ("auto", "on", "off"):
+            raise BadOption(f"--cuda-graphs {opts.cuda_graphs!r} is not one of auto, on, off")
         if not 1 <= opts.draft_tokens <= 16:
             raise BadOption(f"--draft-tokens must be in 1..16, not {opts.draft_tokens}")
         return opts
+
+
+def _device() -> torch.device:
+    from strata.tiers import hardware
+
+    return hardware.device_info().torch_device
 
 
 def resident_memory(loaded, options):
@@ -97,6 +107,8 @@ class Engine:
         self.ctx_size = memory.ctx_size if memory is not None else (self.options.ctx_size or self.config.context_length)
         if memory is not None and memory.prefill_chunk < self.options.prefill_chunk:
             self.options.prefill_chunk = memory.prefill_chunk  # the scratch a longer chunk needs does not fit
+        # after every placement: the dense segments of a decode step as CUDA graphs (kernels/gpu/graphs.py)
+        self.cuda_graphs = graphs.enable(self.model, _device(), self.options.cuda_graphs)
         # speculative decoding with the model's MTP head (every row of a batch drafts)
         self.drafter = getattr(self.model, "mtp", None)
         if self.options.draft == "on" and self.drafter is None:

@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-device", metavar="SIZE", default=None,
                    help="tier the attention KV: at most SIZE (e.g. 64M) of KV blocks on the device, "
                         "the rest in host RAM")
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="capture a decode step's dense segments (between its routing reads and attention) "
+                        "as CUDA graphs (auto: when the blocks run on CUDA)")
     add_tier_args(p)
     add_parallel_args(p)
 
@@ -36,6 +39,7 @@ def engine_options(args) -> dict:
                 cpu_threads=args.cpu_threads, exact_activations=args.exact_activations,
                 dtype=args.dtype, draft=args.draft,
                 draft_tokens=args.draft_tokens, kv_device_budget=getattr(args, "kv_device", None),
+                cuda_graphs=getattr(args, "cuda_graphs", "auto"),
                 **tier_options(args), **parallel_options(args))
 
 

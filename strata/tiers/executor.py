@@ -16,6 +16,7 @@ from itertools import chain
 import torch
 
 from strata.kernels import moe
+from strata.kernels.gpu.graphs import boundary
 from strata.kernels.grouped import route_table
 from strata.tiers.device_cache import DeviceCache
 from strata.tiers.stats import TierStats
@@ -124,6 +125,7 @@ class HybridExecutor:
         self.host_reads = 0
         self.prefetcher = None  # its next-layer prediction, when on the device, rides on the read
 
+    @boundary  # the routing read: compiled decode steps break their graph here (kernels/gpu/graphs.py)
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             experts: set[int] | None = None) -> torch.Tensor:
         """The layer's output over the routed experts (only those in `experts`, when given: a shard)."""

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.errors import BadOption, StrataError
+from strata.kernels.gpu.graphs import boundary
 from strata.models.cache import StepInfo
 from strata.models.layers import Attention
 from strata.models.qsa import IndexKeys, QSAAttention
@@ -264,6 +265,7 @@ class TieredKVCache:
         row.pool_pos = pos.view(-1).to(self.pool_k.device)
 
     # ---- attention -----------------------------------------------------------------------------
+    @boundary  # host bookkeeping of resident blocks: eager between compiled segments
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepInfo,
                allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Write this step's `(B, H, T, D)` keys/values, then attend `q` `(B, Hq, T, D)` to each row's

@@ -12,6 +12,7 @@ import torch
 
 from strata.errors import StrataError
 from strata.formats.weights import QTensor
+from strata.kernels.gpu.graphs import boundary
 from strata.tiers import hardware
 from strata.tiers.device_cache import Copier, DeviceCache, SlotMemory
 from strata.tiers.executor import CpuLane, HybridExecutor, TieredExperts
@@ -34,6 +35,7 @@ class TierRuntime:
         self.decode_width = decode_width  # the widest forward that is still decode (a verify pass)
         self.closed = False
 
+    @boundary  # host bookkeeping: eager between compiled segments
     def begin_block(self, block: int, x: torch.Tensor, step) -> None:
         """Before each block of a forward: step bookkeeping, then prefetch."""
         if block == 0:
