@@ -106,6 +106,9 @@ def test_plan_chooses_blocks_or_floats_per_dense_weight_and_placement_follows(tm
 
 
 def strata_load(path):
-    import strata
+    """The model with a `BlockPlacement` seam, as the tiers build it, so `place_blocks` can move it."""
+    from strata.loader import load_model
+    from strata.models.seams import Seams
+    from strata.tiers.placement import BlockPlacement
 
-    return strata.load(path, dtype="bfloat16")
+    return load_model(path, torch.bfloat16, seams=Seams(placement=BlockPlacement()))
