@@ -153,3 +153,19 @@ def test_concurrent_served_greedy_text_with_drafts_equals_without():
     assert f"strata_draft_accepted_tokens_total {d['accepted']}" in metrics["on"].splitlines()
     assert "strata_draft_" not in metrics["off"]
     assert stats["on"]["decode_steps"] < stats["off"]["decode_steps"]  # accepted drafts saved steps
+
+
+def test_batch_rows_with_limits_inside_rounds_stay_exact(checkpoint):  # noqa: F811
+    """Rows of one drafting batch with different limits: each row drafts k_r <= k (fewer near its
+    end), the verify pass right-pads them, and each keeps its own prefix."""
+    *_, paths = checkpoint
+    engine = strata.load(paths["gguf"], draft="on", draft_tokens=3)
+    limits = [1, 3, 7, N_OUT]
+    with Scheduler(engine, max_concurrent=4) as sched:
+        reqs = [sched.submit(ids, n, ignore_eos=True) for ids in PROMPTS for n in limits]
+        for r in reqs:
+            r.text()
+        d = sched.stats()["draft"]
+    for r, (ids, n) in zip(reqs, [(ids, n) for ids in PROMPTS for n in limits]):
+        assert r.token_ids == _plain(paths["gguf"], tuple(ids), N_OUT)[:n] and r.finish_reason == "length"
+    assert d["passes"] < d["rounds"] and d["drafted"] > 0

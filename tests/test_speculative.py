@@ -534,6 +534,19 @@ def test_qwen4exp_greedy_draft_on_equals_draft_off(q4, head):
         assert accepted > 0  # both paths ran with the real head
 
 
+def test_qwen4exp_batch_drafts_equal_each_prompt_alone(q4):
+    """Every row of a batch drafts (the copying head keeps some drafts): the per-row rollback of
+    the n-gram context, PLE conv window, DeltaNet states and QSA caches keeps each row exact."""
+    *_, copy_paths = q4
+    path = copy_paths["gguf"]
+    engine = _engine(path)
+    engine.options.draft_tokens = 2
+    prompts = q4_prompts() + [eos_prompt(13, seed=23)]
+    assert engine.generate(prompts, N_OUT, stop_at_eos=False) == [_plain(path, tuple(p), N_OUT) for p in prompts]
+    d = engine.stats["draft"]
+    assert d["passes"] < d["rounds"] and 0 < d["accepted"] < d["drafted"]
+
+
 def test_qwen4exp_caches_after_speculation_equal_plain_run(q4):
     """Rejections at every draft position, then the n-gram context, the PLE conv window, the GDN
     states and the QSA caches are those of plain decoding."""

@@ -59,6 +59,9 @@ def prefill(model, prompts: list[list[int]], cache: ModelCache, chunk: int = 819
                 if n > 0:
                     pending[row] = hidden[row:row + 1, n - 1:n]
         last = logits if last is None else torch.where((n_new > 0)[:, None], logits, last)
+    if head is not None and width == 1:  # no pair to read; one padded position (n_new 0, nothing
+        # kept) so the head's caches hold these rows when they join a batch (`ModelCache.extend`)
+        head(tokens, hidden, head_cache, n_new=torch.zeros(len(prompts), dtype=torch.long), last_only=True)
     return last if head is None else (last, pending)
 
 
