@@ -24,7 +24,7 @@ import argparse
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import fields, replace
 from pathlib import Path
 
 import gguf
@@ -35,6 +35,9 @@ from gguf import GGMLQuantizationType as T
 from strata import quant
 from strata.argparser import ArgumentParser
 from strata.errors import BadOption, UnsupportedQuantType
+from strata.formats import qwen3moe, qwen3next, qwen4exp
+from strata.formats.hparams import RopeConfig
+from strata.formats.ngram_hash import NgramHash, head_vocab_sizes, layer_multipliers, padded_rows
 
 WEIGHT_RMS = 0.02
 
@@ -116,69 +119,49 @@ def random_f16(rng: np.random.Generator, n: int, rms: float = WEIGHT_RMS) -> np.
 # ----------------------------------------------------------------------------- models
 
 
-@dataclass(frozen=True)
-class Like:
-    """A real model's shapes (Hugging Face config names in comments)."""
-
-    arch: str
-    vocab: int
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int  # intermediate_size (dense MLP width; unused when every layer is MoE)
-    expert_ffn: int  # moe_intermediate_size
-    experts: int
-    experts_used: int
-    rope_theta: float
-    context: int
-    rms_eps: float = 1e-6
-    # qwen3next only
-    shared_ffn: int = 0  # shared_expert_intermediate_size
-    rope_dim: int = 0  # rotated dims per head (partial_rotary_factor * head_dim); 0 = head_dim
-    full_attention_interval: int = 0
-    linear_k_heads: int = 0
-    linear_v_heads: int = 0
-    linear_k_dim: int = 0
-    linear_v_dim: int = 0
-    conv_kernel: int = 0
-    # qwen4exp only
-    hc_count: int = 0  # hyper-connection streams
-    hc_rank: int = 0
-    indexer_heads: int = 0
-    indexer_dim: int = 0
-    indexer_budget: int = 0  # tokens
-    compress_ratio: int = 0  # tokens per QSA block
-    ngram_size: int = 0
-    heads_per_ngram: int = 0
-    ple_row_dim: int = 0  # values per n-gram table row
-    ple_layer: int = 0  # 0-based
-    ngram_rows: int = 0  # the real table's rows
+def _hash(ngram_size: int, heads_per_ngram: int, vocab: int, base: int) -> NgramHash:
+    """transformers' n-gram hash: head h hashes into the h-th prime from `base`."""
+    heads = (ngram_size - 1) * heads_per_ngram
+    sizes = head_vocab_sizes(base, heads, 0)
+    return NgramHash(ngram_size, heads_per_ngram, tuple(layer_multipliers(vocab, ngram_size, 0, 1234)), tuple(sizes),
+                     tuple(sum(sizes[:k]) for k in range(heads)), eos=vocab - 1)
 
 
+def _every_fourth_attention(n: int) -> tuple[bool, ...]:
+    """3 Gated DeltaNet layers, then 1 attention layer (full_attention_interval 4)."""
+    return tuple((i + 1) % 4 != 0 for i in range(n))
+
+
+# The real models, each in its own architecture's Config (strata/formats/<arch>.py); `scaled` makes
+# the file's config from one: fewer layers, a smaller vocabulary or fewer experts, the same widths.
 LIKE = {
     # Qwen/Qwen3-30B-A3B config.json
-    "qwen3-30b-a3b": Like(arch="qwen3moe", vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4,
-                          head_dim=128, ffn=6144, expert_ffn=768, experts=128, experts_used=8,
-                          rope_theta=1_000_000.0, context=40960),
+    "qwen3-30b-a3b": qwen3moe.Config(
+        vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, ffn_size=6144,
+        expert_ffn_size=768, n_experts=128, n_experts_used=8, norm_topk_prob=True, rms_eps=1e-6,
+        rope=RopeConfig(dim=128, theta=1_000_000.0), context_length=40960),
     # Qwen/Qwen3-Next-80B-A3B-Instruct config.json: 3 Gated DeltaNet layers, then 1 gated attention
-    "qwen3-next-80b": Like(arch="qwen3next", vocab=151936, hidden=2048, layers=48, heads=16, kv_heads=2,
-                           head_dim=256, ffn=5120, expert_ffn=512, experts=512, experts_used=10,
-                           rope_theta=10_000_000.0, context=262144, shared_ffn=512, rope_dim=64,
-                           full_attention_interval=4, linear_k_heads=16, linear_v_heads=32,
-                           linear_k_dim=128, linear_v_dim=128, conv_kernel=4),
+    "qwen3-next-80b": qwen3next.Config(
+        vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=16, n_kv_heads=2, head_dim=256, ffn_size=5120,
+        expert_ffn_size=512, shared_ffn_size=512, n_experts=512, n_experts_used=10, norm_topk_prob=True,
+        rms_eps=1e-6, rope=RopeConfig(dim=64, theta=10_000_000.0), context_length=262144,
+        recurrent=_every_fourth_attention(48), conv_kernel=4, linear_k_heads=16, linear_v_heads=32,
+        linear_k_dim=128, linear_v_dim=128),
     # Qwen3.8-Flash-Next (HF qwen4_exp; the flagship issue's reference facts): 3 Gated DeltaNet
-    # layers, then 1 QSA layer; 4 hyper-connection streams; an n-gram table on layer 1
-    "qwen4exp": Like(arch="qwen4exp", vocab=248320, hidden=2560, layers=48, heads=24, kv_heads=2,
-                     head_dim=256, ffn=0, expert_ffn=640, experts=512, experts_used=10,
-                     rope_theta=10_000_000.0, context=262144, shared_ffn=640, rope_dim=64,
-                     full_attention_interval=4, linear_k_heads=16, linear_v_heads=48,
-                     linear_k_dim=128, linear_v_dim=128, conv_kernel=4, hc_count=4, hc_rank=320,
-                     indexer_heads=4, indexer_dim=128, indexer_budget=2048, compress_ratio=4,
-                     ngram_size=3, heads_per_ngram=8, ple_row_dim=160, ple_layer=1,
-                     ngram_rows=320_001_536),
+    # layers, then 1 QSA layer; 4 hyper-connection streams; an n-gram table on layer 1 of
+    # 320,001,536 rows (`ple_rows`) of 160 values, hashed by 3-grams with 8 heads per n-gram order
+    # (the moduli here are placeholders: `ngram_hash` sizes them to the table a file holds)
+    "qwen4exp": qwen4exp.Config(
+        vocab_size=248320, hidden_size=2560, n_layers=48, n_heads=24, n_kv_heads=2, head_dim=256,
+        expert_ffn_size=640, shared_ffn_size=640, n_experts=512, n_experts_used=10, norm_topk_prob=True,
+        rms_eps=1e-6, rope=RopeConfig(dim=64, theta=10_000_000.0), rope_sections=(11, 11, 10, 0),
+        context_length=262144, recurrent=_every_fourth_attention(48), conv_kernel=4, linear_k_heads=16,
+        linear_v_heads=48, linear_k_dim=128, linear_v_dim=128, gate_act="sigmoid", hc_count=4, hc_rank=320,
+        indexer_heads=4, indexer_dim=128, indexer_budget=2048,
+        compress_ratios=tuple(0 if r else 4 for r in _every_fourth_attention(48)), ple_layers=(1,),
+        ple_conv_kernel=4, ple_row_dim=160, ple_hash=_hash(3, 8, 248320, 2), ple_rows=320_001_536),
 }
+FORMATS = {qwen3moe.Config: qwen3moe, qwen3next.Config: qwen3next, qwen4exp.Config: qwen4exp}
 SMALL_NGRAM_ROWS = 65536  # the default table: 16 heads of ~4K rows (5.6 MiB at Q4_0)
 
 # --quant name -> (ggml file_type id, chooser(kind, layer, n_layers) -> type)
@@ -224,13 +207,40 @@ def _fits(qtype: T, shape) -> T:
     return _FALLBACK.get(qtype, T.F16)
 
 
-def tensor_plan(like: Like, n_layers: int, vocab: int, quant_name: str, experts: int | None = None,
+def scaled(like, n_layers: int, vocab: int, experts: int | None = None, ngram_rows: int | None = None):
+    """The file's config: `like` (a real model's Config, from LIKE) with `n_layers` layers (its layer
+    pattern continued), `vocab` tokens and `experts` experts (default: the model's), and for an
+    n-gram table the largest hash of at most `ngram_rows` rows (default SMALL_NGRAM_ROWS)."""
+    E = experts or like.n_experts
+    names = {f.name for f in fields(like)}
+    change = dict(vocab_size=vocab, n_layers=n_layers, n_experts=E, n_experts_used=min(like.n_experts_used, E))
+    for per_layer in ("recurrent", "compress_ratios"):
+        if per_layer in names:
+            pattern = getattr(like, per_layer)
+            change[per_layer] = tuple(pattern[i % len(pattern)] for i in range(n_layers))
+    if "ple_layers" in names:
+        ple = tuple(i for i in like.ple_layers if i < n_layers)
+        change.update(ple_layers=ple, ple_row_dim=like.ple_row_dim if ple else 0, ple_rows=None,
+                      ple_hash=ngram_hash(like, vocab, ngram_rows) if ple else None)
+    return replace(like, **change)
+
+
+def full_attention_interval(like) -> int:
+    """The real model's: layer i is full attention when (i + 1) % interval == 0."""
+    return next(i + 1 for i, r in enumerate(like.recurrent) if not r)
+
+
+def tensor_plan(like, n_layers: int, vocab: int, quant_name: str, experts: int | None = None,
                 ngram_rows: int | None = None):
-    """[(name, torch-order shape, ggml type, kind)] in file order, as llama.cpp names them."""
-    if like.arch == "qwen4exp":
-        return _qwen4exp_plan(like, n_layers, vocab, quant_name, experts, ngram_rows)
+    """[(name, torch-order shape, ggml type, kind)] in file order, as llama.cpp names them, for
+    `scaled(like, n_layers, vocab, experts, ngram_rows)`."""
+    c = scaled(like, n_layers, vocab, experts, ngram_rows)
+    if isinstance(c, qwen4exp.Config):
+        return _qwen4exp_plan(c, quant_name)
     choose = QUANTS[quant_name][1]
-    h, E, f = like.hidden, experts or like.experts, like.expert_ffn
+    next_ = isinstance(c, qwen3next.Config)
+    h, E, f = c.hidden_size, c.n_experts, c.expert_ffn_size
+    shared = c.shared_ffn_size if next_ else 0
     plan = [("token_embd.weight", (vocab, h), choose("token_embd", 0, n_layers), "token_embd")]
 
     def add(i, name, shape, kind):
@@ -239,47 +249,47 @@ def tensor_plan(like: Like, n_layers: int, vocab: int, quant_name: str, experts:
 
     for i in range(n_layers):
         add(i, "attn_norm.weight", (h,), "norm")
-        if like.arch == "qwen3next" and (i + 1) % like.full_attention_interval:  # Gated DeltaNet
-            kd, vd = like.linear_k_heads * like.linear_k_dim, like.linear_v_heads * like.linear_v_dim
+        if next_ and c.recurrent[i]:  # Gated DeltaNet
+            kd, vd = c.linear_k_heads * c.linear_k_dim, c.linear_v_heads * c.linear_v_dim
             conv = 2 * kd + vd
             add(i, "ssm_in.weight", (conv + vd, h), "ssm_in")  # HF's in_proj_qkvz, llama.cpp's legacy form
-            add(i, "ssm_ba.weight", (2 * like.linear_v_heads, h), "ssm_ba")
-            add(i, "ssm_conv1d.weight", (conv, like.conv_kernel), "conv")
-            add(i, "ssm_dt.bias", (like.linear_v_heads,), "ssm_dt")
-            add(i, "ssm_a", (like.linear_v_heads,), "ssm_a")
-            add(i, "ssm_norm.weight", (like.linear_v_dim,), "norm")
+            add(i, "ssm_ba.weight", (2 * c.linear_v_heads, h), "ssm_ba")
+            add(i, "ssm_conv1d.weight", (conv, c.conv_kernel), "conv")
+            add(i, "ssm_dt.bias", (c.linear_v_heads,), "ssm_dt")
+            add(i, "ssm_a", (c.linear_v_heads,), "ssm_a")
+            add(i, "ssm_norm.weight", (c.linear_v_dim,), "norm")
             add(i, "ssm_out.weight", (h, vd), "ssm_out")
         else:
-            gated = 2 if like.arch == "qwen3next" else 1  # qwen3next's attn_q holds [query | gate]
-            add(i, "attn_q.weight", (gated * like.heads * like.head_dim, h), "attn_q")
-            add(i, "attn_k.weight", (like.kv_heads * like.head_dim, h), "attn_k")
-            add(i, "attn_v.weight", (like.kv_heads * like.head_dim, h), "attn_v")
-            add(i, "attn_output.weight", (h, like.heads * like.head_dim), "attn_output")
-            add(i, "attn_q_norm.weight", (like.head_dim,), "norm")
-            add(i, "attn_k_norm.weight", (like.head_dim,), "norm")
-        add(i, "post_attention_norm.weight" if like.arch == "qwen3next" else "ffn_norm.weight", (h,), "norm")
+            gated = 2 if next_ else 1  # qwen3next's attn_q holds [query | gate]
+            add(i, "attn_q.weight", (gated * c.n_heads * c.head_dim, h), "attn_q")
+            add(i, "attn_k.weight", (c.n_kv_heads * c.head_dim, h), "attn_k")
+            add(i, "attn_v.weight", (c.n_kv_heads * c.head_dim, h), "attn_v")
+            add(i, "attn_output.weight", (h, c.n_heads * c.head_dim), "attn_output")
+            add(i, "attn_q_norm.weight", (c.head_dim,), "norm")
+            add(i, "attn_k_norm.weight", (c.head_dim,), "norm")
+        add(i, "post_attention_norm.weight" if next_ else "ffn_norm.weight", (h,), "norm")
         add(i, "ffn_gate_inp.weight", (E, h), "router")
         add(i, "ffn_gate_exps.weight", (E, f, h), "ffn_gate_exps")
         add(i, "ffn_up_exps.weight", (E, f, h), "ffn_up_exps")
         add(i, "ffn_down_exps.weight", (E, h, f), "ffn_down_exps")
-        if like.shared_ffn:
+        if shared:
             add(i, "ffn_gate_inp_shexp.weight", (1, h), "router")
-            add(i, "ffn_gate_shexp.weight", (like.shared_ffn, h), "ffn_gate_shexp")
-            add(i, "ffn_up_shexp.weight", (like.shared_ffn, h), "ffn_up_shexp")
-            add(i, "ffn_down_shexp.weight", (h, like.shared_ffn), "ffn_down_exps")
+            add(i, "ffn_gate_shexp.weight", (shared, h), "ffn_gate_shexp")
+            add(i, "ffn_up_shexp.weight", (shared, h), "ffn_up_shexp")
+            add(i, "ffn_down_shexp.weight", (h, shared), "ffn_down_exps")
     plan.append(("output_norm.weight", (h,), T.F32, "norm"))
     plan.append(("output.weight", (vocab, h), choose("output", 0, n_layers), "output"))
     return plan
 
 
-def _qwen4exp_plan(like: Like, n_layers: int, vocab: int, quant_name: str, experts: int | None,
-                   ngram_rows: int | None):
+def _qwen4exp_plan(c: qwen4exp.Config, quant_name: str):
     """qwen4exp's tensors (strata/formats/qwen4exp.py lists the layout): hyper-connection mixers
     around every mixer and MoE (kept F16: their up matrices are 320 wide), Gated DeltaNet or
     QSA, the n-gram table's projections on the PLE layer, and the table itself last."""
     choose = QUANTS[quant_name][1]
-    h, E, f, s = like.hidden, experts or like.experts, like.expert_ffn, like.shared_ffn
-    width, rank, hc = like.hc_count * h, like.hc_rank, like.hc_count
+    n_layers, vocab = c.n_layers, c.vocab_size
+    h, E, f, s = c.hidden_size, c.n_experts, c.expert_ffn_size, c.shared_ffn_size
+    width, rank, hc = c.hc_count * h, c.hc_rank, c.hc_count
     plan = [("token_embd.weight", (vocab, h), choose("token_embd", 0, n_layers), "token_embd")]
 
     def add(name, shape, kind, i=0):
@@ -298,40 +308,40 @@ def _qwen4exp_plan(like: Like, n_layers: int, vocab: int, quant_name: str, exper
         if inject:
             add(f"{prefix}_inject.weight", (hc, width), "hc")
 
-    kd, vd, nv = like.linear_k_heads * like.linear_k_dim, like.linear_v_heads * like.linear_v_dim, like.linear_v_heads
+    kd, vd, nv = c.linear_k_heads * c.linear_k_dim, c.linear_v_heads * c.linear_v_dim, c.linear_v_heads
     for i in range(n_layers):
         p = f"blk.{i}"
         mixer(f"{p}.hc_attn")
         mixer(f"{p}.hc_ffn")
-        if (i + 1) % like.full_attention_interval:  # Gated DeltaNet
+        if c.recurrent[i]:  # Gated DeltaNet
             for name, shape, kind in (("attn_qkv.weight", (2 * kd + vd, h), "attn_qkv"),
                                       ("attn_gate.weight", (vd, h), "attn_gate"),
                                       ("ssm_beta.weight", (nv, h), "ssm_beta"),
                                       ("ssm_alpha.weight", (nv, h), "ssm_alpha"),
-                                      ("ssm_conv1d.weight", (2 * kd + vd, like.conv_kernel), "conv"),
+                                      ("ssm_conv1d.weight", (2 * kd + vd, c.conv_kernel), "conv"),
                                       ("ssm_dt.bias", (nv,), "ssm_dt"), ("ssm_a", (nv,), "ssm_a"),
-                                      ("ssm_norm.weight", (like.linear_v_dim,), "norm"),
+                                      ("ssm_norm.weight", (c.linear_v_dim,), "norm"),
                                       ("ssm_out.weight", (h, vd), "ssm_out")):
                 add(f"{p}.{name}", shape, kind, i)
         else:  # QSA: gated attention ([query | gate] per head) and its indexer
-            hd, ih, idim = like.head_dim, like.indexer_heads, like.indexer_dim
-            for name, shape, kind in (("attn_q.weight", (2 * like.heads * hd, h), "attn_q"),
-                                      ("attn_k.weight", (like.kv_heads * hd, h), "attn_k"),
-                                      ("attn_v.weight", (like.kv_heads * hd, h), "attn_v"),
-                                      ("attn_output.weight", (h, like.heads * hd), "attn_output"),
+            hd, ih, idim = c.head_dim, c.indexer_heads, c.indexer_dim
+            for name, shape, kind in (("attn_q.weight", (2 * c.n_heads * hd, h), "attn_q"),
+                                      ("attn_k.weight", (c.n_kv_heads * hd, h), "attn_k"),
+                                      ("attn_v.weight", (c.n_kv_heads * hd, h), "attn_v"),
+                                      ("attn_output.weight", (h, c.n_heads * hd), "attn_output"),
                                       ("attn_q_norm.weight", (hd,), "norm"), ("attn_k_norm.weight", (hd,), "norm"),
                                       ("indexer.q_proj.weight", (ih * idim, h), "indexer"),
                                       ("indexer.k_proj.weight", (idim, h), "indexer"),
                                       ("indexer.q_norm.weight", (idim,), "norm"),
                                       ("indexer.k_norm.weight", (idim,), "norm")):
                 add(f"{p}.{name}", shape, kind, i)
-        if i == like.ple_layer:
-            e = like.ple_row_dim * _ngram_heads(like)
+        if i in c.ple_layers:
+            e = c.ple_embed_dim
             for name, shape, kind in (("ple_key.weight", (width, e), "ple"), ("ple_value.weight", (h, e), "ple"),
                                       ("ple_norm_key.weight", (width,), "norm"),
                                       ("ple_norm_query.weight", (width,), "norm"),
                                       ("ple_norm_conv.weight", (width,), "norm"),
-                                      ("ple_conv1d.weight", (width, like.conv_kernel), "conv")):
+                                      ("ple_conv1d.weight", (width, c.ple_conv_kernel), "conv")):
                 add(f"{p}.{name}", shape, kind, i)
         for name, shape, kind in (("ffn_gate_inp.weight", (E, h), "router"),
                                   ("ffn_gate_exps.weight", (E, f, h), "ffn_gate_exps"),
@@ -344,11 +354,9 @@ def _qwen4exp_plan(like: Like, n_layers: int, vocab: int, quant_name: str, exper
             add(f"{p}.{name}", shape, kind, i)
     mixer("output_hc", inject=False)
     add("output.weight", (vocab, h), "output")
-    if like.ple_layer < n_layers:
-        from strata.formats.ngram_hash import padded_rows
-
-        rows = padded_rows(ngram_hash(like, vocab, ngram_rows), 128)
-        plan.append(("per_layer_token_embd.weight", (rows, like.ple_row_dim), _TABLE_TYPES[quant_name], "ngram"))
+    if c.ple_layers:
+        rows = padded_rows(c.ple_hash, 128)
+        plan.append(("per_layer_token_embd.weight", (rows, c.ple_row_dim), _TABLE_TYPES[quant_name], "ngram"))
     return plan
 
 
@@ -357,30 +365,18 @@ def _qwen4exp_plan(like: Like, n_layers: int, vocab: int, quant_name: str, exper
 _TABLE_TYPES = {"Q4_K_M": T.Q4_0, "IQ2_XS": T.Q4_0, "Q4_0": T.Q4_0, "Q8_0": T.Q8_0, "F16": T.F16}
 
 
-def _ngram_heads(like: Like) -> int:
-    return (like.ngram_size - 1) * like.heads_per_ngram
-
-
-def ngram_hash(like: Like, vocab: int, rows: int | None = None):
-    """The n-gram hash (transformers' construction) of the largest table of at most `rows` rows.
+def ngram_hash(like, vocab: int, rows: int | None = None) -> NgramHash:
+    """`like`'s n-gram hash (transformers' construction) for `vocab` tokens, over the largest table
+    of at most `rows` rows (default SMALL_NGRAM_ROWS).
 
     Head h hashes into the h-th prime from a base (the real model's ngram_vocab_size_base is
     20,000,000, which makes 320,001,536 rows padded to 128); the base is the largest whose
     padded table fits, so the real row count gives back the real hash."""
-    from strata.formats.ngram_hash import (
-        NgramHash,
-        head_vocab_sizes,
-        layer_multipliers,
-        padded_rows,
-    )
-
-    heads, rows = _ngram_heads(like), rows or SMALL_NGRAM_ROWS
-    mult = tuple(layer_multipliers(vocab, like.ngram_size, 0, 1234))
+    shape = like.ple_hash
+    heads, rows = shape.n_heads, rows or SMALL_NGRAM_ROWS
 
     def make(base: int) -> NgramHash:
-        sizes = head_vocab_sizes(base, heads, 0)
-        return NgramHash(like.ngram_size, like.heads_per_ngram, mult, tuple(sizes),
-                         tuple(sum(sizes[:k]) for k in range(heads)), eos=vocab - 1)
+        return _hash(shape.ngram_size, shape.heads_per_ngram, vocab, base)
 
     lo, hi = 2, max(rows // heads, 2)  # padded_rows(make(lo)) <= rows (checked by the caller)
     while lo < hi:
@@ -389,53 +385,10 @@ def ngram_hash(like: Like, vocab: int, rows: int | None = None):
     return make(lo)
 
 
-def _qwen4exp_config(like: Like, n_layers: int, vocab: int, experts: int | None, ngram_rows: int | None):
-    from strata.formats import qwen4exp
-    from strata.formats.hparams import RopeConfig
-
-    E = experts or like.experts
-    recurrent = tuple((i + 1) % like.full_attention_interval != 0 for i in range(n_layers))
-    ple = like.ple_layer < n_layers
-    return qwen4exp.Config(
-        vocab_size=vocab, hidden_size=like.hidden, n_layers=n_layers, n_heads=like.heads, n_kv_heads=like.kv_heads,
-        head_dim=like.head_dim, expert_ffn_size=like.expert_ffn, shared_ffn_size=like.shared_ffn, n_experts=E,
-        n_experts_used=min(like.experts_used, E), norm_topk_prob=True, rms_eps=like.rms_eps,
-        rope=RopeConfig(dim=like.rope_dim, theta=like.rope_theta), rope_sections=(11, 11, 10, 0),
-        context_length=like.context, recurrent=recurrent, conv_kernel=like.conv_kernel,
-        linear_k_heads=like.linear_k_heads, linear_v_heads=like.linear_v_heads, linear_k_dim=like.linear_k_dim,
-        linear_v_dim=like.linear_v_dim, gate_act="sigmoid", hc_count=like.hc_count, hc_rank=like.hc_rank,
-        indexer_heads=like.indexer_heads, indexer_dim=like.indexer_dim, indexer_budget=like.indexer_budget,
-        compress_ratios=tuple(0 if r else like.compress_ratio for r in recurrent),
-        ple_layers=(like.ple_layer,) if ple else (), ple_conv_kernel=like.conv_kernel,
-        ple_row_dim=like.ple_row_dim if ple else 0, ple_hash=ngram_hash(like, vocab, ngram_rows) if ple else None)
-
-
-def metadata(like: Like, n_layers: int, vocab: int, quant_name: str, like_name: str,
+def metadata(like, n_layers: int, vocab: int, quant_name: str, like_name: str,
              experts: int | None = None, ngram_rows: int | None = None) -> dict:
-    from strata.formats.hparams import RopeConfig
-
-    E = experts or like.experts
-    rope = RopeConfig(dim=like.rope_dim or like.head_dim, theta=like.rope_theta)
-    common = dict(vocab_size=vocab, hidden_size=like.hidden, n_layers=n_layers, n_heads=like.heads,
-                  n_kv_heads=like.kv_heads, head_dim=like.head_dim, ffn_size=like.ffn,
-                  expert_ffn_size=like.expert_ffn, n_experts=E, n_experts_used=min(like.experts_used, E),
-                  norm_topk_prob=True, rms_eps=like.rms_eps, rope=rope, context_length=like.context)
-    if like.arch == "qwen4exp":
-        from strata.formats import qwen4exp as arch
-
-        c = _qwen4exp_config(like, n_layers, vocab, experts, ngram_rows)
-    elif like.arch == "qwen3next":
-        from strata.formats import qwen3next as arch
-
-        c = arch.Config(**common, shared_ffn_size=like.shared_ffn,
-                        recurrent=tuple((i + 1) % like.full_attention_interval != 0 for i in range(n_layers)),
-                        conv_kernel=like.conv_kernel, linear_k_heads=like.linear_k_heads,
-                        linear_v_heads=like.linear_v_heads, linear_k_dim=like.linear_k_dim,
-                        linear_v_dim=like.linear_v_dim)
-    else:
-        from strata.formats import qwen3moe as arch
-
-        c = arch.Config(**common)
+    c = scaled(like, n_layers, vocab, experts, ngram_rows)
+    arch = FORMATS[type(c)]
     meta = {
         "general.name": f"synth-{like_name}-{n_layers}L-{quant_name}",
         "general.description": f"random weights with {like_name}'s shapes, written by `strata synth`",
@@ -443,10 +396,10 @@ def metadata(like: Like, n_layers: int, vocab: int, quant_name: str, like_name: 
         "general.quantization_version": 2,
     }
     meta.update(arch.gguf_metadata(c))
-    if like.arch in ("qwen3next", "qwen4exp") and n_layers < like.full_attention_interval:
+    if arch is not qwen3moe and n_layers < full_attention_interval(like):
         # gguf_metadata derives the interval from the layer kinds; with no full-attention layer
         # any interval > n_layers fits, so record the real one.
-        meta[f"{like.arch}.full_attention_interval"] = like.full_attention_interval
+        meta[f"{arch.ARCH}.full_attention_interval"] = full_attention_interval(like)
     meta.update(tokenizer_metadata(vocab))
     return meta
 
@@ -607,16 +560,17 @@ def write(path, like_name: str = "qwen3-30b-a3b", layers: int = 4, quant_name: s
     like = LIKE[like_name]
     if layers < 1:
         raise BadOption("--layers must be at least 1")
-    vocab = vocab or like.vocab
+    vocab = vocab or like.vocab_size
     path = Path(path)
     rng = np.random.default_rng(seed)
-    if experts is not None and not 1 <= experts <= like.experts:
-        raise BadOption(f"--experts must be between 1 and {like.experts}")
-    if ngram_rows is not None and (like.arch != "qwen4exp" or ngram_rows < 256):
+    arch = FORMATS[type(like)].ARCH
+    if experts is not None and not 1 <= experts <= like.n_experts:
+        raise BadOption(f"--experts must be between 1 and {like.n_experts}")
+    if ngram_rows is not None and (arch != "qwen4exp" or ngram_rows < 256):
         raise BadOption(f"--ngram-rows {ngram_rows}: only qwen4exp has an n-gram table"
-                        if like.arch != "qwen4exp" else "--ngram-rows must be at least 1024")
+                        if arch != "qwen4exp" else "--ngram-rows must be at least 1024")
     plan = tensor_plan(like, layers, vocab, quant_name, experts, ngram_rows)
-    writer = gguf.GGUFWriter(str(path), like.arch)
+    writer = gguf.GGUFWriter(str(path), arch)
     for key, value in metadata(like, layers, vocab, quant_name, like_name, experts, ngram_rows).items():
         _add_kv(writer, key, value)
     for name, shape, qtype, _ in plan:
@@ -641,7 +595,7 @@ def write(path, like_name: str = "qwen3-30b-a3b", layers: int = 4, quant_name: s
     if router_skew < 0:
         raise BadOption(f"--router-skew must be >= 0, got {router_skew}", "use 0 (uniform) to about 0.5")
     skew_rng = np.random.default_rng([seed, 1])
-    n_experts = experts or like.experts
+    n_experts = experts or like.n_experts
     for name, shape, qtype, kind in plan:  # at most one slice of one tensor in memory
         scale = None
         if router_skew and kind == "router" and shape[0] == n_experts and qtype == T.F32:
@@ -649,7 +603,7 @@ def write(path, like_name: str = "qwen3-30b-a3b", layers: int = 4, quant_name: s
         data = _Streamed(shape, qtype, kind, rng, scale)
         writer.write_tensor_data(data)
         if data.written is not None and report is not None and "router_skew" not in report:
-            report["router_skew"] = routing_skew(data.written, min(like.experts_used, n_experts))
+            report["router_skew"] = routing_skew(data.written, min(like.n_experts_used, n_experts))
         if log:
             log(f"  {name:<28} {qtype.name:<8} {list(shape)}")
     writer.close()
@@ -669,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="fewer experts per layer than the model has (small test files; default: the model's)")
     ap.add_argument("--ngram-rows", type=int, default=None,
                     help=f"qwen4exp: rows of the n-gram table (default {SMALL_NGRAM_ROWS}; the real model's "
-                         f"{LIKE['qwen4exp'].ngram_rows:,} rows of 160 values are 28.8 GB at Q4_0)")
+                         f"{LIKE['qwen4exp'].ple_rows:,} rows of 160 values are 28.8 GB at Q4_0)")
     ap.add_argument("--router-skew", type=float, default=0.0, metavar="S",
                     help="Zipf-like expert popularity: router rows scaled by (1 + rank) ** -S over a seeded "
                          "ranking (0 = uniform, the default; 0.2 gives the top 30%% of experts ~70%% of routings)")
@@ -691,8 +645,8 @@ def main(argv: list[str] | None = None) -> int:
     if "router_skew" in report:
         r = report["router_skew"]
         print(f"  router skew {args.router_skew}: hottest expert takes {r['hottest_share']:.2%} of routings "
-              f"(uniform {1 / (args.experts or LIKE[args.like].experts):.2%}), the top 30% of experts take "
+              f"(uniform {1 / (args.experts or LIKE[args.like].n_experts):.2%}), the top 30% of experts take "
               f"{r['top30_share']:.1%} (layer 0's router over 4096 random hidden states)")
-    if LIKE[args.like].arch == "qwen4exp":
+    if isinstance(LIKE[args.like], qwen4exp.Config):
         print("  a qwen4exp file: Strata loads it, llama.cpp does not know the architecture")
     return 0

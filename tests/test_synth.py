@@ -47,10 +47,10 @@ def test_metadata_and_shapes_match_the_model(q4km):
     assert f.arch == "qwen3moe"
     a = "qwen3moe"
     assert m[f"{a}.block_count"] == 1
-    assert m[f"{a}.embedding_length"] == like.hidden == 2048
-    assert m[f"{a}.expert_count"] == like.experts == 128
-    assert m[f"{a}.expert_used_count"] == like.experts_used == 8
-    assert m[f"{a}.expert_feed_forward_length"] == like.expert_ffn == 768
+    assert m[f"{a}.embedding_length"] == like.hidden_size == 2048
+    assert m[f"{a}.expert_count"] == like.n_experts == 128
+    assert m[f"{a}.expert_used_count"] == like.n_experts_used == 8
+    assert m[f"{a}.expert_feed_forward_length"] == like.expert_ffn_size == 768
     assert m[f"{a}.attention.head_count"] == 32 and m[f"{a}.attention.head_count_kv"] == 4
     assert m[f"{a}.attention.key_length"] == m[f"{a}.attention.value_length"] == 128
     assert m[f"{a}.vocab_size"] == 1024 and len(m["tokenizer.ggml.tokens"]) == 1024
@@ -118,7 +118,7 @@ def test_qwen3_next_file(tmp_path):
     assert t["blk.3.attn_q.weight"].shape == (2 * 16 * 256, 2048)  # [query | gate] per head
     assert t["blk.3.attn_k.weight"].shape == (2 * 256, 2048)
     assert t["blk.0.ffn_gate_exps.weight"].shape == (16, 512, 2048)
-    assert t["blk.0.ffn_down_shexp.weight"].shape == (2048, like.shared_ffn)
+    assert t["blk.0.ffn_down_shexp.weight"].shape == (2048, like.shared_ffn_size)
     assert "blk.0.attn_q.weight" not in t and "blk.3.ssm_in.weight" not in t
     plan = synth.tensor_plan(like, 4, 512, "Q8_0", experts=16)
     assert {n for n, *_ in plan} == set(t)
@@ -146,7 +146,7 @@ def test_qwen4exp_plan_has_the_real_shapes():
     """48 layers of the real model, planned (not written): shapes, types and metadata."""
     like = synth.LIKE["qwen4exp"]
     plan = {name: (shape, qtype) for name, shape, qtype, _ in
-            synth.tensor_plan(like, 48, like.vocab, "Q4_K_M", ngram_rows=like.ngram_rows)}
+            synth.tensor_plan(like, 48, like.vocab_size, "Q4_K_M", ngram_rows=like.ple_rows)}
     assert plan["blk.0.ffn_gate_exps.weight"][0] == (512, 640, 2560)  # one expert: 3 x 2560 x 640
     assert plan["blk.0.ffn_down_exps.weight"] == ((512, 2560, 640), T.Q8_0)  # 640 wide: no K-quant blocks
     assert plan["blk.7.ffn_down_exps.weight"][1] == T.Q5_0  # Q4_K's fallback
@@ -164,7 +164,7 @@ def test_qwen4exp_plan_has_the_real_shapes():
     table = 320_001_536 * quant.row_bytes(T.Q4_0, 160)
     assert abs(table / 1e9 - 28.8) < 0.05  # the report's 28.8 GB table
 
-    meta = synth.metadata(like, 48, like.vocab, "Q4_K_M", "qwen4exp", ngram_rows=like.ngram_rows)
+    meta = synth.metadata(like, 48, like.vocab_size, "Q4_K_M", "qwen4exp", ngram_rows=like.ple_rows)
     a = "qwen4exp"
     assert (meta[f"{a}.embedding_length"], meta[f"{a}.block_count"], meta[f"{a}.expert_count"]) == (2560, 48, 512)
     assert meta[f"{a}.full_attention_interval"] == 4 and meta[f"{a}.hyper_connection.count"] == 4
