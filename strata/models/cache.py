@@ -128,6 +128,9 @@ class KVCache:
         if self.k is not None:
             self.k, self.v = self.k[rows], self.v[rows]
 
+    def track(self, on: bool = True) -> None:
+        """Nothing to keep: attention rolls back by length alone (`rollback`)."""
+
     def rollback(self, n_drop: int) -> None:
         """Forget the last `n_drop` positions: nothing to do, `ModelCache.lengths` decides what
         is attended and later writes overwrite the stale entries."""
@@ -199,9 +202,8 @@ class ModelCache:
     def track(self, on: bool = True) -> None:
         """Speculative decoding: from now on, layers with a recurrent state keep what
         `rollback` needs to undo part of the next forward (see `GDNCache.track`)."""
-        for c in self.layers:
-            if hasattr(c, "track"):
-                c.track(on)
+        for c in self.layers:  # every layer cache has track and rollback (attention's do nothing)
+            c.track(on)
 
     def rollback(self, n_drop) -> None:
         """Drop every row's last `n_drop` positions (rejected draft tokens): one count for all
@@ -217,9 +219,6 @@ class ModelCache:
             return
         if bool((self.lengths < n_drop).any()):
             raise ValueError(f"cannot drop {n_drop} positions from rows of lengths {self.lengths.tolist()}")
-        stuck = [type(c).__name__ for c in self.layers if not hasattr(c, "rollback")]
-        if stuck:
-            raise NotImplementedError(f"a {stuck[0]} cannot roll back (no speculative decoding for it)")
         for c in self.layers:
             c.rollback(n_drop)
         self.lengths = self.lengths - n_drop

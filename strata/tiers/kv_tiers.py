@@ -416,6 +416,9 @@ class TieredKVCache:
         self.rows = keep  # a row kept twice shares its host copy; fine, it is only read
         self._dirty = True
 
+    def track(self, on: bool = True) -> None:
+        """Nothing to keep: attention rolls back by length alone (`rollback`)."""
+
     def rollback(self, n_drop: int) -> None:
         """Nothing to do: `ModelCache.lengths` decides what is attended, later writes overwrite
         the stale positions (host and any resident copy)."""
