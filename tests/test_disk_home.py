@@ -3,7 +3,7 @@
 import os
 import threading
 
-from strata.tiers.store import DiskHome, ExpertFormat, FileReader, Part
+from strata.tiers.store import DIRECT_MIN, DiskHome, ExpertFormat, FileReader, Part, read_slack
 
 SIZES = (4096, 4096, 8192)  # gate, up, down bytes of one expert
 N_EXPERTS = 6
@@ -20,7 +20,7 @@ def _home(path, capacity, readers=2) -> DiskHome:
 
 
 def test_arrival_yields_reads_as_they_land_and_uses_count_as_misses_hits_and_reads_ahead(tmp_path):
-    home = _home(tmp_path / "m.gguf", capacity=sum(SIZES) * N_EXPERTS)
+    home = _home(tmp_path / "m.gguf", capacity=2**20)  # room for all: nothing is evicted
     gate = threading.Event()
     read = home._read
     home._read = lambda layer, e: (gate.wait(5) if e == 1 else None, read(layer, e))[1]  # expert 1 lands last
@@ -42,3 +42,19 @@ def test_arrival_yields_reads_as_they_land_and_uses_count_as_misses_hits_and_rea
     finally:
         gate.set()
         home.close()
+
+
+def test_a_large_span_is_read_straight_into_its_own_buffer(tmp_path):
+    path = tmp_path / "big.bin"
+    data = os.urandom(3 * DIRECT_MIN)
+    path.write_bytes(data)
+    reader = FileReader(path)
+    try:
+        for offset, n in ((0, DIRECT_MIN), (4097, DIRECT_MIN + 5), (123, 2 * DIRECT_MIN)):
+            got = reader.read_span(offset, n)
+            assert bytes(got.numpy()) == data[offset:offset + n]
+            if reader.direct:  # a view of its aligned buffer, which holds at most 3 pages more
+                assert got.untyped_storage().nbytes() - n <= read_slack(n) // 3
+        assert reader.bytes_read == 3 * DIRECT_MIN + 5 + DIRECT_MIN
+    finally:
+        reader.close()

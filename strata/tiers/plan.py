@@ -22,7 +22,7 @@ from strata.formats.names import EXPERT_TENSOR
 from strata.tiers import budget, hardware
 from strata.tiers.auto import resolve_home
 from strata.tiers.sizes import format_size, parse_fraction, parse_size
-from strata.tiers.store import READERS
+from strata.tiers.store import READERS, read_slack
 
 LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.")
 TIER_NAMES = {"gpu": "gpu", "cuda": "gpu", "device": "gpu", "cpu": "ram", "ram": "ram",
@@ -362,8 +362,9 @@ def _fix(plan: Plan, mem) -> str:
 
 
 def _ram_cache_bytes(text, plan: Plan, disk: list[ExpertLayer], free: int) -> int:
-    total = sum(layer.nbytes for layer in disk)
-    one = max(layer.bytes_per_expert for layer in disk)
+    # a cached expert holds its three reads' buffers, alignment slack included (`DiskHome` counts that)
+    total = sum(layer.n_experts * (layer.bytes_per_expert + read_slack(layer.bytes_per_expert)) for layer in disk)
+    one = max(layer.bytes_per_expert + read_slack(layer.bytes_per_expert) for layer in disk)
     if text is None:  # a quarter of the disk experts, within what the budget leaves
         return max(one, min(total // 4, free))
     frac = parse_fraction(text)

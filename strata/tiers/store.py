@@ -24,6 +24,15 @@ from strata.formats.weights import QTensor
 
 ALIGN = 4096
 CHUNK = 64 * 2**20
+DIRECT_MIN = 64 * 2**10  # a read this large lands straight in its own aligned buffer; smaller ones are copied
+
+
+def read_slack(bytes_per_expert: int) -> int:
+    """Most bytes a cached expert's three reads hold beyond its own: a direct read's buffer is its
+    aligned span plus one page of alignment (3 pages at most). Small experts are read exactly."""
+    return 3 * 3 * ALIGN if bytes_per_expert >= DIRECT_MIN else 0
+
+
 READERS = 8  # disk reads in flight at once: an NVMe/virtio disk needs several to reach its bandwidth
 
 
@@ -107,6 +116,36 @@ class FileReader:
                 self.bytes_read += n
                 self.device_bytes += moved
                 self.reads += 1
+
+    def read_span(self, offset: int, n: int) -> torch.Tensor:
+        """The file's `n` bytes from `offset` as a uint8 tensor of their own, read straight into
+        it: with O_DIRECT the buffer is the aligned span around them (at most 2 x 4 KiB more) and
+        the result a view, so nothing is copied through a bounce buffer. Errors as `read_into`."""
+        if not self.direct or n < DIRECT_MIN:  # a small span: an exact buffer, through the staging one
+            out = torch.empty(n, dtype=torch.uint8)
+            self.read_into(out, offset)
+            return out
+        start = offset - offset % ALIGN
+        length = -(-(offset + n - start) // ALIGN) * ALIGN
+        buf = torch.empty(length + ALIGN, dtype=torch.uint8)
+        pad = (-buf.data_ptr()) % ALIGN
+        view = memoryview(buf.numpy())[pad:pad + length]
+        need, done = offset - start + n, 0
+        try:
+            while done < need:
+                got = os.preadv(self.fd, [view[done:]], start + done)
+                if got <= 0:
+                    raise OSError(f"{self.path}: short read at byte {start + done}")
+                done += got
+        except OSError as e:
+            raise StrataError(f"reading {self.path} at byte {start + done} failed: {e.strerror or e}",
+                              "the model file must stay readable while Strata runs: check the disk, "
+                              "or hold the experts in RAM with --pin-experts ram") from None
+        with self._lock:
+            self.bytes_read += n
+            self.device_bytes += done
+            self.reads += 1
+        return buf[pad + offset - start:pad + offset - start + n]
 
     def _read_chunk(self, out: torch.Tensor, offset: int) -> int:
         if not self.direct:
@@ -195,13 +234,19 @@ class RamHome(Home):
         return {"home": self.kind, "bytes": sum(t.numel() for ts in self.data.values() for t in ts)}
 
 
+def _held(parts: tuple[torch.Tensor, ...]) -> int:
+    """Bytes a read expert holds: its buffers, alignment slack included."""
+    return sum(t.untyped_storage().nbytes() for t in parts)
+
+
 class DiskHome(Home):
     """Experts read from the file on demand into a RAM cache of `capacity` bytes (LRU).
 
     Reads run on a pool of `readers` threads, so a layer's missing experts (and the next layer's
     predicted ones, `request(..., ahead=True)`) are read several at a time while the CPU computes
-    on those already here. Each read lands in a fresh buffer, so a CPU worker still computing
-    from an evicted entry keeps its bytes alive; the cache only drops its own reference.
+    on those already here. Each read lands in fresh buffers (read straight into them, no bounce
+    copy), so a CPU worker still computing from an evicted entry keeps its bytes alive; the
+    cache only drops its own reference.
     Counted: hits, misses, reads started ahead, reads in flight (most at once), time waited.
     """
 
@@ -209,7 +254,7 @@ class DiskHome(Home):
 
     def __init__(self, formats: dict[int, ExpertFormat], reader: FileReader, capacity: int, readers: int = READERS):
         self.formats, self.reader, self.capacity = formats, reader, capacity
-        self.entries: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self.entries: OrderedDict[tuple[int, int], tuple[torch.Tensor, ...]] = OrderedDict()  # (gate, up, down)
         self.inflight: dict[tuple[int, int], Future] = {}
         self.pool = ThreadPoolExecutor(max(1, readers), thread_name_prefix="strata-read")
         self.readers = max(1, readers)
@@ -274,7 +319,7 @@ class DiskHome(Home):
                     self.misses += 1  # read for this use (it landed before the use asked)
                 else:
                     self.hits += 1
-                return self.formats[layer].split(flat)
+                return flat
             if ahead:
                 self.ahead_used += 1
             else:
@@ -286,9 +331,9 @@ class DiskHome(Home):
         flat = future.result()
         with self._lock:
             self.wait_s += time.perf_counter() - t0
-        return self.formats[layer].split(flat)
+        return flat
 
-    def _fetch(self, key: tuple[int, int]) -> torch.Tensor:
+    def _fetch(self, key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
         with self._lock:
             self.reading += 1
             self.max_reading = max(self.max_reading, self.reading)
@@ -308,19 +353,16 @@ class DiskHome(Home):
 
     def _read(self, layer: int, e: int) -> torch.Tensor:
         fmt = self.formats[layer]
-        flat = torch.empty(fmt.nbytes, dtype=torch.uint8)
-        for view, p in zip(fmt.split(flat), fmt.parts):
-            self.reader.read_into(view, p.offset + e * p.nbytes)
-        return flat
+        return tuple(self.reader.read_span(p.offset + e * p.nbytes, p.nbytes) for p in fmt.parts)
 
-    def _insert(self, key, flat: torch.Tensor) -> None:
+    def _insert(self, key, flat: tuple[torch.Tensor, ...]) -> None:
         if key in self.entries:
             return
         self.entries[key] = flat
-        self.held += flat.numel()
+        self.held += _held(flat)
         while self.held > self.capacity and len(self.entries) > 1:
             gone, old = self.entries.popitem(last=False)
-            self.held -= old.numel()
+            self.held -= _held(old)
             self.ahead.pop(gone, None)  # a read ahead evicted unused: a wasted read
             self.demand.pop(gone, None)
 
