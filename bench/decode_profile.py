@@ -17,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from strata import kernels
+from strata.kernels import decode_ops
 from strata.models.layers import Experts
 from strata.models.linear import Embedding, Linear
 from strata.models.transformer import MoE
@@ -67,8 +68,9 @@ KERNEL_BYTES: dict[str, int] = {}  # label -> weight bytes one call reads
 
 
 def _label_kernels():
-    """Label every compiled quantized product by type, shape and batch, and each one-call MoE
-    token (strata_moe_token) by its experts' types; returns the originals."""
+    """Label every compiled quantized product by type, shape and batch, each one-call MoE token
+    (strata_moe_token) by its experts' types and each projection group (strata_qmm_group) by its
+    weights; returns the originals."""
     originals = kernels.try_qmatmul, kernels._moe_token
 
     def labelled(x, w, threads=None):
@@ -85,7 +87,14 @@ def _label_kernels():
         with record_function(label):
             return originals[1](x, parts, w, threads, out)
 
-    kernels.try_qmatmul, kernels._moe_token = labelled, labelled_moe
+    def labelled_group(x, ws, biases):
+        label = "qmm group " + "+".join(f"{w.qtype.name} {w.shape[0]}x{w.shape[1]}" for w in ws) + f" b{x.numel() // x.shape[-1]}"
+        KERNEL_BYTES[label] = sum(w.nbytes for w in ws)
+        with record_function(label):
+            return originals[2](x, ws, biases)
+
+    originals = (*originals, decode_ops.try_qmatmul_group)
+    kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group = labelled, labelled_moe, labelled_group
     return originals
 
 
@@ -136,7 +145,7 @@ def print_profile(engine, prompt: list[int], steps: int) -> None:
                         token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
                     walls.append(time.perf_counter() - t)
         finally:
-            kernels.try_qmatmul, kernels._moe_token = original
+            kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group = original
             for m in undo:
                 del m.forward
     step_ms = statistics.median(walls) * 1e3

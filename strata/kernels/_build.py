@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmm.c")
 FLAGS = ["-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno"]
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 # ggml type name -> (C suffix, block size, type size); the types qmm.c implements.
 KERNEL_TYPES = {
@@ -141,6 +141,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_set_ext.restype = None
     lib.strata_qmm_ext.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, ctypes.c_int, i64]
     lib.strata_qmm_ext.restype = ctypes.c_int
+    lib.strata_rope.argtypes = [p, p, p, i64, i64, i64, i64, ctypes.c_int, p]
+    lib.strata_rope.restype = None
+    lib.strata_qmm_group.argtypes = [ctypes.c_int, p, p, p, i64, p, i64, p, p, p, ctypes.c_int]
+    lib.strata_qmm_group.restype = None
     lib.strata_set_fused.argtypes = [ctypes.c_int]
     lib.strata_set_fused.restype = None
     lib.strata_fused_types.argtypes = [ctypes.c_int]

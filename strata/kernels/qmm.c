@@ -1353,4 +1353,62 @@ void strata_moe_token(const void *const *gate, const void *const *up, const void
     }
 }
 
-int strata_abi_version(void) { return 7; }
+/* ------------------------------------------------------------------ the small ops of a decode step
+ *
+ * Per decode token a layer's rotary embedding and projection groups were dozens of torch
+ * operators (SmolLM2: 5,454 per token, 3-5 us each). Each is one call here instead; the rope's
+ * arithmetic is torch's, operation for operation (no fused multiply-adds), so results are equal.
+ */
+
+/* Rotary embedding of n_tok tokens x n_heads heads of head_dim values (x, y: [n_tok, n_heads,
+ * head_dim]); the first rot values rotate by the token's cos/sin ([n_tok, rot / 2]), the rest are
+ * copied. interleaved: pairs (2i, 2i+1) (llama.cpp's NORM mode), else halves (i, i + rot/2). */
+__attribute__((optimize("fp-contract=off")))
+void strata_rope(const float *x, const float *cs, const float *sn, int64_t n_tok, int64_t n_heads,
+                 int64_t head_dim, int64_t rot, int interleaved, float *y) {
+    const int64_t half = rot / 2;
+    for (int64_t t = 0; t < n_tok; t++) {
+        const float *c = cs + t * half, *s = sn + t * half;
+        for (int64_t h = 0; h < n_heads; h++) {
+            const float *a = x + (t * n_heads + h) * head_dim;
+            float *b = y + (t * n_heads + h) * head_dim;
+            if (interleaved) {
+                for (int64_t i = 0; i < half; i++) {
+                    const float x1 = a[2 * i], x2 = a[2 * i + 1];
+                    b[2 * i] = x1 * c[i] - x2 * s[i];
+                    b[2 * i + 1] = x2 * c[i] + x1 * s[i];
+                }
+            } else {
+                for (int64_t i = 0; i < half; i++) {
+                    const float x1 = a[i], x2 = a[i + half];
+                    b[i] = x1 * c[i] - x2 * s[i];
+                    b[i + half] = x2 * c[i] + x1 * s[i];
+                }
+            }
+            for (int64_t i = rot; i < head_dim; i++) b[i] = a[i];
+        }
+    }
+}
+
+/* Several products of the same x (a projection group: q/k/v, gate/up): Y_j = X W_j^T by each
+ * weight's strata_qmm_* (fns), into out [B, sum rows] with Y_j at column offset sum_{i<j} rows_i,
+ * plus bias_j where given: one call from Python instead of one per weight. */
+void strata_qmm_group(int n, void *const *fns, const void *const *W, const int64_t *rows, int64_t cols,
+                      const float *X, int64_t B, const float *const *bias, float *out, float *scratch, int nth) {
+    int64_t total = 0, off = 0;
+    for (int j = 0; j < n; j++) total += rows[j];
+    for (int j = 0; j < n; j++) {
+        float *y = B == 1 ? out + off : scratch;
+        ((qmm_fn)fns[j])((const uint8_t *)W[j], rows[j], cols, X, B, y, nth);
+        for (int64_t b = 0; b < B; b++) {
+            float *dst = out + b * total + off;
+            const float *src = B == 1 ? dst : scratch + b * rows[j];
+            if (B != 1) memcpy(dst, src, sizeof(float) * (size_t)rows[j]);
+            if (bias[j])
+                for (int64_t i = 0; i < rows[j]; i++) dst[i] += bias[j][i];
+        }
+        off += rows[j];
+    }
+}
+
+int strata_abi_version(void) { return 8; }

@@ -107,9 +107,12 @@ class KVCache:
         (causal, and where `allowed` `(B, 1, T, S)` says, as a QSA indexer's choice). Every
         attention cache, tiered ones included, offers this."""
         keys, values = self.update_and_fetch(k, v, step)
-        mask = _to(step.attention_mask(keys.shape[2]), q.device)  # (B, 1, T, S)
-        if allowed is not None:
-            mask = mask & allowed
+        if allowed is None and q.shape[0] == 1 and q.shape[2] == 1:
+            mask = None  # one row's one new token: every key written so far is its past
+        else:
+            mask = _to(step.attention_mask(keys.shape[2]), q.device)  # (B, 1, T, S)
+            if allowed is not None:
+                mask = mask & allowed
         return sdpa(q, keys, values, mask, q.shape[1] != keys.shape[1])
 
     def _reserve(self, b, h, end, k, v):

@@ -17,6 +17,7 @@ from strata.models.rope import Rope
 from strata.formats.weights import QTensor
 from strata.kernels import moe
 from strata.kernels.grouped import route_table
+from strata.models.linear import linear_group
 from strata.models.weights import WeightLoader
 
 Tap = Callable[[str, torch.Tensor], None]
@@ -73,14 +74,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cache: KVCache, step: StepInfo, rope_cs, tap: Tap = no_tap):
         b, t, _ = x.shape
-        q = self.wq(x)
+        q, k, v = linear_group(x, (self.wq, self.wk, self.wv))
         gate = None
         if self.gated:  # per head: [query | gate]
             q, gate = q.view(b, t, self.n_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
             gate = gate.reshape(b, t, self.n_heads * self.head_dim)
         q = q.reshape(b, t, self.n_heads, self.head_dim)  # (B, T, H, D)
-        k = self.wk(x).view(b, t, self.n_kv, self.head_dim)
-        v = self.wv(x).view(b, t, self.n_kv, self.head_dim)
+        k = k.view(b, t, self.n_kv, self.head_dim)
+        v = v.view(b, t, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope.apply(q, *rope_cs), self.rope.apply(k, *rope_cs)
@@ -104,7 +105,8 @@ class DenseFFN(nn.Module):
         self.down = w.linear(f"{prefix}.ffn_down{suffix}.weight", (hidden, ffn))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        g, u = linear_group(x, (self.gate, self.up))
+        return self.down(F.silu(g) * u)
 
 
 class SharedExpert(nn.Module):

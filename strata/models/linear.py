@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from strata import kernels, quant
+from strata.kernels import decode_ops
 from strata.formats.weights import FLOAT_TYPES, QTensor
 
 Weight = torch.Tensor | QTensor
@@ -174,6 +175,16 @@ class Linear(_StoredWeight):
         if func is F.embedding and isinstance(args[1], cls):
             return Embedding(args[1].weight)(args[0])
         return NotImplemented
+
+
+def linear_group(x: torch.Tensor, linears: tuple[Linear, ...]) -> list[torch.Tensor]:
+    """Each Linear applied to the same x (q/k/v, gate/up): quantized ones of a decode step in one
+    C call (`decode_ops.try_qmatmul_group`), else one by one."""
+    if all(type(lin) is Linear and isinstance(lin.weight, QTensor) for lin in linears):
+        ys = decode_ops.try_qmatmul_group(x, tuple(lin.weight for lin in linears), tuple(lin.bias for lin in linears))
+        if ys is not None:
+            return ys
+    return [lin(x) for lin in linears]
 
 
 class InputPermutedLinear(Linear):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from strata.formats.hparams import RopeConfig, rope_frequencies
+from strata.kernels import decode_ops
 
 
 class Rope:
@@ -22,6 +23,9 @@ class Rope:
         """Rotates in float32 (the tables are float32, as transformers keeps them) and returns x's
         dtype, so bf16/fp16 q and k stay in the dtype v and the cache have."""
         d = self.cfg.dim
+        y = decode_ops.try_rope(x, cos, sin, d, self.cfg.interleaved)  # a decode step: one C call
+        if y is not None:
+            return y
         rot, rest = x[..., :d].float(), x[..., d:]
         if self.cfg.interleaved:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
