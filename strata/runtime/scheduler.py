@@ -1,8 +1,8 @@
 """Continuous batching: many requests share one decode loop (`strata.runtime.generate.DecodeBatch`).
 
 One background thread owns the model and the loop. A submitted request waits in a bounded queue;
-when slots free, the requests taken are prefilled (grouped while their padded prompts fit one
-prefill chunk, so a prompt never waits behind a long one's padding) and their cache rows join
+when slots free, the requests taken are prefilled (grouped into one right-padded batch while the
+group's padded tokens fit one prefill chunk; a longer prompt goes alone) and their cache rows join
 the running batch. Every decode step advances all active rows as one batch; each row samples
 with its own parameters and seeded generator and applies its own stop rules (EOS, stop strings,
 its length limit). A finished or cancelled row leaves the batch at once.
