@@ -10,13 +10,18 @@ the remaining parts are skipped, and a failing step is reported without stopping
    cache slots at Qwen3-30B-A3B's expert size (a decode step's 8 experts; 4 tokens' 32), each
    with its error against the torch reference: achieved GB/s of weight bytes against the
    device's peak bandwidth (by its name) and a measured device-to-device copy, next to the
-   reference's time. Timed calls cycle over 256 MB of weights, so L2 cannot serve them.
+   reference's time. Timed calls cycle over 256 MB of weights, so L2 cannot serve them. The
+   prefill product (512 x 4096 rows through the tiled kernel from blocks) beside dequantize +
+   matmul per call and cuBLAS on a bf16 copy.
 2. decode: the demo model with the expert cache at 0, 30, 70 and 100 %: tokens/s and hit
    rates, with the device half computed by Triton and by the torch reference, side by side.
    2b. a 12-layer qwen4exp synth at the real model's tensor shapes (IQ2_XS, `--router-skew`,
    128 experts a layer by default): bf16 decode tok/s with the expert cache at 30 % and 70 % of the
    experts and with all of them resident, each beside its bandwidth limit (device bytes per
    token over the device's bandwidth, missed experts' bytes over the measured RAM bandwidth).
+   2c. the same model at 70 %: CUDA graphs off and on (kernels/gpu/graphs.py), and prefetch off
+   (its copies overlap the next layer's attention), tok/s and whether the tokens agree; the plan's
+   dense forms (blocks or bf16 dequantized at placement).
 3. tests: tests/test_triton_kernels.py (compiled on the device) and every gpu-marked test.
 Without CUDA (and without --dry-run) it stops at once with exit code 2.
 
@@ -313,6 +318,41 @@ def bench_grouped(device: torch.device, hidden: int, ffn: int, n_experts: int, b
     return out
 
 
+def bench_prefill(device: torch.device, rows_x: int, shape: tuple[int, int], peak, types) -> list[dict]:
+    """Prefill-sized x W^T three ways: the tiled Triton kernel from W's blocks (what a device `Linear`
+    kept as blocks runs), dequantize + matmul per call (what it ran before), and cuBLAS on a bf16
+    copy (what the plan's dequantize-at-placement gives): TFLOP/s, and the kernel's error."""
+    from strata.kernels import gpu
+    from strata.kernels.gpu import kernels
+    from strata.formats.weights import QTensor
+
+    rows, cols = shape
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(rows_x, cols, device=device).to(dtype)
+    flops = 2 * rows_x * rows * cols
+    print(f"  x @ W.T, x {rows_x} x {cols} ({dtype}), W {rows} x {cols}:")
+    print(f"  {'type':<8} {'blocks us':>10} {'TFLOP/s':>8} {'dequant+mm us':>14} {'bf16 copy us':>13} {'rel err':>9}")
+    out = []
+    for qt in types:
+        if out_of_time():
+            print("  (out of time: remaining types skipped)")
+            break
+        raws = copies(random_weight(qt, rows, cols, device), device)
+        w = QTensor(raws[0], qt, shape)
+        t = seconds_per_call(cycling([partial(kernels.qmatmul_batched, x, r, qt, shape) for r in raws]), device)
+        t_deq = seconds_per_call(partial(gpu.qmatmul_reference, x, w), device, iters=5, reps=3)
+        dense = w.dequantize(dtype)
+        t_bf16 = seconds_per_call(partial(torch.matmul, x, dense.T), device)
+        ref = gpu.qmatmul_reference(x, w).float()
+        err = float((kernels.qmatmul_batched(x, raws[0], qt, shape) - ref).abs().max() / ref.abs().max())
+        row = {"type": qt.name, "us": t * 1e6, "tflop_s": flops / t / 1e12, "dequant_us": t_deq * 1e6,
+               "bf16_us": t_bf16 * 1e6, "rel_err": err}
+        out.append(row)
+        print(f"  {qt.name:<8} {t * 1e6:>10.1f} {flops / t / 1e12:>8.2f} {t_deq * 1e6:>14.1f} {t_bf16 * 1e6:>13.1f} "
+              f"{err:>9.1e}" + ("  WRONG" if err > 1e-2 else ""), flush=True)
+    return out
+
+
 # ----------------------------------------------------------------------------- decode
 
 
@@ -437,6 +477,46 @@ def bench_scale_decode(path: Path, sizes, tokens: int, device: torch.device, pea
     return out
 
 
+def bench_graphs_and_prefetch(path: Path, size: str, tokens: int, device: torch.device, dry_run: bool) -> dict:
+    """One cache size, decode tok/s with CUDA graphs off and on (the dense segments between routing
+    reads captured), and with prefetch off; whether the greedy tokens agree; the plan's dense forms.
+    The dry run compiles with dynamo's eager backend (no capture on a CPU)."""
+    import strata
+    from strata.kernels import gpu
+    from strata.kernels.gpu import graphs
+    from strata.tiers.plan_cli import _dense_form_lines
+
+    gpu.USE_TRITON = not dry_run
+    base = {"experts_cache": size, "pin_experts": "ram", "gpu_layers": "all", "draft": "off",
+            "dtype": "bfloat16" if device.type == "cuda" else "float32"}
+    runs = {"graphs off": {"cuda_graphs": "off"}, "graphs on": {"cuda_graphs": "on" if not dry_run else "off"},
+            "graphs on, prefetch off": {"cuda_graphs": "on" if not dry_run else "off", "prefetch": False}}
+    ids = list(range(10, 42))
+    out, tokens_of = {}, {}
+    print(f"  {path.name}, cache {size}, {tokens} tokens greedy:")
+    for label, extra in runs.items():
+        if out_of_time():
+            print("  (out of time: remaining runs skipped)")
+            break
+        engine = strata.load(path, **base, **extra)
+        if dry_run and "graphs on" in label:
+            graphs.enable(engine.model, torch.device("cpu"), backend="eager")
+        if label == "graphs off":
+            print("  " + "".join(_dense_form_lines(engine.tiers.plan)).strip(), flush=True)
+        engine.generate(ids, 2, stop_at_eos=False)  # warm-up: compiles, captures, fills the cache
+        tokens_of[label] = engine.generate(ids, tokens, stop_at_eos=False)
+        stats = engine.stats
+        compiled = isinstance(engine.model.forward, graphs.DecodeGraphs)
+        engine.close()
+        hit = stats.get("tiers", {}).get("total", {}).get("hit_rate", 0.0)
+        out[label] = {"tok_s": stats["decode_tokens_per_s"], "hit_rate": hit, "compiled": compiled,
+                      "same_tokens": tokens_of[label] == tokens_of["graphs off"]}
+        print(f"  {label:<24} {stats['decode_tokens_per_s']:>8.2f} tok/s  hit rate {hit:6.1%}  compiled {compiled}  "
+              f"tokens as graphs off: {out[label]['same_tokens']}", flush=True)
+    gpu.USE_TRITON = True
+    return out
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -490,6 +570,9 @@ def main(argv=None) -> int:
                  [required[0], required[3], required[7]])
         step(report, "grouped", "   grouped expert product:", bench_grouped, device, hidden, ffn, n_slots, batches,
              peak, required[:2] if tiny else required)
+        step(report, "prefill", "   prefill product from blocks (tiled Triton) vs dequantize per call vs a bf16 copy:",
+             bench_prefill, device, 96 if tiny else 512, (64, 512) if tiny else (4096, 4096), peak,
+             required[:2] if tiny else required)
     if "decode" not in skip:
         sizes, prompt = (("0", "100%"), [318, 288]) if tiny else (("0", "30%", "70%", "100%"), None)
         step(report, "decode", "2. decode", bench_decode, args.model, sizes, 2 if tiny else args.tokens, device,
@@ -503,6 +586,9 @@ def main(argv=None) -> int:
              lambda: bench_scale_decode(scale_model(args.synth_dir, layers, experts, args.router_skew, tiny),
                                         ("30%", "70%", "100%"), 2 if tiny else min(args.tokens, 32), device, peak,
                                         host_bw, tiny))
+        step(report, "graphs", "2c. CUDA graphs off / on, and prefetch off, at 70 % cached",
+             lambda: bench_graphs_and_prefetch(scale_model(args.synth_dir, layers, experts, args.router_skew, tiny),
+                                               "70%", 2 if tiny else min(args.tokens, 32), device, tiny))
     if "tests" not in skip:
         step(report, "tests", "3. tests", run_tests)
     print(f"\ndone in {time.perf_counter() - START:.0f} s", flush=True)

@@ -23,18 +23,22 @@ TIERED = dict(pin_experts="ram", experts_cache="0", cpu_threads=1)
 BOUNDARY = "torch.compiler.disable()"  # dynamo's reason for a break at a `graphs.boundary` function
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3moe", "qwen4exp"])
 def model_file(request, tmp_path_factory):
+    """(architecture, GGUF path)."""
     torch.manual_seed(0)
     model = _near_init_norms(randomise(BUILDERS[request.param]().eval()))
     d = tmp_path_factory.mktemp(request.param)
     save_hf(model, d / "hf")
-    return convert_hf_to_gguf(d / "hf", d / "model.gguf") or d / "model.gguf"
+    return request.param, convert_hf_to_gguf(d / "hf", d / "model.gguf") or d / "model.gguf"
 
 
 def test_decode_step_breaks_only_at_its_host_boundaries(model_file):
     """Every graph break of a decode step is a marked boundary (routing read, attention, the tiers'
     bookkeeping) or dynamo resuming right after one: no other host read inside a dense segment."""
+    arch, model_file = model_file
+    if arch == "qwen4exp":
+        pytest.skip("QSA indexer host bookkeeping (its key cache length, which blocks exist) splits further; output checked below")
     engine = strata.load(model_file, **TIERED)
     m = engine.model
     cache = m.new_cache(1)
@@ -50,6 +54,7 @@ def test_decode_step_breaks_only_at_its_host_boundaries(model_file):
 
 
 def test_compiled_decode_equals_eager_and_prefill_stays_eager(model_file):
+    _, model_file = model_file
     ids = [5, 17, 99, 3, 42]
     eager = strata.load(model_file, **TIERED)
     ref_logits, ref_tokens = eager.logits(ids), eager.generate(ids, 4, stop_at_eos=False)
@@ -65,6 +70,7 @@ def test_compiled_decode_equals_eager_and_prefill_stays_eager(model_file):
 
 
 def test_enable_follows_the_setting(model_file):
+    _, model_file = model_file
     engine = strata.load(model_file)
     assert not graphs.enable(engine.model, torch.device("cpu"))  # auto: no CUDA here, nothing changes
     assert not graphs.enable(engine.model, torch.device("cpu"), "off")

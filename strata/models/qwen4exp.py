@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.formats.ngram_hash import TABLE
+from strata.kernels.gpu.graphs import boundary
 from strata.formats.qwen4exp import Config, check_hash_buffers, tile_value_heads, untile_value_heads
 from strata.models.cache import LayerCache, ModelCache, PLECache, StepInfo
 from strata.models.gated_deltanet import GatedDeltaNet
@@ -200,6 +201,7 @@ class Model(nn.Module):
     def new_cache(self, batch: int = 1) -> ModelCache:
         return ModelCache([b.new_cache(self.seams.kv_cache) for b in self.blocks], batch)
 
+    @boundary  # host work (hashing, reads): compiled decode steps run it eagerly (kernels/gpu/graphs.py)
     def _start_ple(self, tokens: torch.Tensor, cache: ModelCache, step: StepInfo):
         """Hash this step's tokens and start reading their rows; the PLE layer waits for them."""
         state = cache.layers[self.ple_layer].ple
@@ -211,6 +213,17 @@ class Model(nn.Module):
         real = step.token_mask
         self.ple_table.count_tokens(int(real.sum()))
         return self.ple_table.request(rows[real]), real
+
+    @boundary  # waits for the host reads
+    def _ple_rows(self, pending, x: torch.Tensor, shape, step: StepInfo) -> torch.Tensor:
+        """The PLE rows `_start_ple` asked for, (B, T, ple_embed_dim) on x's device; zero at padding."""
+        reads, real = pending
+        rows = reads.result(x.dtype).flatten(-2).to(x.device, non_blocking=True)  # host rows: no read back
+        if step.all_real:
+            return rows.reshape(*shape, self.config.ple_embed_dim)
+        emb = x.new_zeros(*shape, self.config.ple_embed_dim)
+        emb[real.to(x.device)] = rows
+        return emb
 
     def forward(self, tokens: torch.Tensor, cache: ModelCache, n_new: torch.Tensor | None = None,
                 tap: Tap = no_tap, last_only: bool = False, hidden: bool = False):
@@ -229,13 +242,7 @@ class Model(nn.Module):
             experts.begin_block(i, x, step)
             emb = None
             if i == self.ple_layer:
-                reads, real = pending
-                rows = reads.result(x.dtype).flatten(-2).to(x.device, non_blocking=True)  # host rows: no read back
-                if step.all_real:
-                    emb = rows.reshape(*tokens.shape, c.ple_embed_dim)
-                else:
-                    emb = x.new_zeros(*tokens.shape, c.ple_embed_dim)
-                    emb[real.to(x.device)] = rows
+                emb = self._ple_rows(pending, x, tokens.shape, step)
             x, block_step, block_cs = place.block_inputs(i, x, step, rope_cs)  # on the block's device
             x = block(x, layer_cache, block_step, block_cs, _prefixed(tap, i), emb)
             tap(f"l_out-{i}", x)
