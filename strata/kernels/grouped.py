@@ -24,7 +24,8 @@ ExpertSource = Union[Callable[[int], tuple[QTensor, QTensor, QTensor]], tuple[QT
 
 
 class RouteTable(NamedTuple):
-    """(token, expert or slot, weight) pairs, sorted by expert (tokens in order within one)."""
+    """(token, expert or slot, weight) pairs, grouped by expert: sorted by expert (tokens in order
+    within one), or one token's distinct experts in the router's order."""
 
     token: torch.Tensor  # (P,) int64: the row of x
     expert: torch.Tensor  # (P,) int64: what the weights argument indexes (expert id or cache slot)
@@ -39,6 +40,8 @@ def route_table(ids: torch.Tensor, weights: torch.Tensor, keep=None) -> RouteTab
     pairs (the rest are computed elsewhere). Sorting runs where ids live: a device table reads
     nothing back."""
     flat = ids.reshape(-1)
+    if ids.shape[0] == 1 and keep is None:  # one token (decode): its k experts are distinct, no sort needed
+        return RouteTable(torch.zeros_like(flat, dtype=torch.int64), flat.to(torch.int64), weights.reshape(-1))
     index = torch.argsort(flat, stable=True)
     if keep is not None:
         kept = torch.tensor(sorted(keep), dtype=flat.dtype, device=flat.device)

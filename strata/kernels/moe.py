@@ -18,7 +18,7 @@ def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource, de
         return gpu.grouped_swiglu(x, table, experts)
     if not table.expert.numel():
         return torch.zeros_like(x)
-    first = as_source(experts)(int(table.expert[0]))
+    first = experts if not callable(experts) else as_source(experts)(int(table.expert[0]))  # the types
     if device_half and gpu.applies(x, *(q.qtype for q in first)):
         return gpu.grouped_swiglu(x, table, experts)
     if kernels.experts_fast_ok(x, *first):
