@@ -70,8 +70,8 @@ CHILD = textwrap.dedent("""
             continue
         out.append(r.token)
         if first is None:
-            first, at_first = time.perf_counter(), counters()
-    end, at_end = time.perf_counter(), counters()
+            first, at_first, cpu_first = time.perf_counter(), counters(), time.process_time()
+    end, at_end, cpu_end = time.perf_counter(), counters(), time.process_time()
     d = [b - a for a, b in zip(at_first, at_end)]
     n_dec = max(len(out) - 1, 1)
     homes_stats = engine.tiers.stats()["homes"]
@@ -80,7 +80,7 @@ CHILD = textwrap.dedent("""
         "prefill_tok_s": n_prompt / (first - t1), "decode_tok_s": (len(out) - 1) / (end - first),
         "prefill_bytes": at_first[0], "decode_bytes_per_token": d[0] / n_dec,
         "decode_hit_rate": d[1] / max(d[1] + d[2] + d[5], 1), "decode_ahead_rate": d[5] / max(d[1] + d[2] + d[5], 1),
-        "decode_wait_s_per_token": d[3] / n_dec, "read_ahead_per_token": d[4] / n_dec,
+        "decode_wait_s_per_token": d[3] / n_dec, "decode_cpu_s_per_token": (cpu_end - cpu_first) / n_dec, "read_ahead_per_token": d[4] / n_dec,
         "ahead_used_per_token": d[5] / n_dec, "memory": engine.memory.as_dict(), "ctx": engine.ctx_size,
         "max_in_flight": max((h.get("max_reads_in_flight", 0) for h in homes_stats), default=0),
         "summary": engine.summary(), "tokens": out}))
@@ -182,6 +182,9 @@ def main(argv=None) -> int:
               lambda r: f"{r['read_ahead_per_token']:.0f} ({r['ahead_used_per_token']:.0f})"),
              ("most reads in flight", lambda r: f"{r['max_in_flight']}"),
              ("time waiting for reads per token s", lambda r: f"{r['decode_wait_s_per_token']:.2f}"),
+             ("decode CPU time per token s (all threads)", lambda r: f"{r['decode_cpu_s_per_token']:.2f}"),
+             (f"  CPU limit: {args.threads} cores / CPU time tok/s",
+              lambda r: f"{args.threads / max(r['decode_cpu_s_per_token'], 1e-9):.3f}"),
              ("context chosen", lambda r: f"{r['ctx']}"),
              ("peak anonymous RSS GiB", lambda r: f"{r['peak_anon'] / 2**30:.2f}"),
              ("  of which interpreter + libraries GiB", lambda r: f"{r['base'] / 2**30:.2f}"),

@@ -24,13 +24,14 @@ from strata.formats.weights import QTensor
 
 ALIGN = 4096
 CHUNK = 64 * 2**20
-DIRECT_MIN = 64 * 2**10  # a read this large lands straight in its own aligned buffer; smaller ones are copied
+DIRECT_MIN = 64 * 2**10  # an expert this large is read straight into its own aligned buffer; smaller ones are copied
 
 
 def read_slack(bytes_per_expert: int) -> int:
-    """Most bytes a cached expert's three reads hold beyond its own: a direct read's buffer is its
-    aligned span plus one page of alignment (3 pages at most). Small experts are read exactly."""
-    return 3 * 3 * ALIGN if bytes_per_expert >= DIRECT_MIN else 0
+    """Most bytes a cached expert's buffer holds beyond its own: each of its three direct reads'
+    aligned cover (2 pages more at most), and one page to align the buffer. Small experts are
+    read exactly."""
+    return (3 * 2 + 1) * ALIGN if bytes_per_expert >= DIRECT_MIN else 0
 
 
 READERS = 8  # disk reads in flight at once: an NVMe/virtio disk needs several to reach its bandwidth
@@ -117,20 +118,41 @@ class FileReader:
                 self.device_bytes += moved
                 self.reads += 1
 
-    def read_span(self, offset: int, n: int) -> torch.Tensor:
-        """The file's `n` bytes from `offset` as a uint8 tensor of their own, read straight into
-        it: with O_DIRECT the buffer is the aligned span around them (at most 2 x 4 KiB more) and
-        the result a view, so nothing is copied through a bounce buffer. Errors as `read_into`."""
-        if not self.direct or n < DIRECT_MIN:  # a small span: an exact buffer, through the staging one
-            out = torch.empty(n, dtype=torch.uint8)
-            self.read_into(out, offset)
-            return out
-        start = offset - offset % ALIGN
-        length = -(-(offset + n - start) // ALIGN) * ALIGN
-        buf = torch.empty(length + ALIGN, dtype=torch.uint8)
-        pad = (-buf.data_ptr()) % ALIGN
-        view = memoryview(buf.numpy())[pad:pad + length]
-        need, done = offset - start + n, 0
+    def read_spans(self, spans) -> tuple[torch.Tensor, ...]:
+        """The file's bytes at each (offset, n) of `spans`, as views of one buffer of their own,
+        read straight into it: with O_DIRECT each span's aligned cover has its own aligned place
+        in the buffer, so nothing is copied through a staging buffer. One buffer per call (an
+        expert's three projections: above glibc's mmap threshold, so it returns to the OS when
+        dropped). Small totals take an exact buffer and the staging copy. Errors as `read_into`."""
+        spans = [(int(o), int(n)) for o, n in spans]
+        if not self.direct or sum(n for _, n in spans) < DIRECT_MIN:
+            buf = torch.empty(sum(n for _, n in spans), dtype=torch.uint8)
+            out, at = [], 0
+            for offset, n in spans:
+                out.append(buf[at:at + n])
+                self.read_into(out[-1], offset)
+                at += n
+            return tuple(out)
+        covers = []
+        for offset, n in spans:
+            start = offset - offset % ALIGN
+            covers.append((start, -(-(offset + n - start) // ALIGN) * ALIGN, offset, n))
+        buf = torch.empty(sum(c[1] for c in covers) + ALIGN, dtype=torch.uint8)
+        at = (-buf.data_ptr()) % ALIGN
+        whole = memoryview(buf.numpy())
+        out = []
+        for start, length, offset, n in covers:
+            self._direct_into(whole[at:at + length], start, offset - start + n)
+            out.append(buf[at + offset - start:at + offset - start + n])
+            with self._lock:
+                self.bytes_read += n
+                self.device_bytes += length
+                self.reads += 1
+            at += length
+        return tuple(out)
+
+    def _direct_into(self, view: memoryview, start: int, need: int) -> None:
+        done = 0
         try:
             while done < need:
                 got = os.preadv(self.fd, [view[done:]], start + done)
@@ -141,11 +163,6 @@ class FileReader:
             raise StrataError(f"reading {self.path} at byte {start + done} failed: {e.strerror or e}",
                               "the model file must stay readable while Strata runs: check the disk, "
                               "or hold the experts in RAM with --pin-experts ram") from None
-        with self._lock:
-            self.bytes_read += n
-            self.device_bytes += done
-            self.reads += 1
-        return buf[pad + offset - start:pad + offset - start + n]
 
     def _read_chunk(self, out: torch.Tensor, offset: int) -> int:
         if not self.direct:
@@ -235,8 +252,8 @@ class RamHome(Home):
 
 
 def _held(parts: tuple[torch.Tensor, ...]) -> int:
-    """Bytes a read expert holds: its buffers, alignment slack included."""
-    return sum(t.untyped_storage().nbytes() for t in parts)
+    """Bytes a read expert holds: its buffer (each storage once), alignment slack included."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in parts}.values())
 
 
 class DiskHome(Home):
@@ -353,7 +370,7 @@ class DiskHome(Home):
 
     def _read(self, layer: int, e: int) -> torch.Tensor:
         fmt = self.formats[layer]
-        return tuple(self.reader.read_span(p.offset + e * p.nbytes, p.nbytes) for p in fmt.parts)
+        return self.reader.read_spans([(p.offset + e * p.nbytes, p.nbytes) for p in fmt.parts])
 
     def _insert(self, key, flat: tuple[torch.Tensor, ...]) -> None:
         if key in self.entries:
