@@ -900,7 +900,7 @@ static int act_mode = 3;
  * "q8x2" takes two 8-bit dot products per weight row: x's 8-bit value and its 8-bit residual.
  * Through ggml's vec_dot that is two passes, each unpacking the weight blocks again, which made
  * q8x2 1.7-1.9x the time of llama.cpp's single pass at one thread. For Q4_K, Q6_K (the K-quant
- * mixes of the common releases) and Q4_1 these kernels unpack each weight block once and feed both
+ * mixes of the common releases), Q4_1 and Q5_1 these kernels unpack each weight block once and feed both
  * activations to vpdpbusd (u8 weights x s8 activations, 64 products per instruction), keeping
  * the two integer sums apart until the float scales apply: the same arithmetic as the two
  * passes up to the order of float additions. Activation blocks are ggml's, from its own quantizer.
@@ -1094,11 +1094,65 @@ static float dot2_q4_1(int64_t n, const uint8_t *w, const uint8_t *prep, const u
     return _mm512_reduce_add_ps(acc) + mins + tail;
 }
 
+/* Q5_1: {f16 d, m; u32 qh; u8 qs[16]} x q8_1, as Q4_1 with each value's fifth bit from qh (bit l
+ * for value l), set by a byte mask: the same prepared activations (q4_1_prep). Its exact block
+ * sums matter most here: with q8_1's f16 sums a Q5_1 model's logits missed transformers' by 2e-2. */
+static float dot2_q5_1(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
+    (void)unused;
+    const int64_t nb = n / 32;
+    const int8_t *vq = (const int8_t *)prep, *vr = vq + nb * 32;
+    const float *dq = (const float *)(prep + nb * 64), *dr = dq + nb * 8, *xs = dr + nb * 8;
+    const __m256i m4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
+    __m512 acc = _mm512_setzero_ps();
+    float mins = 0.0f;
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) {
+        const uint8_t *b0 = w + i * 24, *b1 = b0 + 24;
+        uint32_t h0, h1;
+        memcpy(&h0, b0 + 4, 4);
+        memcpy(&h1, b1 + 4, 4);
+        const __m128i r0 = _mm_loadu_si128((const __m128i *)(b0 + 8)), r1 = _mm_loadu_si128((const __m128i *)(b1 + 8));
+        /* per block [lo | hi] nibbles, then the fifth bits: value l of a block is bit l of its qh */
+        const __m256i v0 = _mm256_or_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(r0, _mm256_castsi256_si128(m4))),
+                                                                    _mm_and_si128(_mm_srli_epi16(r0, 4), _mm256_castsi256_si128(m4)), 1),
+                                           _mm256_maskz_mov_epi8((__mmask32)h0, bit4));
+        const __m256i v1 = _mm256_or_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(r1, _mm256_castsi256_si128(m4))),
+                                                                    _mm_and_si128(_mm_srli_epi16(r1, 4), _mm256_castsi256_si128(m4)), 1),
+                                           _mm256_maskz_mov_epi8((__mmask32)h1, bit4));
+        const __m512i w8 = _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1);
+        const __m512i pq = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w8, _mm512_loadu_si512(vq + i * 32));
+        const __m512i pr = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w8, _mm512_loadu_si512(vr + i * 32));
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pq), _mm512_loadu_ps(dq + i * 8),
+                                         _mm512_mul_ps(_mm512_cvtepi32_ps(pr), _mm512_loadu_ps(dr + i * 8)));
+        uint16_t d0, d1;
+        memcpy(&d0, b0, 2);
+        memcpy(&d1, b1, 2);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)d0)),
+                                                                  _mm_set1_epi16((short)d1), 1));
+        acc = _mm512_fmadd_ps(t, dw, acc);
+        mins += rd_f16(b0 + 2) * xs[i] + rd_f16(b1 + 2) * xs[i + 1];
+    }
+    float tail = 0.0f;
+    for (; i < nb; i++) { /* an odd last block */
+        const uint8_t *b = w + i * 24;
+        const uint32_t h = rd_u32(b + 4);
+        int32_t pq = 0, pr = 0;
+        for (int l = 0; l < 16; l++) {
+            const int lo = (b[8 + l] & 15) | (((h >> l) & 1) << 4), hi = (b[8 + l] >> 4) | (((h >> (l + 16)) & 1) << 4);
+            pq += lo * vq[i * 32 + l] + hi * vq[i * 32 + l + 16];
+            pr += lo * vr[i * 32 + l] + hi * vr[i * 32 + l + 16];
+        }
+        tail += rd_f16(b) * (dq[i * 8] * (float)pq + dr[i * 8] * (float)pr) + rd_f16(b + 2) * xs[i];
+    }
+    return _mm512_reduce_add_ps(acc) + mins + tail;
+}
+
 /* The fused kernel for a ggml type and its activation layout (qblk, qsize), or NULL. */
 static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     if (type == 12 && qblk == 256 && qsize == 292) return dot2_q4_k;
     if (type == 14 && qblk == 256 && qsize == 292) return dot2_q6_k;
     if (type == 3 && qblk == 32 && qsize == 36) return dot2_q4_1;
+    if (type == 7 && qblk == 32 && qsize == 36) return dot2_q5_1;
     return NULL;
 }
 #else
@@ -1112,7 +1166,10 @@ static void q4_1_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *
  * (tests compare the two). */
 static int fused2_on = 1;
 void strata_set_fused(int on) { fused2_on = on; }
-int strata_fused_types(int type) { return fused2_for(type, type == 3 ? 32 : 256, type == 3 ? 36 : 292) != NULL; }
+int strata_fused_types(int type) {
+    const int q8_1 = type == 3 || type == 7;
+    return fused2_for(type, q8_1 ? 32 : 256, q8_1 ? 36 : 292) != NULL;
+}
 
 typedef struct {
     const uint8_t *W;
@@ -1185,7 +1242,7 @@ int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const
     int64_t tile_rows = ROW_TILE;
     while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
     const dot2_fn dot2 = twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
-    if (dot2 && type == 3) { /* Q4_1: the row-independent part laid out once (q4_1_prep) */
+    if (dot2 && (type == 3 || type == 7)) { /* Q4_1, Q5_1: the row-independent part laid out once (q4_1_prep) */
         const int64_t prow = q4_1_prep_bytes(cols);
         uint8_t *prep = malloc((size_t)(B * prow) + 64);
         if (!prep) {
