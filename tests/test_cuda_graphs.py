@@ -19,7 +19,9 @@ from reference import randomise, save_hf
 from strata.gguf.convert import convert_hf_to_gguf
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-TIERED = dict(pin_experts="ram", experts_cache="0", cpu_threads=1)
+# bf16, as on a GPU: the CPU's fused float32 decode ops (kernels/decode_ops.py, ctypes calls dynamo
+# breaks at) never run on the device, so they are kept out of these steps too
+TIERED = dict(pin_experts="ram", experts_cache="0", cpu_threads=1, dtype="bfloat16")
 BOUNDARY = "torch.compiler.disable()"  # dynamo's reason for a break at a `graphs.boundary` function
 
 

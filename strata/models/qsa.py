@@ -30,6 +30,7 @@ import math
 import torch
 from torch import nn
 
+from strata.kernels.gpu.graphs import boundary
 from strata.models.cache import KVCache, StepInfo, _pad_seq
 from strata.models.layers import Attention, RMSNorm, Tap, no_tap
 from strata.models.rope import Rope
@@ -98,6 +99,7 @@ class QSAIndexer(nn.Module):
         self.k_norm = RMSNorm(w.dense(f"{prefix}.indexer.k_norm.weight", (dim,)), eps)
         self.rope = rope
 
+    @boundary  # scores over a key set that grows every step: eager in compiled decode steps
     def forward(self, x: torch.Tensor, cache: QSACache, step: StepInfo, rope_cs) -> torch.Tensor | None:
         """(B, 1, T, S) keys each query may attend to (before the causal mask), or None for all."""
         b, t, _ = x.shape

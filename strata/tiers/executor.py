@@ -181,5 +181,6 @@ class TieredExperts:
     def __init__(self, provider, layer: int):
         self.provider, self.layer = provider, layer
 
+    @boundary  # the outermost host call: dynamo would otherwise compile this per layer
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return self.provider.executor.run(self.layer, x, ids, weights)

@@ -99,6 +99,7 @@ class TieredProvider:
                               "call strata.tiers.runtime.install(loaded, options) after building the model")
         return self.runtime.executor
 
+    @boundary  # the outermost host call: dynamo would otherwise compile this per block index
     def begin_block(self, index: int, x: torch.Tensor, step) -> None:
         if self.runtime is not None:
             self.runtime.begin_block(index, x, step)
