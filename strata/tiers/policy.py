@@ -13,8 +13,9 @@ that one layer used keys (and how many of the step's tokens each served); `place
   expert by the tokens it served, not once, so a long prompt teaches the frequencies that a
   batch of decode steps would. The table is read as non-decreasing in that share (a sparse
   cell may not rank a rarer expert above a commoner one at the same lag), and a key's share
-  starts from SHARE_PRIOR runs at the mean (two lucky runs do not make it the hottest). It evicts the least likely expert and copies a miss in only when the
-  miss is likelier than that victim, so a one-off expert stays on the CPU. Real routing
+  starts from SHARE_PRIOR runs at the mean (two lucky runs do not make it the hottest). It
+  evicts the least likely expert and copies a miss in only when the miss is likelier than
+  that victim, so a one-off expert stays on the CPU. Real routing
   differs in what predicts reuse (Mixtral's is close to memoryless, batched Qwen1.5-MoE's
   is all frequency); the table learns which, instead of a fixed blend of the two.
 - `static`: a fixed hot set (a ranking from a trace, or the first experts seen); never evicts.
