@@ -3,6 +3,8 @@
     .venv/bin/python bench/bench_scale.py --model /work/big/qwen4exp-48L-IQ2_XS.gguf \
         --ram-memory 9G [--tokens 12] [--prompt-tokens 32] \
         [--skewed-model /work/big/qwen4exp-48L-IQ2_XS-skew0.2.gguf --skew 0.2]
+    .venv/bin/python bench/bench_scale.py --model /work/big/qwen3next-80b-48L-IQ2_XS.gguf \
+        --ram-memory 9G --llama-cpp
 
 The file is `strata synth --like qwen4exp --layers 48 --quant IQ2_XS` (45.7 GiB, written once).
 Every run is a fresh interpreter with the placement `--pin-experts auto --experts-cache auto`
@@ -16,6 +18,11 @@ Limits printed beside the figures: decode tok/s if every byte the decode read fr
 the measured bandwidth (`disk limit`), time to first token if the dense weights and the prefill's
 expert bytes came at that bandwidth, peak anonymous RSS against `--ram-memory` (the interpreter's
 own, measured before loading, shown apart).
+
+`--llama-cpp` runs llama.cpp (llama-cpp-python: mmap, the same threads, greedy, the same prompt
+ids) on each file after Strata, and prints its decode and prefill beside Strata's with the ratios
+(for `--like qwen3-next-80b`, which llama.cpp loads; it has no qwen4exp). Each engine starts from a
+cold file: the bench drops the file's page-cache pages (posix_fadvise, this file only) first.
 
 `--skewed-model FILE --skew S` adds a run of a second file, the same synth written with
 `--router-skew S` (the skew is only a label here). The bench never writes to a model file, so with
@@ -87,6 +94,55 @@ CHILD = textwrap.dedent("""
 """)
 
 
+LLAMA_CHILD = textwrap.dedent("""
+    import json, sys, time
+    t_start = time.perf_counter()
+    import llama_cpp
+    path, threads, n_prompt, n_new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=path, n_ctx=n_prompt + n_new + 16, n_threads=threads, n_threads_batch=threads,
+                          use_mmap=True, verbose=False)
+    load_s = time.perf_counter() - t0
+    ids = [(7 * i + 3) % llm.n_vocab() for i in range(n_prompt)]
+    out, first = [], None
+    t1 = time.perf_counter()
+    for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+        out.append(tok)
+        if first is None:
+            first = time.perf_counter()
+        if len(out) >= n_new:
+            break
+    end = time.perf_counter()
+    print(json.dumps({"load_s": load_s, "ttft_s": first - t0, "prefill_tok_s": n_prompt / (first - t1),
+                      "decode_tok_s": (len(out) - 1) / (end - first), "tokens": out}))
+""")
+
+
+def drop_cached(path: Path) -> None:
+    """Drop this file's pages from the page cache (posix_fadvise DONTNEED: this file only), so
+    each engine starts from a cold file, as after a reboot, whatever ran or wrote it before."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def run_llama_cpp(path: Path, threads: int, n_prompt: int, n_new: int) -> dict:
+    """llama.cpp (llama-cpp-python) on the same file: mmap, the same threads, greedy, the same prompt ids."""
+    drop_cached(path)
+    proc = subprocess.Popen([sys.executable, "-c", LLAMA_CHILD, str(path), str(threads), str(n_prompt), str(n_new)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watch = AnonPeak(proc.pid, 0.02)
+    out, err = proc.communicate()
+    peak = watch.stop()
+    if proc.returncode != 0:
+        raise SystemExit(f"llama.cpp run failed (rc {proc.returncode}): {err[-3000:]}")
+    r = json.loads(out.strip().splitlines()[-1])
+    r["peak_anon"] = peak
+    return r
+
+
 def disk_bandwidth(path: Path, seconds: float = 3.0, block: int = 2 << 20, in_flight: int = 8) -> float:
     """Bytes/s of random O_DIRECT reads of `block` bytes, `in_flight` at a time."""
     size = path.stat().st_size
@@ -126,6 +182,7 @@ def memory_bandwidth(nbytes: int = 512 << 20, repeats: int = 3) -> float:
 
 def run(path: Path, ram: str, threads: int, n_prompt: int, n_new: int) -> dict:
     opts = {"ram_memory": ram, "pin_experts": "auto", "experts_cache": "auto", "cpu_threads": threads}
+    drop_cached(path)
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(path), json.dumps(opts), str(n_prompt), str(n_new)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watch = AnonPeak(proc.pid, 0.02)
@@ -138,6 +195,12 @@ def run(path: Path, ram: str, threads: int, n_prompt: int, n_new: int) -> dict:
     return r
 
 
+def _agree(a: list[int], b: list[int]) -> str:
+    """How many leading tokens two engines' greedy outputs share, of how many."""
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"{n}/{min(len(a), len(b))}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -147,6 +210,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skewed-model", help="also run this file: the same synth written with --router-skew")
     ap.add_argument("--skew", type=float, default=0.0, help="the --router-skew the skewed file was written with")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="also run llama.cpp (llama-cpp-python, mmap, same threads) on each file (not qwen4exp: "
+                         "llama.cpp has no such architecture)")
     args = ap.parse_args(argv)
     path = Path(args.model)
     budget = parse_size(args.ram_memory, "--ram-memory")
@@ -154,6 +220,8 @@ def main(argv=None) -> int:
           f"(shared machine: 2 cores, other engineers' jobs running)")
     disk = disk_bandwidth(path)
     mem = memory_bandwidth()
+    print("# each engine starts from a cold file: its page-cache pages are dropped before the run "
+          "(posix_fadvise DONTNEED, this file only)")
     print(f"# disk {disk / 1e9:.2f} GB/s (2 MiB O_DIRECT random reads, 8 in flight); memory {mem / 1e9:.1f} GB/s "
           f"(512 MiB copy)")
     rows = []
@@ -161,6 +229,10 @@ def main(argv=None) -> int:
     for model, skew in runs:
         r = run(model, args.ram_memory, args.threads, args.prompt_tokens, args.tokens)
         r["skew"] = skew
+        if args.llama_cpp:
+            r["llama"] = run_llama_cpp(model, args.threads, args.prompt_tokens, args.tokens)
+            print(f"# llama.cpp on {model.name}: {json.dumps({k: v for k, v in r['llama'].items() if k != 'tokens'})}",
+                  flush=True)
         rows.append(r)
         print(f"# run {model.name} (router skew {skew:g}): {r['summary']}", flush=True)
     dense = rows[0]["memory"]["dense"]
@@ -190,6 +262,14 @@ def main(argv=None) -> int:
              ("  of which interpreter + libraries GiB", lambda r: f"{r['base'] / 2**30:.2f}"),
              ("  --ram-memory GiB (+5 %)", lambda r: f"{budget / 2**30:.2f} ({1.05 * budget / 2**30:.2f})"),
              ("  planned GiB", lambda r: f"{r['memory']['total'] / 2**30:.2f}")]
+    if args.llama_cpp:
+        table += [(f"llama.cpp decode tok/s (mmap, {args.threads} threads)", lambda r: f"{r['llama']['decode_tok_s']:.3f}"),
+                  ("  Strata / llama.cpp decode", lambda r: f"{r['decode_tok_s'] / r['llama']['decode_tok_s']:.2f}"),
+                  ("llama.cpp time to first token s", lambda r: f"{r['llama']['ttft_s']:.1f}"),
+                  ("llama.cpp prefill tok/s", lambda r: f"{r['llama']['prefill_tok_s']:.2f}"),
+                  ("  Strata / llama.cpp prefill", lambda r: f"{r['prefill_tok_s'] / r['llama']['prefill_tok_s']:.2f}"),
+                  ("llama.cpp peak anonymous RSS GiB", lambda r: f"{r['llama']['peak_anon'] / 2**30:.2f}"),
+                  ("greedy tokens equal to Strata's", lambda r: f"{_agree(r['tokens'], r['llama']['tokens'])}")]
     width = max(len(name) for name, _ in table)
     print()
     for name, cell in table:
