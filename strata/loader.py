@@ -62,7 +62,9 @@ def load_with_tiers(path: str | Path, options) -> tuple[LoadedModel, object | No
     if options.expert_parallel:
         tiers = install_parallel(loaded, options)
     elif isinstance(experts, TieredProvider):
-        tiers = install_tiers(loaded, options)
+        from strata.runtime.progress import byte_bar
+
+        tiers = install_tiers(loaded, options, lambda total: byte_bar(total, options.progress))
     return loaded, tiers, kv.configure(loaded.model) if kv is not None else None  # KV after the tiers' placement
 
 

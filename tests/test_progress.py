@@ -30,3 +30,14 @@ def test_run_prints_a_one_line_plan_summary(tmp_path, capsys):
     assert main(["run", "--model", str(model), "--prompt", "ab", "-n", "2", "--json", "--experts-cache", "50%"]) == 0
     line = capsys.readouterr().err.splitlines()[0]
     assert "cache 4 of 8 experts" in line and "experts home ram" in line
+
+
+def test_experts_read_into_ram_show_a_byte_bar_on_a_terminal(tmp_path, monkeypatch, capsys):
+    import strata
+
+    model = write_tiny_llama(tmp_path / "t.gguf")
+    monkeypatch.setattr(progress.sys.stderr, "isatty", lambda: True, raising=False)
+    engine = strata.load(str(model), progress=True, pin_experts="ram", experts_cache="0")
+    engine.close()
+    err = capsys.readouterr().err
+    assert "reading experts into RAM" in err and "tensors" in err

@@ -8,6 +8,8 @@ code never learns where an expert is, and nothing is assigned onto the model.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from strata.errors import StrataError
@@ -105,9 +107,10 @@ class TieredProvider:
             self.runtime.begin_block(index, x, step)
 
 
-def install(loaded, options) -> TierRuntime:
+def install(loaded, options, byte_bar=None) -> TierRuntime:
     """Build the tiers for `loaded` (a LoadedModel built with a `TieredProvider` and, for the device,
-    a `BlockPlacement`) under `options`, and complete its provider."""
+    a `BlockPlacement`) under `options`, and complete its provider. `byte_bar(total)`: a context
+    yielding `advance(n)`, shown while the RAM-homed experts are read (the loader passes one)."""
     provider = loaded.model.seams.experts
     if not isinstance(provider, TieredProvider):
         raise StrataError("the model was built without the tiers' experts provider",
@@ -123,7 +126,10 @@ def install(loaded, options) -> TierRuntime:
     reader = FileReader(loaded.source.file.path) if hasattr(loaded.source, "file") and sources else None
     n = {layer.layer: layer.n_experts for layer in plan.experts}
     # pageable: the cache copies through bounded pinned staging
-    homes = build_homes(plan, formats, reader, device, lambda fmts, kind: RamHome(fmts, n, reader, sources))
+    in_ram = sum(layer.nbytes for layer in plan.experts if layer.home != "disk")
+    with (byte_bar or _no_bar)(in_ram) as advance:
+        homes = build_homes(plan, formats, reader, device,
+                            lambda fmts, kind: RamHome(fmts, n, reader, sources, advance=advance))
     cache = build_cache(plan, options, homes, formats, n_experts, device)
     tracer = TraceRecorder(n_experts, {"model": str(getattr(loaded.source, "description", ""))},
                            {i: f.nbytes for i, f in formats.items()}) if options.trace_experts else None
@@ -134,6 +140,11 @@ def install(loaded, options) -> TierRuntime:
     provider.runtime = TierRuntime(plan, homes, executor, prefetcher, cache, reader, options.trace_experts,
                                    _decode_width(loaded.model, options))
     return provider.runtime
+
+
+@contextmanager
+def _no_bar(total: int):
+    yield lambda n: None
 
 
 def _decode_width(model, options) -> int:

@@ -222,12 +222,17 @@ class RamHome(Home):
     kind = "ram"
 
     def __init__(self, formats: dict[int, ExpertFormat], n_experts: dict[int, int], reader=None,
-                 sources=None, pin: bool = False):
+                 sources=None, pin: bool = False, advance=None):
+        """`advance(n_bytes)` is called after each projection is read (a progress bar's)."""
         self.formats = formats
         self.data: dict[int, tuple[torch.Tensor, ...]] = {}
         for layer, fmt in formats.items():
-            self.data[layer] = tuple(self._load(p, n_experts[layer], reader, (sources or {}).get(layer, ()), i, pin)
-                                     for i, p in enumerate(fmt.parts))
+            parts = []
+            for i, p in enumerate(fmt.parts):
+                parts.append(self._load(p, n_experts[layer], reader, (sources or {}).get(layer, ()), i, pin))
+                if advance is not None:
+                    advance(parts[-1].numel())
+            self.data[layer] = tuple(parts)
         self.bytes_read = 0
 
     @staticmethod
