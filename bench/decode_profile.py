@@ -4,7 +4,9 @@ Used by bench_vs_llamacpp.py --profile. Three views of the same decode steps:
   parts    the model's pieces (attention, router, experts, output head, ...) by wall time,
   kernels  each quantized matrix product, by ggml type and shape, with its GB/s,
   ops      torch's own operators by self CPU time (what is left between the kernels),
-then the bytes of weights one token reads against a large tensor copy's bandwidth.
+then the bytes of weights one token reads against a large tensor copy's bandwidth, and the
+quantized products of one decode step replayed alone (`replay_products`), by CPU time, so the
+time outside them (Python, torch operators, attention) is the step's CPU time minus theirs.
 """
 
 from __future__ import annotations
@@ -195,3 +197,46 @@ def print_profile(engine, prompt: list[int], steps: int) -> None:
     print(f"    {'total':<22} {total / 2**20:8.2f} MiB; memory bandwidth {bw:.1f} GB/s (copy, read+write) "
           f"-> floor {floor_ms:.2f} ms/token ({1e3 / floor_ms:.0f} tok/s); measured {step_ms:.2f} ms "
           f"= {100 * floor_ms / step_ms:.0f}% of bandwidth")
+
+
+def replay_products(engine, prompt: list[int], repeats: int = 8) -> None:
+    """CPU ms per token of one decode step's quantized products called alone (recorded from a real
+    step, then replayed back to back), against the whole step's CPU ms: the rest is everything
+    outside the kernels. CPU time, not wall, so a shared machine's descheduling does not count."""
+    model = engine.model
+    calls = []
+    originals = kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group
+
+    def rec_q(x, w, threads=None):
+        calls.append((originals[0], (x.clone(), w, threads)))
+        return originals[0](x, w, threads)
+
+    def rec_m(x, parts, w, threads, out):
+        calls.append((lambda *a: originals[1](*a[:4], torch.zeros_like(a[0])), (x.clone(), parts, w, threads)))
+        return originals[1](x, parts, w, threads, out)
+
+    def rec_g(x, ws, biases):
+        calls.append((originals[2], (x.clone(), ws, biases)))
+        return originals[2](x, ws, biases)
+
+    cache = model.new_cache(1)
+    with torch.inference_mode():
+        token = model(torch.tensor([prompt]), cache, last_only=True)[:, 0].argmax(-1)
+        token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
+        kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group = rec_q, rec_m, rec_g
+        try:
+            token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
+        finally:
+            kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group = originals
+        steps, alone = [], []
+        for _ in range(repeats):
+            t = time.process_time()
+            token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
+            steps.append(time.process_time() - t)
+            t = time.process_time()
+            for fn, args in calls:
+                fn(*args)
+            alone.append(time.process_time() - t)
+    step, kern = statistics.median(steps) * 1e3, statistics.median(alone) * 1e3
+    print(f"\n  replayed: {len(calls)} product calls alone {kern:.2f} ms CPU per token; the whole step "
+          f"{step:.2f} ms CPU; outside the products {step - kern:.2f} ms ({100 * (step - kern) / step:.0f}%)")

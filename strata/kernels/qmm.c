@@ -1210,6 +1210,12 @@ static int unquant8(const uint8_t *q, int64_t qblk, int64_t qsize, float *y, int
     return 1;
 }
 
+/* Products reading fewer weight bytes (times batch rows) than this run on the calling thread alone:
+ * a decode step of a small model makes hundreds of ~10 us products, and handing each to a helper
+ * thread (a wake-up, then the caller's wait) cost more than the helper's share of the work. */
+static int64_t min_parallel_bytes = 256 * 1024;
+void strata_set_min_parallel(int64_t bytes) { min_parallel_bytes = bytes; }
+
 /* Y = X W^T through ggml's kernels for ggml type `type` (wrow bytes per weight row); 0 if none. */
 int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const float *X, int64_t B, float *Y,
                    int nth, int64_t wrow) {
@@ -1241,6 +1247,7 @@ int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const
     }
     int64_t tile_rows = ROW_TILE;
     while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
+    if (rows * wrow * B < min_parallel_bytes) nth = 1; /* waking a helper costs more than it saves */
     const dot2_fn dot2 = twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
     if (dot2 && (type == 3 || type == 7)) { /* Q4_1, Q5_1: the row-independent part laid out once (q4_1_prep) */
         const int64_t prow = q4_1_prep_bytes(cols);
@@ -1468,4 +1475,4 @@ void strata_qmm_group(int n, void *const *fns, const void *const *W, const int64
     }
 }
 
-int strata_abi_version(void) { return 8; }
+int strata_abi_version(void) { return 9; }
