@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skewed-model", help="also run this file: the same synth written with --router-skew")
-    ap.add_argument("--skew", type=float, default=0.0, help="the --router-skew the skewed file was written with")
+    ap.add_argument("--skew", type=float, default=0.0, help="the --router-skew the skewed file (or, without --skewed-model, --model) was written with")
     ap.add_argument("--llama-cpp", action="store_true",
                     help="also run llama.cpp (llama-cpp-python, mmap, same threads) on each file (not qwen4exp: "
                          "llama.cpp has no such architecture)")
@@ -225,7 +225,10 @@ def main(argv=None) -> int:
     print(f"# disk {disk / 1e9:.2f} GB/s (2 MiB O_DIRECT random reads, 8 in flight); memory {mem / 1e9:.1f} GB/s "
           f"(512 MiB copy)")
     rows = []
-    runs = [(path, 0.0)] + ([(Path(args.skewed_model), args.skew)] if args.skewed_model else [])
+    # without --skewed-model, --skew labels --model itself (a file written with --router-skew, run alone
+    # when disk holds one full-size file at a time)
+    runs = [(path, 0.0 if args.skewed_model else args.skew)] + \
+        ([(Path(args.skewed_model), args.skew)] if args.skewed_model else [])
     for model, skew in runs:
         r = run(model, args.ram_memory, args.threads, args.prompt_tokens, args.tokens)
         r["skew"] = skew
