@@ -65,6 +65,13 @@ def test_a_budget_far_below_the_file_is_kept_and_changes_no_token(mid_file, prom
     assert peak - tight["base"] <= 1.05 * budget, (peak, tight["base"], tight["memory"])
 
 
+def test_a_budget_alone_reads_the_experts_from_the_file(mid_file):
+    """--ram-memory without --pin-experts: experts that do not fit are read from the file, not refused."""
+    report, peak = run_child(mid_file, ram_memory="160M", experts_cache="0")
+    assert len(report["ids"]) == 6
+    assert peak - report["base"] <= 1.05 * 160 * 2**20
+
+
 def test_a_sparse_full_size_flagship_opens_plans_and_generates(tmp_path):
     path = synth.write(tmp_path / "sparse.gguf", "qwen4exp", 4, "IQ2_XS", sparse=True)
     report, peak = run_child(path, ram_memory="3G", pin_experts="auto")

@@ -45,8 +45,10 @@ def auto_options(source, opts, model_path: str) -> tuple[object, dict]:
 
 
 def resolve_home(source, opts):
-    """`--pin-experts auto` becomes ram or disk before planning."""
-    if opts.pin_experts != "auto":
+    """`--pin-experts auto`, or no --pin-experts once another tier flag is given (`--ram-memory` alone,
+    say), becomes ram or disk before planning: a model larger than the budget runs from the file
+    instead of being refused."""
+    if opts.pin_experts not in ("auto", None):
         return opts
     ram_budget = parse_size(opts.ram_memory, "--ram-memory") if opts.ram_memory else hardware.ram_default_budget()
     return replace(opts, pin_experts=choose_home(source, ram_budget)[0])
