@@ -2,7 +2,8 @@
 
     python bench/fuzz_gguf.py --cases 10000 --seed 0 --jobs 2
 
-Seeds are tiny complete models (llama with experts, qwen3moe), each with a byte-level tokenizer.
+Seeds are tiny complete models (llama with experts, qwen3moe, qwen3next, qwen4exp), each with a
+byte-level tokenizer.
 Each case applies one to three seeded mutations: truncation, flipped bytes, huge u64 fields in the
 header, huge counts and dims, bad offsets, wrong or unknown value and tensor types, missing,
 ill-typed or out-of-range metadata, deeply nested arrays, bad alignment, and tokenizer arrays of
@@ -149,7 +150,8 @@ def read_doc(path: Path) -> Doc:
 # -- seeds -------------------------------------------------------------------------------------------
 
 def write_seeds(out: Path) -> list[Path]:
-    """Tiny complete models with tokenizers: llama with 4 experts, qwen3moe; F32, random norms."""
+    """Tiny complete models with tokenizers: llama with 4 experts, qwen3moe, qwen3next, qwen4exp;
+    F32, random norms."""
     import torch
 
     from strata.gguf.writer import write_gguf
@@ -189,6 +191,42 @@ def write_seeds(out: Path) -> list[Path]:
         path = out / f"seed-{module.ARCH}.gguf"
         meta = {**module.gguf_metadata(c), **tok}
         write_gguf(path, module.ARCH, meta, [(n, t, gguf.GGMLQuantizationType.F32) for n, t in tensors.items()])
+        paths.append(path)
+    return paths + _hybrid_seeds(out, vocab, hidden, heads, kv_heads, head_dim, ffn, experts)
+
+
+def _hybrid_seeds(out: Path, vocab, hidden, heads, kv_heads, head_dim, ffn, experts) -> list[Path]:
+    """qwen3next and qwen4exp (a Gated DeltaNet layer, then an attention layer; qwen4exp with
+    hyper-connections, QSA and a small n-gram table): `strata synth`'s layout and metadata for a
+    tiny config, every tensor F32."""
+    import numpy as np
+    import torch
+
+    from strata import synth
+    from strata.formats import qwen3next, qwen4exp
+    from strata.formats.hparams import RopeConfig
+    from strata.gguf.writer import write_gguf
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, n_layers=2, n_heads=heads, n_kv_heads=kv_heads,
+                  head_dim=head_dim, expert_ffn_size=ffn, shared_ffn_size=ffn, n_experts=experts,
+                  n_experts_used=2, norm_topk_prob=True, rms_eps=1e-6, rope=RopeConfig(dim=4),
+                  context_length=64, recurrent=(True, False), conv_kernel=4, linear_k_heads=2,
+                  linear_v_heads=4, linear_k_dim=8, linear_v_dim=8)
+    configs = [qwen3next.Config(**common, ffn_size=0),
+               qwen4exp.Config(**common, rope_sections=(2, 0, 0, 0), gate_act="sigmoid", hc_count=2, hc_rank=8,
+                               indexer_heads=2, indexer_dim=8, indexer_budget=16, compress_ratios=(0, 4),
+                               ple_layers=(1,), ple_row_dim=4, ple_hash=synth._hash(3, 2, vocab, 2))]
+    rng = np.random.default_rng(0)
+    paths = []
+    for c in configs:
+        arch = synth.FORMATS[type(c)].ARCH
+        rows = 1024 if c.__class__ is qwen4exp.Config else None
+        meta = {**synth.metadata(c, c.n_layers, vocab, "F16", f"fuzz-{arch}", None, rows), "general.file_type": 0}
+        tensors = [(name, torch.from_numpy(synth._tensor_data(shape, gguf.GGMLQuantizationType.F32, kind, rng)),
+                    gguf.GGMLQuantizationType.F32)
+                   for name, shape, _, kind in synth.tensor_plan(c, c.n_layers, vocab, "F16", None, rows)]
+        path = out / f"seed-{arch}.gguf"
+        write_gguf(path, arch, meta, tensors)
         paths.append(path)
     return paths
 

@@ -79,6 +79,17 @@ def test_bad_gguf_metadata_is_named(doc, tmp_path, capsys, case):
         assert part in err, err
 
 
+def test_compress_ratio_that_does_not_divide_the_indexer_budget(tmp_path, capsys):
+    """qwen4exp's QSA layers pick budget / ratio blocks: a ratio of 7 against a budget of 16 is named."""
+    seed = next(p for p in fuzz.write_seeds(tmp_path / "seeds") if p.name == "seed-qwen4exp.gguf")
+    d = fuzz.read_doc(seed)
+    _set(d, "qwen4exp.attention.compress_ratios", V.ARRAY, (V.INT32, [0, 7]))
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(fuzz.encode(d))
+    err = run_cli(["run", "--model", str(path), "--prompt", "x"], capsys)
+    assert "compress ratio 7" in err and "16" in err, err
+
+
 def test_tokenizer_panic_is_one_line(tmp_path, capsys, monkeypatch):
     """The tokenizers library panics with PanicException, a BaseException that `except Exception` misses."""
     from strata.formats.tokenizer import Tokenizer

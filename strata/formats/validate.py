@@ -200,3 +200,9 @@ def check_config(c, where: str) -> None:
             value = getattr(rope, name)
             if not (is_number(value) and value > 0):
                 raise BadModelFile(f"{where}: rope {name} {value!r} is not a finite number > 0", "re-convert the model")
+    budget = get("indexer_budget", 0)
+    for i, ratio in enumerate(get("compress_ratios") or ()):
+        if ratio and not (is_int(ratio) and ratio > 0 and is_int(budget) and budget > 0 and budget % ratio == 0):
+            raise BadModelFile(f"{where}: layer {i}'s compress ratio {ratio!r} does not divide the indexer budget "
+                               f"(attention.indexer.top_k) {budget!r}",
+                               "each non-zero attention.compress_ratios entry must divide it; re-convert the model")
