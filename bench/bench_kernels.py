@@ -5,6 +5,8 @@
     .venv/bin/python bench/bench_kernels.py --batches          # fast vs reference crossover (FAST_BATCH_MAX)
     .venv/bin/python bench/bench_kernels.py --compare-numba    # the tool choice: C vs numba on Q4_K
     .venv/bin/python bench/bench_kernels.py --prompt-crossover --threads 1   # prefill: PROMPT_MIN_ROWS
+    .venv/bin/python bench/bench_kernels.py --fused-ab --types Q4_K IQ2_XS --threads 1
+                                                  # q8x2 in one pass vs ggml's vec_dot run twice
     .venv/bin/python bench/bench_kernels.py --compare-ggml --types Q4_0 Q4_K IQ2_XS --threads 1 2
                                                   # the kept library: ggml (ggml-python) on the same blocks
 
@@ -276,6 +278,37 @@ def prompt_crossover(types, threads):
               f"~{(deq + 1e-4) / row:4.0f} rows (in use: {kernels.PROMPT_MIN_ROWS.get(name, 32)})", flush=True)
 
 
+def fused_ab(types, threads_list, n_experts):
+    """q8x2 in one pass (qmm.c's fused kernels) against ggml's vec_dot run twice, B=1: the two
+    alternate in rounds of calls so load changes hit both; medians over the rounds."""
+    lib = _build.load()
+    kernels.set_activations("q8x2")
+    print(f"{'type':<8} {'shape':<17} {'thr':>3} | {'two-pass ms':>11} {'one-pass ms':>11} {'speedup':>7}")
+    for name in types:
+        if name not in kernels.ggml_types() or not lib.strata_fused_types(int(T[name])):
+            print(f"{name:<8} no one-pass kernel on this CPU")
+            continue
+        for label, shape in SHAPES.items():
+            ws = experts(T[name], shape, n_experts)
+            x = torch.randn(1, shape[1])
+            out = torch.empty(1, shape[0])
+            for threads in threads_list:
+                it = iter(range(10**9))
+
+                def call():
+                    kernels.qmatmul_fast(x, ws[next(it) % n_experts], threads=threads, out=out)
+
+                times = {0: [], 1: []}
+                for _ in range(15):
+                    for on in (0, 1):
+                        lib.strata_set_fused(on)
+                        times[on].append(timed(call, 40, budget_s=0.2)[0])
+                lib.strata_set_fused(1)
+                two, one = statistics.median(times[0]), statistics.median(times[1])
+                print(f"{name:<8} {label:<17} {threads:>3} | {two * 1e3:11.3f} {one * 1e3:11.3f} {two / one:6.2f}x",
+                      flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", nargs="*", default=list(_build.KERNEL_TYPES))
@@ -286,6 +319,7 @@ def main(argv=None):
     ap.add_argument("--compare-numba", action="store_true", help="only C vs numba on Q4_K")
     ap.add_argument("--compare-ggml", action="store_true", help="only strata vs ggml (ggml-python) mat-vec")
     ap.add_argument("--prompt-crossover", action="store_true", help="only the batched vs 8-bit kernel crossover")
+    ap.add_argument("--fused-ab", action="store_true", help="only q8x2 one pass vs ggml's two passes")
     args = ap.parse_args(argv)
     if not kernels.available():
         print(f"kernels unavailable: {_build.error()}")
@@ -296,6 +330,9 @@ def main(argv=None):
         return 0
     if args.prompt_crossover:
         prompt_crossover([t for t in args.types if t in kernels.ggml_types()], args.threads[0])
+        return 0
+    if args.fused_ab:
+        fused_ab(args.types, args.threads, args.experts)
         return 0
     if args.compare_ggml:
         compare_ggml(args.types, args.threads, args.experts)

@@ -900,7 +900,7 @@ static int act_mode = 3;
  * "q8x2" takes two 8-bit dot products per weight row: x's 8-bit value and its 8-bit residual.
  * Through ggml's vec_dot that is two passes, each unpacking the weight blocks again, which made
  * q8x2 1.7-1.9x the time of llama.cpp's single pass at one thread. For Q4_K, Q6_K (the K-quant
- * mixes of the common releases), Q4_1 and Q5_1 these kernels unpack each weight block once and feed both
+ * mixes of the common releases), Q4_1, Q5_1 and IQ2_XS these kernels unpack each weight block once and feed both
  * activations to vpdpbusd (u8 weights x s8 activations, 64 products per instruction), keeping
  * the two integer sums apart until the float scales apply: the same arithmetic as the two
  * passes up to the order of float additions. Activation blocks are ggml's, from its own quantizer.
@@ -1147,12 +1147,67 @@ static float dot2_q5_1(int64_t n, const uint8_t *w, const uint8_t *prep, const u
     return _mm512_reduce_add_ps(acc) + mins + tail;
 }
 
+/* IQ2_XS: {f16 d; u16 qs[32]; u8 scales[8]} x q8_K. Each u16 holds a grid index (low 9 bits: 8
+ * magnitudes of {8, 25, 43} from GRID_IQ2_XS) and a 7-bit sign index whose 8th sign is the parity
+ * of the 7 (ksigns_iq2xs); 16-value sub-blocks scale by 2s+1 over a common 1/8. One vpgatherqq
+ * brings 64 magnitudes, the signs go on the weights (s8, |w| <= 43), and the activations take
+ * vpdpbusd as u8 (x + 128, the xor with 0x80), the 128 * sum(w) coming off per lane (one more
+ * vpdpbusd shared by both activations), so every integer sum is exact like ggml's. */
+static float dot2_iq2_xs(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
+    const int64_t nb = n / 256;
+    const __m128i m511 = _mm_set1_epi16(511), m15 = _mm_set1_epi8(15);
+    const __m128i parity4 = _mm_setr_epi8(0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 0, 1, 0, 1, 1, 0);
+    const __m512i x80 = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + i * 74, *yq = xq + i * 292, *yr = xr + i * 292;
+        float dq, dr;
+        memcpy(&dq, yq, 4);
+        memcpy(&dr, yr, 4);
+        const float d = rd_f16(b);
+        uint64_t s8;
+        memcpy(&s8, b + 66, 8);
+        const __m128i sb = _mm_cvtsi64_si128((long long)s8);
+        /* sub-block g's scale is nibble g (low nibble first): 2s + 1 in 16 lanes */
+        const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sb, m15), _mm_and_si128(_mm_srli_epi16(sb, 4), m15));
+        const __m512i sc32 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_cvtepu8_epi32(nib), 1), _mm512_set1_epi32(1));
+        __m512i sq = zero, sr = zero;
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) { /* 64 values: 8 grid entries, sub-blocks 4j..4j+3 */
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * j));
+            const __m512i g = _mm512_i64gather_epi64(_mm512_cvtepu16_epi64(_mm_and_si128(q, m511)),
+                                                     (const void *)GRID_IQ2_XS, 8);
+            const __m128i s7 = _mm_srli_epi16(q, 9);
+            const __m128i par = _mm_xor_si128(_mm_shuffle_epi8(parity4, _mm_and_si128(s7, m15)),
+                                              _mm_shuffle_epi8(parity4, _mm_srli_epi16(s7, 4)));
+            const __m128i sg = _mm_or_si128(s7, _mm_slli_epi16(par, 7)); /* 8 sign bytes, in u16 lanes */
+            const __mmask64 neg = (__mmask64)_mm_cvtsi128_si64(_mm_packus_epi16(sg, sg));
+            const __m512i ws = _mm512_mask_sub_epi8(g, neg, zero, g);
+            const __m512i c = _mm512_dpbusd_epi32(zero, x80, ws);
+            const __m512i pq = _mm512_sub_epi32(
+                _mm512_dpbusd_epi32(zero, _mm512_xor_si512(_mm512_loadu_si512(yq + 4 + 64 * j), x80), ws), c);
+            const __m512i pr = _mm512_sub_epi32(
+                _mm512_dpbusd_epi32(zero, _mm512_xor_si512(_mm512_loadu_si512(yr + 4 + 64 * j), x80), ws), c);
+            const __m512i idx = _mm512_set_epi32(4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 2, 4 * j + 2,
+                                                 4 * j + 2, 4 * j + 2, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1,
+                                                 4 * j, 4 * j, 4 * j, 4 * j);
+            const __m512i s = _mm512_permutexvar_epi32(idx, sc32);
+            sq = madd_lo16(sq, pq, s);
+            sr = madd_lo16(sr, pr, s);
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dq), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dr), acc);
+    }
+    return 0.125f * _mm512_reduce_add_ps(acc);
+}
+
 /* The fused kernel for a ggml type and its activation layout (qblk, qsize), or NULL. */
 static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     if (type == 12 && qblk == 256 && qsize == 292) return dot2_q4_k;
     if (type == 14 && qblk == 256 && qsize == 292) return dot2_q6_k;
     if (type == 3 && qblk == 32 && qsize == 36) return dot2_q4_1;
     if (type == 7 && qblk == 32 && qsize == 36) return dot2_q5_1;
+    if (type == 17 && qblk == 256 && qsize == 292) return dot2_iq2_xs;
     return NULL;
 }
 #else
