@@ -10,8 +10,9 @@ float64 (executed as a module, nothing written), and Strata's gated_deltanet.py 
 treatment for the layer-level check.
 
 Printed per seed:
-  logits   max |difference| over the prompt of transformers fp32 and Strata fp32 against the
-           float64 reference (and of Strata against transformers, what the converter test checks);
+  logits   max |difference| over the prompt of transformers fp32 and Strata fp32 (one prefill, and
+           token by token through the decode step) against the float64 reference, and of Strata
+           against transformers fp32 (what the converter test checks);
   layers   each DeltaNet layer on transformers' own inputs, Strata in float64 against the float64
            reference, chunked prefill and token-by-token decode; `ssm_a` is the file's float32
            -exp(A_log) unless --exact-a;
@@ -72,6 +73,19 @@ def strata_mixer_float64(mixer, gd64):
     return m
 
 
+def strata_chunked_and_decode(gd64, mixer64, x):
+    """Strata's DeltaNet (gd64's code, float64 weights) over x (1, T, hidden): one prefill, and
+    token by token through the decode step."""
+    from strata.models.cache import StepInfo
+
+    t = x.shape[1]
+    chunked = gd64.GatedDeltaNet.forward(mixer64, x, gd64.GDNCache(), StepInfo(torch.tensor([0]), torch.tensor([t]), t))
+    cache = gd64.GDNCache()
+    decode = torch.cat([gd64.GatedDeltaNet.forward(mixer64, x[:, i:i + 1], cache, StepInfo(
+        torch.tensor([i]), torch.tensor([1]), 1)) for i in range(t)], 1)
+    return chunked, decode
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4])
@@ -80,7 +94,6 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     import strata
     import strata.models.gated_deltanet as gd
-    from strata.models.cache import StepInfo
     from transformers.models.qwen3_next import modeling_qwen3_next as mq
 
     mq64 = float64_source(mq, "transformers.models.qwen3_next.modeling_qwen3_next_float64")
@@ -112,10 +125,13 @@ def main(argv=None) -> int:
         with torch.inference_mode():
             hf32, hf64 = model(ids).logits[0], ref(ids).logits[0]
             st32 = engine.model(ids, engine.model.new_cache(1))[0]
+            cache = engine.model.new_cache(1)
+            st32_decode = torch.cat([engine.model(ids[:, t:t + 1], cache)[0] for t in range(TOKENS)])
         for h in hooks:
             h.remove()
-        print(f"seed {seed}  logits: transformers fp32 {worst(hf32, hf64):.2e}, Strata fp32 {worst(st32, hf64):.2e}"
-              f" from float64; Strata - transformers fp32 {worst(st32, hf32):.2e}")
+        print(f"seed {seed}  logits from float64: transformers fp32 {worst(hf32, hf64):.2e}, Strata fp32 "
+              f"{worst(st32, hf64):.2e} (token by token {worst(st32_decode, hf64):.2e}); "
+              f"Strata - transformers fp32 {worst(st32, hf32):.2e}")
         for i in deltanet:
             x = inputs[i].double()
             with torch.inference_mode():
@@ -123,11 +139,7 @@ def main(argv=None) -> int:
                 mixer = strata_mixer_float64(engine.model.blocks[i].attn, gd64)
                 if args.exact_a:
                     mixer.a = -ref.model.layers[i].linear_attn.A_log.detach().exp()
-                chunked = gd64.GatedDeltaNet.forward(mixer, x, gd64.GDNCache(),
-                                                     StepInfo(torch.tensor([0]), torch.tensor([TOKENS]), TOKENS))
-                cache = gd64.GDNCache()
-                decode = torch.cat([gd64.GatedDeltaNet.forward(mixer, x[:, t:t + 1], cache, StepInfo(
-                    torch.tensor([t]), torch.tensor([1]), 1)) for t in range(TOKENS)], 1)
+                chunked, decode = strata_chunked_and_decode(gd64, mixer, x)
             o64 = normed[i].reshape(TOKENS, -1, normed[i].shape[-1])
             o32 = normed32[i].double().reshape(o64.shape)
             rel = ((o32 - o64).norm(dim=-1) / o64.norm(dim=-1))  # (token, head)
