@@ -164,9 +164,9 @@ def test_llama_cpp_file_matches_transformers(converted, arch):
     attend densely) and transformers (QSA, exactly dense within the budget) agree. Prompt seed 2: with
     seed 1, qwen3next differs from transformers by 2.2e-3, float32 rounding and not a formula: against
     a float64 run of both, transformers' fp32 is 2.5e-3 off and Strata's 3.1e-4, and Strata's DeltaNet
-    equals transformers' to 1e-14 in float64 (bench/qwen3next_float64.py). That prompt drives layer
-    0's DeltaNet output for one head to a near-cancellation (RMS 1.2e-4), which the gated RMSNorm
-    scales by 1/sqrt(RMS^2 + eps) ~ 1000."""
+    equals transformers' to 3e-14 in float64 (bench/qwen3next_float64.py --exact-a;
+    test_gated_deltanet_float64.py). That prompt drives layer 0's DeltaNet output for one head to a
+    near-cancellation (RMS 1.2e-4), which the gated RMSNorm scales by 1/sqrt(RMS^2 + eps) ~ 1000."""
     from strata.gguf.reader import GGUFFile
 
     model, path = converted(arch)
