@@ -900,7 +900,7 @@ static int act_mode = 3;
  * "q8x2" takes two 8-bit dot products per weight row: x's 8-bit value and its 8-bit residual.
  * Through ggml's vec_dot that is two passes, each unpacking the weight blocks again, which made
  * q8x2 1.7-1.9x the time of llama.cpp's single pass at one thread. For Q4_K, Q6_K (the K-quant
- * mixes of the common releases), Q4_1, Q5_1 and IQ2_XS these kernels unpack each weight block once and feed both
+ * mixes of the common releases), Q4_1, Q5_1, Q8_0 and IQ2_XS these kernels unpack each weight block once and feed both
  * activations to vpdpbusd (u8 weights x s8 activations, 64 products per instruction), keeping
  * the two integer sums apart until the float scales apply: the same arithmetic as the two
  * passes up to the order of float additions. Activation blocks are ggml's, from its own quantizer.
@@ -1201,6 +1201,71 @@ static float dot2_iq2_xs(int64_t n, const uint8_t *w, const uint8_t *xq, const u
     return 0.125f * _mm512_reduce_add_ps(acc);
 }
 
+/* Q8_0: {f16 d; i8 qs[32]} x q8_0 {f16 d; i8 qs[32]}. Both sides are signed, so q8_0_prep lays
+ * the activations out as u8 (x + 128, the xor with 0x80) with their block scales spread over 8
+ * lanes, and each row takes the weights as they are (s8), the 128 * sum(w) coming off per lane
+ * (one vpdpbusd shared by both activations): exact integer block sums, as in ggml's vec_dot. */
+static int64_t q8_0_prep_bytes(int64_t n) { const int64_t nb = n / 32; return nb * 64 + nb * 8 * 4 * 2; }
+
+static void q8_0_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) {
+    const int64_t nb = n / 32;
+    uint8_t *vq = out, *vr = vq + nb * 32;
+    float *dq = (float *)(out + nb * 64), *dr = dq + nb * 8;
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *q = xq + i * 34, *r = xr + i * 34;
+        for (int l = 0; l < 32; l++) {
+            vq[i * 32 + l] = q[2 + l] ^ 0x80;
+            vr[i * 32 + l] = r[2 + l] ^ 0x80;
+        }
+        const float a = rd_f16(q), c = rd_f16(r);
+        for (int l = 0; l < 8; l++) {
+            dq[i * 8 + l] = a;
+            dr[i * 8 + l] = c;
+        }
+    }
+}
+
+static float dot2_q8_0(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
+    (void)unused;
+    const int64_t nb = n / 32;
+    const uint8_t *vq = prep, *vr = vq + nb * 32;
+    const float *dq = (const float *)(prep + nb * 64), *dr = dq + nb * 8;
+    const __m512i x80 = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) {
+        const uint8_t *b0 = w + i * 34, *b1 = b0 + 34;
+        const __m512i w8 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                              _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+        const __m512i c = _mm512_dpbusd_epi32(zero, x80, w8);
+        const __m512i pq = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, _mm512_loadu_si512(vq + i * 32), w8), c);
+        const __m512i pr = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, _mm512_loadu_si512(vr + i * 32), w8), c);
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pq), _mm512_loadu_ps(dq + i * 8),
+                                         _mm512_mul_ps(_mm512_cvtepi32_ps(pr), _mm512_loadu_ps(dr + i * 8)));
+        uint16_t h0, h1;
+        memcpy(&h0, b0, 2);
+        memcpy(&h1, b1, 2);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)h0)),
+                                                                  _mm_set1_epi16((short)h1), 1));
+        acc = _mm512_fmadd_ps(t, dw, acc);
+    }
+    float tail = 0.0f;
+    for (; i < nb; i++) { /* an odd last block */
+        const uint8_t *b = w + i * 34;
+        int32_t pq = 0, pr = 0, sw = 0; /* v * (u - 128) summed directly came out wrong from gcc 12 -O3 */
+        for (int l = 0; l < 32; l++) {
+            const int v = ((const int8_t *)(b + 2))[l];
+            pq += v * (int)vq[i * 32 + l];
+            pr += v * (int)vr[i * 32 + l];
+            sw += v;
+        }
+        pq -= 128 * sw;
+        pr -= 128 * sw;
+        tail += rd_f16(b) * (dq[i * 8] * (float)pq + dr[i * 8] * (float)pr);
+    }
+    return _mm512_reduce_add_ps(acc) + tail;
+}
+
 /* The fused kernel for a ggml type and its activation layout (qblk, qsize), or NULL. */
 static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     if (type == 12 && qblk == 256 && qsize == 292) return dot2_q4_k;
@@ -1208,6 +1273,7 @@ static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     if (type == 3 && qblk == 32 && qsize == 36) return dot2_q4_1;
     if (type == 7 && qblk == 32 && qsize == 36) return dot2_q5_1;
     if (type == 17 && qblk == 256 && qsize == 292) return dot2_iq2_xs;
+    if (type == 8 && qblk == 32 && qsize == 34) return dot2_q8_0;
     return NULL;
 }
 #else
@@ -1215,6 +1281,8 @@ typedef float (*dot2_fn)(int64_t n, const uint8_t *w, const uint8_t *xq, const u
 static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) { (void)type; (void)qblk; (void)qsize; return NULL; }
 static int64_t q4_1_prep_bytes(int64_t n) { (void)n; return 0; }
 static void q4_1_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) { (void)n; (void)xq; (void)xr; (void)out; }
+static int64_t q8_0_prep_bytes(int64_t n) { (void)n; return 0; }
+static void q8_0_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) { (void)n; (void)xq; (void)xr; (void)out; }
 #endif
 
 /* 1 (default): "q8x2" takes the fused kernels above where a type has one; 0: ggml's two passes
@@ -1222,8 +1290,8 @@ static void q4_1_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *
 static int fused2_on = 1;
 void strata_set_fused(int on) { fused2_on = on; }
 int strata_fused_types(int type) {
-    const int q8_1 = type == 3 || type == 7;
-    return fused2_for(type, q8_1 ? 32 : 256, q8_1 ? 36 : 292) != NULL;
+    const int q8_1 = type == 3 || type == 7, q8_0 = type == 8;
+    return fused2_for(type, q8_1 || q8_0 ? 32 : 256, q8_1 ? 36 : q8_0 ? 34 : 292) != NULL;
 }
 
 typedef struct {
@@ -1304,15 +1372,17 @@ int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const
     while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
     if (rows * wrow * B < min_parallel_bytes) nth = 1; /* waking a helper costs more than it saves */
     const dot2_fn dot2 = twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
-    if (dot2 && (type == 3 || type == 7)) { /* Q4_1, Q5_1: the row-independent part laid out once (q4_1_prep) */
-        const int64_t prow = q4_1_prep_bytes(cols);
+    if (dot2 && (type == 3 || type == 7 || type == 8)) { /* Q4_1, Q5_1, Q8_0: the row-independent part laid out once */
+        const int q8_0 = type == 8;
+        const int64_t prow = q8_0 ? q8_0_prep_bytes(cols) : q4_1_prep_bytes(cols);
         uint8_t *prep = malloc((size_t)(B * prow) + 64);
         if (!prep) {
             free(xq);
             free(tmp);
             return 0;
         }
-        for (int64_t b = 0; b < B; b++) q4_1_prep(cols, xq + b * xrow, xr + b * xrow, prep + b * prow);
+        for (int64_t b = 0; b < B; b++)
+            (q8_0 ? q8_0_prep : q4_1_prep)(cols, xq + b * xrow, xr + b * xrow, prep + b * prow);
         const fused_args f = {W, rows, cols, B, tile_rows, wrow, prow, prep, prep, Y, dot2};
         pool_run(tile_fused, &f, (rows + tile_rows - 1) / tile_rows, nth < 1 ? 1 : nth);
         free(prep);
