@@ -899,9 +899,9 @@ static int act_mode = 3;
  *
  * "q8x2" takes two 8-bit dot products per weight row: x's 8-bit value and its 8-bit residual.
  * Through ggml's vec_dot that is two passes, each unpacking the weight blocks again, which made
- * q8x2 1.7-1.9x the time of llama.cpp's single pass at one thread. For Q4_K, Q6_K (the K-quant
- * mixes of the common releases), Q5_K, Q4_1, Q5_1, Q8_0 and IQ2_XS these kernels unpack each weight block once and feed both
- * activations to vpdpbusd (u8 weights x s8 activations, 64 products per instruction), keeping
+ * q8x2 1.7-1.9x the time of llama.cpp's single pass at one thread. For Q4_K, Q5_K, Q6_K (the
+ * K-quant mixes of the common releases), Q4_1, Q5_1, Q8_0, IQ2_XXS and IQ2_XS these kernels unpack
+ * each weight block once and feed both activations to vpdpbusd (64 products per instruction), keeping
  * the two integer sums apart until the float scales apply: the same arithmetic as the two
  * passes up to the order of float additions. Activation blocks are ggml's, from its own quantizer.
  */
@@ -1252,6 +1252,51 @@ static float dot2_iq2_xs(int64_t n, const uint8_t *w, const uint8_t *xq, const u
     return 0.125f * _mm512_reduce_add_ps(acc);
 }
 
+/* IQ2_XXS: {f16 d; 8 x (u8 grid[4]; u32 signs 4 x 7 bits | scale << 28)} x q8_K: IQ2_XS's
+ * arithmetic with 8-bit indices into GRID_IQ2_XXS and one 4-bit scale (2s+1) per 32 values. */
+static float dot2_iq2_xxs(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
+    const int64_t nb = n / 256;
+    const __m128i m15 = _mm_set1_epi8(15), m127 = _mm_set1_epi32(127), sh7 = _mm_setr_epi32(0, 7, 14, 21);
+    const __m128i grid_bytes = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m128i parity4 = _mm_setr_epi8(0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 0, 1, 0, 1, 1, 0);
+    const __m512i x80 = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + i * 66, *yq = xq + i * 292, *yr = xr + i * 292;
+        float dq, dr;
+        memcpy(&dq, yq, 4);
+        memcpy(&dr, yr, 4);
+        const float d = rd_f16(b);
+        __m512i sq = zero, sr = zero;
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) { /* 64 values: two groups of 32 */
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * j));
+            const __m512i g = _mm512_i64gather_epi64(_mm512_cvtepu8_epi64(_mm_shuffle_epi8(q, grid_bytes)),
+                                                     (const void *)GRID_IQ2_XXS, 8);
+            const __m128i sa = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(q, 0x55), sh7), m127);
+            const __m128i sb = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(q, 0xFF), sh7), m127);
+            const __m128i s7 = _mm_packus_epi32(sa, sb); /* 8 sign indices in u16 lanes */
+            const __m128i par = _mm_xor_si128(_mm_shuffle_epi8(parity4, _mm_and_si128(s7, m15)),
+                                              _mm_shuffle_epi8(parity4, _mm_srli_epi16(s7, 4)));
+            const __m128i sg = _mm_or_si128(s7, _mm_slli_epi16(par, 7));
+            const __mmask64 neg = (__mmask64)_mm_cvtsi128_si64(_mm_packus_epi16(sg, sg));
+            const __m512i ws = _mm512_mask_sub_epi8(g, neg, zero, g);
+            const __m512i c = _mm512_dpbusd_epi32(zero, x80, ws);
+            const __m512i pq = _mm512_sub_epi32(
+                _mm512_dpbusd_epi32(zero, _mm512_xor_si512(_mm512_loadu_si512(yq + 4 + 64 * j), x80), ws), c);
+            const __m512i pr = _mm512_sub_epi32(
+                _mm512_dpbusd_epi32(zero, _mm512_xor_si512(_mm512_loadu_si512(yr + 4 + 64 * j), x80), ws), c);
+            const int l0 = 2 * (int)(rd_u32(b + 2 + 16 * j + 4) >> 28) + 1, l1 = 2 * (int)(rd_u32(b + 2 + 16 * j + 12) >> 28) + 1;
+            const __m512i sc = _mm512_mask_blend_epi32((__mmask16)0xFF00, _mm512_set1_epi32(l0), _mm512_set1_epi32(l1));
+            sq = madd_lo16(sq, pq, sc);
+            sr = madd_lo16(sr, pr, sc);
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dq), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dr), acc);
+    }
+    return 0.125f * _mm512_reduce_add_ps(acc);
+}
+
 /* Q8_0: {f16 d; i8 qs[32]} x q8_0 {f16 d; i8 qs[32]}. Both sides are signed, so q8_0_prep lays
  * the activations out as u8 (x + 128, the xor with 0x80) with their block scales spread over 8
  * lanes, and each row takes the weights as they are (s8), the 128 * sum(w) coming off per lane
@@ -1324,6 +1369,7 @@ static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     if (type == 14 && qblk == 256 && qsize == 292) return dot2_q6_k;
     if (type == 3 && qblk == 32 && qsize == 36) return dot2_q4_1;
     if (type == 7 && qblk == 32 && qsize == 36) return dot2_q5_1;
+    if (type == 16 && qblk == 256 && qsize == 292) return dot2_iq2_xxs;
     if (type == 17 && qblk == 256 && qsize == 292) return dot2_iq2_xs;
     if (type == 8 && qblk == 32 && qsize == 34) return dot2_q8_0;
     return NULL;
