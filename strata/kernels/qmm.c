@@ -900,7 +900,7 @@ static int act_mode = 3;
  * "q8x2" takes two 8-bit dot products per weight row: x's 8-bit value and its 8-bit residual.
  * Through ggml's vec_dot that is two passes, each unpacking the weight blocks again, which made
  * q8x2 1.7-1.9x the time of llama.cpp's single pass at one thread. For Q4_K, Q5_K, Q6_K (the
- * K-quant mixes of the common releases), Q4_1, Q5_1, Q8_0, IQ2_XXS and IQ2_XS these kernels unpack
+ * K-quant mixes of the common releases), Q4_1, Q5_1, Q8_0, IQ2_XXS, IQ2_XS and IQ4_XS these kernels unpack
  * each weight block once and feed both activations to vpdpbusd (64 products per instruction), keeping
  * the two integer sums apart until the float scales apply: the same arithmetic as the two
  * passes up to the order of float additions. Activation blocks are ggml's, from its own quantizer.
@@ -1297,6 +1297,48 @@ static float dot2_iq2_xxs(int64_t n, const uint8_t *w, const uint8_t *xq, const 
     return 0.125f * _mm512_reduce_add_ps(acc);
 }
 
+/* IQ4_XS: {f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]} x q8_K. Nibbles index the 16 signed
+ * IQ4_NL values (vpshufb), each 32 values scale by a 6-bit (lo | hi << 4) - 32; the activations go
+ * in as u8 (x + 128) as for IQ2_XS. With |w| <= 127 a lane's sum passes 2^15, so the scales take
+ * vpmulld instead of vpdpwssd. */
+static float dot2_iq4_xs(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
+    const int64_t nb = n / 256;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m512i values = _mm512_broadcast_i32x4((__m128i)IQ4_NL_I8);
+    const __m512i x80 = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + i * 136, *yq = xq + i * 292, *yr = xr + i * 292;
+        float dq, dr;
+        memcpy(&dq, yq, 4);
+        memcpy(&dr, yr, 4);
+        const float d = rd_f16(b);
+        const uint16_t sh = rd_u16(b + 2);
+        __m512i sq = zero, sr = zero;
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) { /* 64 values: sub-blocks 2j, 2j+1 */
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 8 + 32 * j));
+            const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, m4)),
+                                                 _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), 1);
+            const __m512i ws = _mm512_shuffle_epi8(values, _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)));
+            const __m512i c = _mm512_dpbusd_epi32(zero, x80, ws);
+            const __m512i pq = _mm512_sub_epi32(
+                _mm512_dpbusd_epi32(zero, _mm512_xor_si512(_mm512_loadu_si512(yq + 4 + 64 * j), x80), ws), c);
+            const __m512i pr = _mm512_sub_epi32(
+                _mm512_dpbusd_epi32(zero, _mm512_xor_si512(_mm512_loadu_si512(yr + 4 + 64 * j), x80), ws), c);
+            const int s0 = 2 * j, s1 = 2 * j + 1;
+            const int l0 = (int)(((b[4 + j] & 0xF) | (((sh >> (2 * s0)) & 3) << 4))) - 32;
+            const int l1 = (int)(((b[4 + j] >> 4) | (((sh >> (2 * s1)) & 3) << 4))) - 32;
+            const __m512i sc = _mm512_mask_blend_epi32((__mmask16)0xFF00, _mm512_set1_epi32(l0), _mm512_set1_epi32(l1));
+            sq = _mm512_add_epi32(sq, _mm512_mullo_epi32(pq, sc));
+            sr = _mm512_add_epi32(sr, _mm512_mullo_epi32(pr, sc));
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dq), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dr), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
 /* Q8_0: {f16 d; i8 qs[32]} x q8_0 {f16 d; i8 qs[32]}. Both sides are signed, so q8_0_prep lays
  * the activations out as u8 (x + 128, the xor with 0x80) with their block scales spread over 8
  * lanes, and each row takes the weights as they are (s8), the 128 * sum(w) coming off per lane
@@ -1370,6 +1412,7 @@ static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     if (type == 3 && qblk == 32 && qsize == 36) return dot2_q4_1;
     if (type == 7 && qblk == 32 && qsize == 36) return dot2_q5_1;
     if (type == 16 && qblk == 256 && qsize == 292) return dot2_iq2_xxs;
+    if (type == 23 && qblk == 256 && qsize == 292) return dot2_iq4_xs;
     if (type == 17 && qblk == 256 && qsize == 292) return dot2_iq2_xs;
     if (type == 8 && qblk == 32 && qsize == 34) return dot2_q8_0;
     return NULL;
