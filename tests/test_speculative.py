@@ -320,7 +320,10 @@ def test_recurrent_state_after_speculation_equals_plain_run(checkpoint):
         assert (state - state_ref).abs().max().item() <= 1e-5 * state_ref.abs().max().item()
 
 
-def test_gdn_rollback_restores_the_state_after_the_kept_tokens(checkpoint):
+@pytest.mark.parametrize("kept_states", [True, False])  # the states kept while verifying, or the replay
+def test_gdn_rollback_restores_the_state_after_the_kept_tokens(checkpoint, kept_states, monkeypatch):
+    if not kept_states:
+        monkeypatch.setattr(GDNCache, "STEP_BYTES", -1)
     *_, paths = checkpoint
     model = _engine(paths["gguf"]).model
     ids = PROMPTS[0]

@@ -386,10 +386,45 @@ def _moe_token(x: torch.Tensor, parts, w: list[float], threads, out: torch.Tenso
     return True
 
 
+def _moe_tokens(x: torch.Tensor, table: RouteTable, source, threads, out: torch.Tensor) -> bool:
+    """A few tokens' routed experts in one C call (strata_moe_tokens: each used expert once over
+    its tokens, each token's sum as strata_moe_token takes it), accumulated into `out` (float32);
+    False (nothing done) where `_moe_token` would refuse, or without the entry point."""
+    lib = _build.load()
+    fn = getattr(lib, "strata_moe_tokens", None) if lib is not None else None
+    if fn is None or x.dtype != torch.float32 or out.dtype != torch.float32 or not x.is_contiguous():
+        return False
+    used, counts = torch.unique_consecutive(table.expert, return_counts=True)
+    plans = [[_plan(q) for q in source(e)] for e in used.tolist()]
+    first = plans[0]
+    if any(pl is None or pl.fnptr is None for pl in first):
+        return False
+    g0, u0, d0 = first
+    ffn, hidden = g0.rows, g0.cols
+    if (u0.rows, u0.cols, d0.rows, d0.cols) != (ffn, hidden, hidden, ffn) or x.shape[-1] != hidden:
+        return False
+    for pl in plans[1:]:
+        for a, b in zip(pl, first):
+            if a is None or a.fnptr != b.fnptr or (a.rows, a.cols) != (b.rows, b.cols):
+                return False
+    if fn.argtypes is None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [p, p, p, p, ctypes.c_int, p, p, p, p, p, i64, i64, p, p, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    n = len(plans)
+    ptrs = [(ctypes.c_void_p * n)(*(pl[i].ptr for pl in plans)) for i in range(3)]
+    counts = counts.to(torch.int64).contiguous()
+    token = table.token.to(torch.int64).contiguous()
+    weight = table.weight.to(torch.float32).contiguous()
+    return bool(fn(*ptrs, counts.data_ptr(), n, token.data_ptr(), weight.data_ptr(), g0.fnptr, u0.fnptr, d0.fnptr,
+                   hidden, ffn, x.data_ptr(), out.data_ptr(), _threads(threads)))
+
+
 def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource,
                    threads: int | None = None) -> torch.Tensor:
     """The grouped expert product (`strata.kernels.grouped`) by these kernels: a decode token's
-    experts in one C call (strata_moe_token), else the one grouping loop with `expert_forward`."""
+    experts in one C call (strata_moe_token), a few tokens' in one (strata_moe_tokens), else the
+    one grouping loop with `expert_forward`."""
     source = grouped.as_source(experts)
     if x.shape[0] == 1 and table.expert.numel():  # decode: one token, no grouping needed
         out = torch.zeros_like(x)
@@ -399,6 +434,12 @@ def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource,
         for p, wj in zip(parts, w):
             out.add_(expert_forward(x, *p, threads=threads), alpha=wj)
         return out
+    # a verify pass, a decode batch, over resident experts (a tier's source hands out each expert as
+    # its read lands, to be used before the next: the loop below)
+    if not callable(experts) and 1 < x.shape[0] <= FAST_BATCH_MAX and table.expert.numel():
+        out = torch.zeros_like(x)
+        if _moe_tokens(x, table, source, threads, out):
+            return out
     return grouped.grouped_swiglu(x, table, source, lambda xs, g, u, d: expert_forward(xs, g, u, d, threads))
 
 

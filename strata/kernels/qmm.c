@@ -1683,6 +1683,46 @@ void strata_moe_token(const void *const *gate, const void *const *up, const void
     }
 }
 
+/* The routed experts of a few tokens (a verify pass's k+1 positions, a decode batch's rows) in one
+ * call: each used expert once over all its tokens (its weights read once), then every token's
+ * sum taken in its pairs' order. The pairs come sorted by expert (count[e] consecutive pairs of
+ * expert e, tokens ascending), so each token adds its experts in ascending order with the same
+ * arithmetic as strata_moe_token (the products are row-independent): a token's result is what a
+ * one-token step computes. 0 (nothing written) when scratch cannot be had. */
+int strata_moe_tokens(const void *const *gate, const void *const *up, const void *const *down,
+                      const int64_t *count, int n_exp, const int64_t *token, const float *w, void *gate_fn,
+                      void *up_fn, void *down_fn, int64_t hidden, int64_t ffn, const float *x, float *out, int nth) {
+    int64_t n_pairs = 0, most = 0;
+    for (int e = 0; e < n_exp; e++) {
+        n_pairs += count[e];
+        if (count[e] > most) most = count[e];
+    }
+    float *xs = malloc(sizeof(float) * (size_t)(most * hidden) + 64);
+    float *g = malloc(sizeof(float) * (size_t)(most * ffn) + 64);
+    float *u = malloc(sizeof(float) * (size_t)(most * ffn) + 64);
+    float *h = malloc(sizeof(float) * (size_t)(most * ffn) + 64);
+    float *ys = malloc(sizeof(float) * (size_t)(n_pairs * hidden) + 64);
+    if (!xs || !g || !u || !h || !ys) {
+        free(xs); free(g); free(u); free(h); free(ys);
+        return 0;
+    }
+    for (int64_t e = 0, p = 0; e < n_exp; p += count[e], e++) {
+        const int64_t n = count[e];
+        for (int64_t i = 0; i < n; i++) memcpy(xs + i * hidden, x + token[p + i] * hidden, sizeof(float) * (size_t)hidden);
+        ((qmm_fn)gate_fn)((const uint8_t *)gate[e], ffn, hidden, xs, n, g, nth);
+        ((qmm_fn)up_fn)((const uint8_t *)up[e], ffn, hidden, xs, n, u, nth);
+        for (int64_t i = 0; i < n * ffn; i++) h[i] = silu(g[i]) * u[i];
+        ((qmm_fn)down_fn)((const uint8_t *)down[e], hidden, ffn, h, n, ys + p * hidden, nth);
+    }
+    for (int64_t p = 0; p < n_pairs; p++) {
+        float *o = out + token[p] * hidden;
+        const float *y = ys + p * hidden;
+        for (int64_t i = 0; i < hidden; i++) o[i] += w[p] * y[i];
+    }
+    free(xs); free(g); free(u); free(h); free(ys);
+    return 1;
+}
+
 /* ------------------------------------------------------------------ the small ops of a decode step
  *
  * Per decode token a layer's rotary embedding and projection groups were dozens of torch
@@ -1739,6 +1779,87 @@ void strata_qmm_group(int n, void *const *fns, const void *const *W, const int64
         }
         off += rows[j];
     }
+}
+
+/* ------------------------------------------------------------------ float16 weights
+ *
+ * Y (B x rows, float32) = X (B x cols, float32) W^T for a float16 W (strata/kernels/f16.py): each
+ * weight widened to float32 as it is read, products and sums in float32, x never rounded to
+ * float16. Each (row of W, row of X) dot product is taken alone, so a row's result does not
+ * depend on the other rows of the batch (a verify pass's first position equals a decode step). */
+/* dots[j] = w . x[j] for nb <= F16_NB rows of x sharing one pass over w (each weight widened
+ * once); every x[j] is summed in the same order as it would be alone. */
+#define F16_NB 4
+static inline void dot_f16_f32(const uint16_t *w, const float *const *x, int nb, int64_t n, float *dots) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 a0[F16_NB], a1[F16_NB];
+    for (int j = 0; j < nb; j++) a0[j] = a1[j] = _mm512_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        const __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i)));
+        const __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i + 16)));
+        for (int j = 0; j < nb; j++) {
+            a0[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[j] + i), a0[j]);
+            a1[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[j] + i + 16), a1[j]);
+        }
+    }
+    for (; i + 16 <= n; i += 16) {
+        const __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i)));
+        for (int j = 0; j < nb; j++) a0[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[j] + i), a0[j]);
+    }
+    for (int j = 0; j < nb; j++) dots[j] = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    __m256 a0[F16_NB], a1[F16_NB];
+    for (int j = 0; j < nb; j++) a0[j] = a1[j] = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i)));
+        const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i + 8)));
+        for (int j = 0; j < nb; j++) {
+            a0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[j] + i), a0[j]);
+            a1[j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[j] + i + 8), a1[j]);
+        }
+    }
+    for (int j = 0; j < nb; j++) {
+        const __m256 a = _mm256_add_ps(a0[j], a1[j]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        dots[j] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
+#else
+    for (int j = 0; j < nb; j++) dots[j] = 0.0f;
+#endif
+    for (int j = 0; j < nb; j++)
+        for (int64_t k = i; k < n; k++) dots[j] += f16_to_f32(w[k]) * x[j][k];
+}
+
+typedef struct {
+    const uint16_t *W;
+    int64_t rows, cols, B, tile_rows;
+    const float *X;
+    float *Y;
+} f16_args;
+
+static void tile_f16(const void *a_, int64_t tile) {
+    const f16_args *a = (const f16_args *)a_;
+    const int64_t t0 = tile * a->tile_rows;
+    const int64_t t1 = t0 + a->tile_rows < a->rows ? t0 + a->tile_rows : a->rows;
+    for (int64_t b0 = 0; b0 < a->B; b0 += F16_NB) {
+        const int nb = a->B - b0 < F16_NB ? (int)(a->B - b0) : F16_NB;
+        const float *x[F16_NB];
+        float dots[F16_NB];
+        for (int j = 0; j < nb; j++) x[j] = a->X + (b0 + j) * a->cols;
+        for (int64_t r = t0; r < t1; r++) {
+            dot_f16_f32(a->W + r * a->cols, x, nb, a->cols, dots);
+            for (int j = 0; j < nb; j++) a->Y[(b0 + j) * a->rows + r] = dots[j];
+        }
+    }
+}
+
+void strata_f16mm(const uint16_t *W, int64_t rows, int64_t cols, const float *X, int64_t B, float *Y, int nth) {
+    int64_t tile_rows = ROW_TILE * 4;
+    while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
+    const f16_args a = {W, rows, cols, B, tile_rows, X, Y};
+    pool_run(tile_f16, &a, (rows + tile_rows - 1) / tile_rows, nth < 1 ? 1 : nth);
 }
 
 int strata_abi_version(void) { return 9; }

@@ -46,6 +46,12 @@ class GDNCache:
     the first token). `state` is (B, H_v, d_k, d_v), fp32. Both are created by the first forward.
     """
 
+    # A tracked forward of T positions keeps the state after each (the recurrence makes each one
+    # anyway; keeping them costs memory, not time) while they take at most this many bytes, so a
+    # rollback picks one instead of replaying the recurrence (vLLM keeps its Mamba layers'
+    # per-draft states alike); a larger batch replays.
+    STEP_BYTES = 64 << 20
+
     def __init__(self):
         self.conv: torch.Tensor | None = None
         self.state: torch.Tensor | None = None
@@ -86,18 +92,28 @@ class GDNCache:
         self.pending = None
 
     def rollback(self, n_drop) -> None:
-        """Undo the last `n_drop` real tokens of the last (tracked) forward: the state is
-        recomputed from that forward's start over the kept tokens only (dropped steps get
-        g = beta = 0, which leaves the state exactly as it was), and the conv window is
-        re-read at the kept end."""
+        """Undo the last `n_drop` real tokens of the last (tracked) forward: the state becomes
+        the one that forward held after each row's kept tokens (kept while it ran, `STEP_BYTES`),
+        else it is recomputed from the forward's start over the kept tokens only (dropped steps
+        get g = beta = 0, which leaves the state exactly as it was); the conv window is re-read
+        at the kept end."""
         p = self.pending
         if p is None:
             raise ValueError("GDNCache.rollback needs track() on before the forward it undoes")
         keep = p.n_new - torch.as_tensor(n_drop, device=p.n_new.device)  # (B,): one count, or one per row
         if bool((keep < 0).any()):
             raise ValueError(f"cannot drop {n_drop} tokens from a forward of {p.n_new.tolist()}")
-        kept = (torch.arange(p.g.shape[1], device=keep.device)[None, :] < keep[:, None])[..., None]
-        _, self.state = gated_delta_rule(p.q, p.k, p.v, p.g * kept, p.beta * kept, p.state, recurrent=True)
+        if p.steps is not None:
+            after = [p.state, *p.steps]  # after[j]: the state after j tokens
+            if keep.device.type == "cpu":
+                counts = keep.tolist()
+                self.state = after[counts[0]] if len(set(counts)) == 1 else \
+                    torch.stack([after[j][row] for row, j in enumerate(counts)])
+            else:  # a gather: nothing read back
+                self.state = torch.stack(after)[keep, torch.arange(len(keep), device=keep.device)]
+        else:
+            kept = (torch.arange(p.g.shape[1], device=keep.device)[None, :] < keep[:, None])[..., None]
+            _, self.state = gated_delta_rule(p.q, p.k, p.v, p.g * kept, p.beta * kept, p.state, recurrent=True)
         idx = keep[:, None] + torch.arange(self.conv.shape[1], device=keep.device)
         self.conv = p.window.gather(1, idx[..., None].expand(-1, -1, p.window.shape[2]))
         self.pending = p._replace(n_new=keep)
@@ -114,6 +130,7 @@ class _Undo(NamedTuple):
     beta: torch.Tensor
     window: torch.Tensor  # (B, K-1+T, C): the conv state, then this forward's conv inputs
     n_new: torch.Tensor  # (B,) real tokens per row
+    steps: list[torch.Tensor] | None  # the state after each position (None: over `STEP_BYTES`)
 
 
 def split_ssm_in(qkvz: torch.Tensor, n_k_heads: int, n_v_heads: int, dk: int, dv: int):
@@ -178,9 +195,11 @@ class GatedDeltaNet(nn.Module):
         keep = real[..., None]
         beta, g = beta * keep, g * keep  # padding: no write, no decay
         start = cache.state
-        out, cache.state = gated_delta_rule(q, k, v, g, beta, start, self.chunk, recurrent=cache.tracking)
+        steps = [] if cache.tracking and t * start.nbytes <= cache.STEP_BYTES else None
+        out, cache.state = gated_delta_rule(q, k, v, g, beta, start, self.chunk, recurrent=cache.tracking, steps=steps)
         if cache.tracking:
-            cache.pending = _Undo(start, q, k, v, g, beta, cache.window, step.n_new.to(x.device, non_blocking=True))
+            cache.pending = _Undo(start, q, k, v, g, beta, cache.window, step.n_new.to(x.device, non_blocking=True),
+                                  steps)
         z = apply_linear(x, self.wz).reshape(b, t, self.nv, self.dv)
         out = gated_rms_norm(out.to(x.dtype), z, self.norm, self.eps, self.gate_act)
         if tap is not None:
@@ -216,12 +235,13 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, recurrent: bool = False):
+def gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, recurrent: bool = False, steps: list | None = None):
     """q, k (B, T, H_k, d_k); v (B, T, H_v, d_v); g, beta (B, T, H_v); state (B, H_v, d_k, d_v).
 
     Returns the output (B, T, H_v, d_v) fp32 and the new state. Key heads are shared by
     H_v / H_k consecutive value heads. One token runs the recurrence, more run in chunks
-    (unless `recurrent`: a speculative verify pass runs its few tokens one by one).
+    (unless `recurrent`: a speculative verify pass runs its few tokens one by one, and `steps`,
+    a list, receives the state after each of them).
     """
     r = v.shape[2] // q.shape[2]
     if r > 1:
@@ -230,13 +250,13 @@ def gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, recurrent: bool =
     q, k = l2norm(q), l2norm(k)
     q = q * q.shape[-1] ** -0.5
     if q.shape[2] == 1 or recurrent:
-        out, state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+        out, state = recurrent_gated_delta_rule(q, k, v, g, beta, state, steps)
     else:
         out, state = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk)
     return out.transpose(1, 2), state
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+def recurrent_gated_delta_rule(q, k, v, g, beta, state, steps: list | None = None):
     """Token by token; q, k (B, H, T, d_k), v (B, H, T, d_v), g, beta (B, H, T).
 
     With d = exp(g) the step is S' = d S + k (x) delta, delta = (v - k^T (d S)) beta, out = q^T S',
@@ -256,6 +276,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
         delta = (v[:, :, i].reshape(bh, dv) - torch.bmm(k_i[:, None], state)[:, 0]) * beta[:, :, i].reshape(bh, 1)
         state.baddbmm_(k_i[:, :, None], delta[:, None, :])
         out[:, :, i] = torch.bmm(q_i[:, None], state).reshape(b, h, dv)
+        if steps is not None:  # each step's state is a tensor of its own: the next step makes a new one
+            steps.append(state.reshape(b, h, dk, dv))
     return out, state.reshape(b, h, dk, dv)
 
 

@@ -5,7 +5,8 @@ and multiplied by the compiled kernels (`kernels.qmatmul`) for the few rows of a
 a large batch (prefill) dequantizes it a bounded slab of rows at a time (`SCRATCH_BYTES`) and
 uses BLAS, so a 2.5 GB-as-float output head never exists whole. An embedding dequantizes only
 the rows it looks up. Float weights are plain torch tensors in their stored type (an F16 matrix
-stays F16 and is multiplied in F16, as llama.cpp does, not widened to F32 at load), and
+stays F16, not widened to F32 at load: a decode step's few rows go through `kernels.f16`, each
+weight widened as it is read, x in F32; a prompt through torch's F16 matmul), and
 `kernels.USE_KERNELS = False` sends quantized ones down the reference path (dequantize, then
 `F.linear`), so tests can compare the two.
 
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from strata import kernels, quant
-from strata.kernels import decode_ops
+from strata.kernels import decode_ops, f16
 from strata.formats.weights import FLOAT_TYPES, QTensor
 
 Weight = torch.Tensor | QTensor
@@ -121,7 +122,9 @@ class Linear(_StoredWeight):
         w = self.weight
         if not isinstance(w, QTensor):
             if w.dtype != x.dtype:  # a float16/bfloat16 matrix kept as stored: multiplied in its type
-                y = F.linear(x.to(w.dtype), w).to(x.dtype)
+                y = f16.try_f16_matmul(x, w) if w.dtype is torch.float16 else None  # decode rows: one C call
+                if y is None:
+                    y = F.linear(x.to(w.dtype), w).to(x.dtype)
                 return y if self.bias is None else y + self.bias
             return F.linear(x, w, self.bias)
         if x.device.type != "cpu":  # on the device: the Triton kernels read the blocks, nothing is dequantized

@@ -1,0 +1,82 @@
+"""x W^T for a float16 weight kept as stored, by qmm.c's `strata_f16mm` (one C call).
+
+torch's CPU float16 `F.linear` costs 12-30 us a call for one row and 45-115 us for 2-4 rows on
+this machine (small matrices: a oneDNN primitive per shape, x rounded to float16 and the result
+too), so a speculative verify pass of k+1 positions paid several times a decode step for its
+dense products. `strata_f16mm` widens each weight to float32 as it reads it (F16C) and multiplies
+by x in float32 (never rounded), the same few microseconds of call whatever the batch; each row's
+result does not depend on the other rows, so a verify pass's first position computes exactly
+what a one-token decode step does. (ggml's own `vec_dot_f16` was not used: built for a CPU with
+AVX512-FP16 it sums in float16, 4x further from exact than torch here.)
+
+`try_f16_matmul` returns None where it does not apply (kernels off or not built, not the CPU,
+more than `kernels.FAST_BATCH_MAX` rows: a prompt, where torch's GEMM wins), and the caller keeps
+torch's product.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from strata import kernels
+from strata.kernels import _build
+
+
+class _Plan(NamedTuple):
+    ptr: int
+    rows: int
+    cols: int
+
+
+# id(w) -> (weak ref to w, plan): an entry goes when its weight is freed
+_plans: dict[int, tuple[weakref.ref, _Plan | None]] = {}
+_fn = None
+
+
+def _plan(w: torch.Tensor) -> _Plan | None:
+    hit = _plans.get(id(w))
+    if hit is not None and hit[0]() is w:
+        return hit[1]
+    ok = w.dim() == 2 and w.dtype is torch.float16 and w.device.type == "cpu" and w.is_contiguous()
+    plan = _Plan(w.data_ptr(), w.shape[0], w.shape[1]) if ok else None
+    k = id(w)
+    _plans[k] = (weakref.ref(w, lambda _r, k=k, plans=_plans: plans.pop(k, None)), plan)
+    return plan
+
+
+def _kernel():
+    """The library's strata_f16mm, declared once (None: no library)."""
+    global _fn
+    if _fn is None:
+        lib = _build.load()
+        fn = getattr(lib, "strata_f16mm", None) if lib is not None else None
+        if fn is None:
+            _fn = False
+            return None
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [p, i64, i64, p, i64, p, ctypes.c_int]
+        fn.restype = None
+        _fn = fn
+    return _fn or None
+
+
+def try_f16_matmul(x: torch.Tensor, w: torch.Tensor, threads: int | None = None) -> torch.Tensor | None:
+    """x (..., in) @ w.T for a float16 w (out, in), in x's dtype, or None (see the module doc)."""
+    if not kernels.USE_KERNELS or x.device.type != "cpu":
+        return None
+    fn = _kernel()
+    p = _plan(w) if fn is not None else None
+    if p is None:
+        return None
+    cols = x.shape[-1]
+    b = x.numel() // cols if cols else 0
+    if cols != p.cols or not 0 < b <= kernels.FAST_BATCH_MAX:
+        return None
+    xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    out = torch.empty(*x.shape[:-1], p.rows)
+    fn(p.ptr, p.rows, p.cols, xf.data_ptr(), b, out.data_ptr(), threads or torch.get_num_threads())
+    return out if x.dtype is torch.float32 else out.to(x.dtype)

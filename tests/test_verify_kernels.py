@@ -1,0 +1,74 @@
+"""The C products a speculative verify pass takes for its few positions: float16 dense weights
+(kernels/f16.py) and a few tokens' routed experts in one call (strata_moe_tokens). Each row must
+come out exactly as a one-row call computes it (so a verify pass's first position is a decode
+step's), and close to exact float arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata import kernels
+from strata.kernels import _build, f16, grouped
+from strata.models.linear import Linear
+from test_kernels import random_qtensor
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {_build.error()}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,cols", [(256, 128), (33, 77), (4096, 64), (7, 16)])  # tails of every width
+def test_f16_product_is_exact_float_math_row_by_row(rows, cols):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(rows, cols, generator=g).half()
+    x = torch.randn(5, cols, generator=g)
+    y = f16.try_f16_matmul(x, w)
+    assert y is not None and y.dtype == torch.float32 and y.shape == (5, rows)
+    exact = F.linear(x.double(), w.double())  # x itself, not rounded to float16
+    assert (y - exact).abs().max().item() <= 1e-5 * exact.abs().max().item()
+    for i in range(5):  # each row as alone: a verify pass's position 0 is a decode step's
+        assert torch.equal(f16.try_f16_matmul(x[i:i + 1], w), y[i:i + 1])
+    # a Linear over a float16 weight takes it for decode-sized x, torch's product for a prompt
+    assert torch.equal(Linear(w)(x), y)
+    big = torch.randn(kernels.FAST_BATCH_MAX + 1, cols, generator=g)
+    assert f16.try_f16_matmul(big, w) is None
+    assert torch.allclose(Linear(w)(big), F.linear(big.half(), w).float())
+
+
+@needs_kernels
+def test_f16_product_declines_what_it_does_not_cover(monkeypatch):
+    w = torch.randn(8, 32).half()
+    assert f16.try_f16_matmul(torch.randn(2, 32), w.t().contiguous().t()) is None  # a strided weight
+    assert f16.try_f16_matmul(torch.randn(2, 32), w.float()) is None  # not float16
+    monkeypatch.setattr(kernels, "USE_KERNELS", False)
+    assert f16.try_f16_matmul(torch.randn(2, 32), w) is None
+
+
+@pytest.fixture
+def q8x2():
+    """The engine's default activations (ggml's products, each row of x on its own); the suite
+    runs int16, whose own kernels block rows of x together."""
+    before = kernels.activations()
+    kernels.set_activations("q8x2")
+    yield
+    kernels.set_activations(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+def test_few_tokens_experts_equal_one_token_calls(qtype, q8x2):
+    n_exp, hidden, ffn, k = 8, 256, 512, 3
+    gate, up, down = (random_qtensor(qtype, shape, seed=s) for s, shape in
+                      enumerate([(n_exp, ffn, hidden), (n_exp, ffn, hidden), (n_exp, hidden, ffn)]))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, hidden, generator=g) * 0.05
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(4)])
+    ids[2] = ids[0]  # two tokens sharing every expert
+    w = torch.rand(4, k, generator=g)
+    y = kernels.grouped_swiglu(x, grouped.route_table(ids, w), (gate, up, down))
+    for i in range(4):  # one token at a time: strata_moe_token
+        one = kernels.grouped_swiglu(x[i:i + 1], grouped.route_table(ids[i:i + 1], w[i:i + 1]), (gate, up, down))
+        assert torch.equal(y[i:i + 1], one)
+    ref = grouped.grouped_swiglu(x, grouped.route_table(ids, w), (gate, up, down))  # dequantized floats
+    assert (y - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()  # 8-bit x; a wrong sum is O(1) off
