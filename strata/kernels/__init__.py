@@ -388,8 +388,12 @@ def _moe_token(x: torch.Tensor, parts, w: list[float], threads, out: torch.Tenso
 
 def _moe_tokens(x: torch.Tensor, table: RouteTable, source, threads, out: torch.Tensor) -> bool:
     """A few tokens' routed experts in one C call (strata_moe_tokens: each used expert once over
-    its tokens, each token's sum as strata_moe_token takes it), accumulated into `out` (float32);
-    False (nothing done) where `_moe_token` would refuse, or without the entry point."""
+    its tokens), accumulated into `out` (float32); False (nothing done) where `_moe_token` would
+    refuse, or without the entry point.
+
+    Each token adds its experts by descending weight: a router's top-k order, the order a
+    one-token table keeps (`route_table`) and strata_moe_token adds them in, so a token's sum is
+    a one-token step's (a router whose k weights are not sorted, or tie, differs by rounding)."""
     lib = _build.load()
     fn = getattr(lib, "strata_moe_tokens", None) if lib is not None else None
     if fn is None or x.dtype != torch.float32 or out.dtype != torch.float32 or not x.is_contiguous():
@@ -409,14 +413,17 @@ def _moe_tokens(x: torch.Tensor, table: RouteTable, source, threads, out: torch.
                 return False
     if fn.argtypes is None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, p, p, p, ctypes.c_int, p, p, p, p, p, i64, i64, p, p, ctypes.c_int]
+        fn.argtypes = [p, p, p, p, ctypes.c_int, p, p, p, p, p, p, i64, i64, p, p, ctypes.c_int]
         fn.restype = ctypes.c_int
     n = len(plans)
     ptrs = [(ctypes.c_void_p * n)(*(pl[i].ptr for pl in plans)) for i in range(3)]
     counts = counts.to(torch.int64).contiguous()
     token = table.token.to(torch.int64).contiguous()
     weight = table.weight.to(torch.float32).contiguous()
-    return bool(fn(*ptrs, counts.data_ptr(), n, token.data_ptr(), weight.data_ptr(), g0.fnptr, u0.fnptr, d0.fnptr,
+    by_weight = torch.argsort(-weight, stable=True)
+    order = by_weight[torch.argsort(token[by_weight], stable=True)].contiguous()  # per token, heaviest first
+    return bool(fn(*ptrs, counts.data_ptr(), n, token.data_ptr(), weight.data_ptr(), order.data_ptr(),
+                   g0.fnptr, u0.fnptr, d0.fnptr,
                    hidden, ffn, x.data_ptr(), out.data_ptr(), _threads(threads)))
 
 

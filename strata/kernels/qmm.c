@@ -1685,12 +1685,14 @@ void strata_moe_token(const void *const *gate, const void *const *up, const void
 
 /* The routed experts of a few tokens (a verify pass's k+1 positions, a decode batch's rows) in one
  * call: each used expert once over all its tokens (its weights read once), then every token's
- * sum taken in its pairs' order. The pairs come sorted by expert (count[e] consecutive pairs of
- * expert e, tokens ascending), so each token adds its experts in ascending order with the same
- * arithmetic as strata_moe_token (the products are row-independent): a token's result is what a
- * one-token step computes. 0 (nothing written) when scratch cannot be had. */
+ * sum. The pairs come sorted by expert (count[e] consecutive pairs of expert e); order lists the
+ * pairs in the order they are added up (each token's experts in its router's order, as a
+ * one-token step adds them), with the arithmetic of strata_moe_token (the products are
+ * row-independent), so a token's result is what a one-token step computes. 0 (nothing written)
+ * when scratch cannot be had. */
 int strata_moe_tokens(const void *const *gate, const void *const *up, const void *const *down,
-                      const int64_t *count, int n_exp, const int64_t *token, const float *w, void *gate_fn,
+                      const int64_t *count, int n_exp, const int64_t *token, const float *w,
+                      const int64_t *order, void *gate_fn,
                       void *up_fn, void *down_fn, int64_t hidden, int64_t ffn, const float *x, float *out, int nth) {
     int64_t n_pairs = 0, most = 0;
     for (int e = 0; e < n_exp; e++) {
@@ -1714,7 +1716,8 @@ int strata_moe_tokens(const void *const *gate, const void *const *up, const void
         for (int64_t i = 0; i < n * ffn; i++) h[i] = silu(g[i]) * u[i];
         ((qmm_fn)down_fn)((const uint8_t *)down[e], hidden, ffn, h, n, ys + p * hidden, nth);
     }
-    for (int64_t p = 0; p < n_pairs; p++) {
+    for (int64_t q = 0; q < n_pairs; q++) {
+        const int64_t p = order[q];
         float *o = out + token[p] * hidden;
         const float *y = ys + p * hidden;
         for (int64_t i = 0; i < hidden; i++) o[i] += w[p] * y[i];
