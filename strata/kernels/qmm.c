@@ -900,8 +900,9 @@ static int act_mode = 3;
  * "q8x2" takes two 8-bit dot products per weight row: x's 8-bit value and its 8-bit residual.
  * Through ggml's vec_dot that is two passes, each unpacking the weight blocks again, which made
  * q8x2 1.7-1.9x the time of llama.cpp's single pass at one thread. For Q4_K, Q5_K, Q6_K (the
- * K-quant mixes of the common releases), Q4_1, Q5_1, Q8_0, IQ2_XXS, IQ2_XS, IQ4_XS and MXFP4 these kernels unpack
- * each weight block once and feed both activations to vpdpbusd (64 products per instruction), keeping
+ * K-quant mixes of the common releases), Q4_0, Q4_1, Q5_1, Q8_0, IQ2_XXS, IQ2_XS, IQ4_NL, IQ4_XS
+ * and MXFP4 these kernels unpack each weight block once and feed both activations to vpdpbusd
+ * (64 products per instruction), keeping
  * the two integer sums apart until the float scales apply: the same arithmetic as the two
  * passes up to the order of float additions. Activation blocks are ggml's, from its own quantizer.
  */
@@ -1404,22 +1405,26 @@ static float dot2_q8_0(int64_t n, const uint8_t *w, const uint8_t *prep, const u
     return _mm512_reduce_add_ps(acc) + tail;
 }
 
-/* MXFP4: {u8 e8m0; u8 qs[16]} x q8_0, the activations as Q8_0's (q8_0_prep): nibbles through
- * the E2M1 values doubled to integers (vpshufb), the block scale is half the e8m0 power. */
-static float dot2_mxfp4(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
-    (void)unused;
+/* 32-value blocks of 16 nibbles (value l: low nibble of qs[l], value l + 16: its high nibble)
+ * through a table of 16 signed values, against Q8_0's prepared activations (q8_0_prep), the
+ * 128 * sum(w) off per lane: MXFP4 {u8 e8m0; u8 qs[16]} (the E2M1 values doubled to integers,
+ * half the e8m0 power), IQ4_NL {f16 d; u8 qs[16]} and Q4_0 {f16 d; u8 qs[16]} (values q - 8). */
+static inline float block_scale(const uint8_t *b, int e8m0) { return e8m0 ? e8m0_half(b[0]) : rd_f16(b); }
+
+static inline float dot2_nib32(int64_t n, const uint8_t *w, const uint8_t *prep, const int bsize, const int head,
+                               const v16i8 table, const int e8m0) {
     const int64_t nb = n / 32;
     const uint8_t *vq = prep, *vr = vq + nb * 32;
     const float *dq = (const float *)(prep + nb * 64), *dr = dq + nb * 8;
     const __m256i m4 = _mm256_set1_epi8(15);
-    const __m512i values = _mm512_broadcast_i32x4((__m128i)E2M1_I8);
+    const __m512i values = _mm512_broadcast_i32x4((__m128i)table);
     const __m512i x80 = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
     __m512 acc = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 2 <= nb; i += 2) {
-        const uint8_t *b0 = w + i * 17, *b1 = b0 + 17;
-        const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + 1))),
-                                                    _mm_loadu_si128((const __m128i *)(b1 + 1)), 1);
+        const uint8_t *b0 = w + i * bsize, *b1 = b0 + bsize;
+        const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + head))),
+                                                    _mm_loadu_si128((const __m128i *)(b1 + head)), 1);
         const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, m4)),
                                              _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), 1);
         const __m512i w8 = _mm512_shuffle_epi8(values, _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)));
@@ -1428,25 +1433,42 @@ static float dot2_mxfp4(int64_t n, const uint8_t *w, const uint8_t *prep, const 
         const __m512i pr = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, _mm512_loadu_si512(vr + i * 32), w8), c);
         const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pq), _mm512_loadu_ps(dq + i * 8),
                                          _mm512_mul_ps(_mm512_cvtepi32_ps(pr), _mm512_loadu_ps(dr + i * 8)));
-        const __m512 dw = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(e8m0_half(b0[0])),
-                                               _mm512_set1_ps(e8m0_half(b1[0])));
+        const __m512 dw = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(block_scale(b0, e8m0)),
+                                               _mm512_set1_ps(block_scale(b1, e8m0)));
         acc = _mm512_fmadd_ps(t, dw, acc);
     }
     float tail = 0.0f;
     for (; i < nb; i++) { /* an odd last block */
-        const uint8_t *b = w + i * 17;
+        const uint8_t *b = w + i * bsize;
         int32_t pq = 0, pr = 0, sw = 0;
         for (int l = 0; l < 32; l++) {
-            const int v = E2M1_I8[l < 16 ? b[1 + l] & 15 : b[1 + l - 16] >> 4];
+            const int v = table[l < 16 ? b[head + l] & 15 : b[head + l - 16] >> 4];
             pq += v * (int)vq[i * 32 + l];
             pr += v * (int)vr[i * 32 + l];
             sw += v;
         }
         pq -= 128 * sw;
         pr -= 128 * sw;
-        tail += e8m0_half(b[0]) * (dq[i * 8] * (float)pq + dr[i * 8] * (float)pr);
+        tail += block_scale(b, e8m0) * (dq[i * 8] * (float)pq + dr[i * 8] * (float)pr);
     }
     return _mm512_reduce_add_ps(acc) + tail;
+}
+
+static const v16i8 Q4_0_I8 = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+
+static float dot2_mxfp4(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
+    (void)unused;
+    return dot2_nib32(n, w, prep, 17, 1, E2M1_I8, 1);
+}
+
+static float dot2_iq4_nl(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
+    (void)unused;
+    return dot2_nib32(n, w, prep, 18, 2, IQ4_NL_I8, 0);
+}
+
+static float dot2_q4_0(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
+    (void)unused;
+    return dot2_nib32(n, w, prep, 18, 2, Q4_0_I8, 0);
 }
 
 /* The fused kernel for a ggml type and its activation layout (qblk, qsize), or NULL. */
@@ -1461,6 +1483,8 @@ static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     if (type == 17 && qblk == 256 && qsize == 292) return dot2_iq2_xs;
     if (type == 8 && qblk == 32 && qsize == 34) return dot2_q8_0;
     if (type == 39 && qblk == 32 && qsize == 34) return dot2_mxfp4;
+    if (type == 20 && qblk == 32 && qsize == 34) return dot2_iq4_nl;
+    if (type == 2 && qblk == 32 && qsize == 34) return dot2_q4_0;
     return NULL;
 }
 #else
@@ -1477,7 +1501,7 @@ static void q8_0_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *
 static int fused2_on = 1;
 void strata_set_fused(int on) { fused2_on = on; }
 int strata_fused_types(int type) {
-    const int q8_1 = type == 3 || type == 7, q8_0 = type == 8 || type == 39;
+    const int q8_1 = type == 3 || type == 7, q8_0 = type == 8 || type == 39 || type == 20 || type == 2;
     return fused2_for(type, q8_1 || q8_0 ? 32 : 256, q8_1 ? 36 : q8_0 ? 34 : 292) != NULL;
 }
 
@@ -1559,8 +1583,8 @@ int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const
     while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
     if (rows * wrow * B < min_parallel_bytes) nth = 1; /* waking a helper costs more than it saves */
     const dot2_fn dot2 = twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
-    if (dot2 && (type == 3 || type == 7 || type == 8 || type == 39)) { /* Q4_1, Q5_1, Q8_0, MXFP4: the row-independent part laid out once */
-        const int q8_0 = type == 8 || type == 39;
+    if (dot2 && (type == 3 || type == 7 || k->qsize == 34)) { /* q8_1 and q8_0 types: the row-independent part laid out once */
+        const int q8_0 = k->qsize == 34;
         const int64_t prow = q8_0 ? q8_0_prep_bytes(cols) : q4_1_prep_bytes(cols);
         uint8_t *prep = malloc((size_t)(B * prow) + 64);
         if (!prep) {
