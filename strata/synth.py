@@ -189,6 +189,7 @@ QUANTS = {
     "Q8_0": (7, lambda kind, i, n: T.Q8_0),
     "Q4_0": (2, lambda kind, i, n: T.Q6_K if kind == "output" else T.Q4_0),
     "F16": (1, lambda kind, i, n: T.F16),
+    "F32": (0, lambda kind, i, n: T.F32),  # exact weights: compare engines without weight rounding
 }
 
 
@@ -252,7 +253,10 @@ def tensor_plan(like, n_layers: int, vocab: int, quant_name: str, experts: int |
         if next_ and c.recurrent[i]:  # Gated DeltaNet
             kd, vd = c.linear_k_heads * c.linear_k_dim, c.linear_v_heads * c.linear_v_dim
             conv = 2 * kd + vd
-            add(i, "ssm_in.weight", (conv + vd, h), "ssm_in")  # HF's in_proj_qkvz, llama.cpp's legacy form
+            # llama.cpp's converter splits HF's in_proj_qkvz into these two (its legacy fused
+            # `ssm_in` still loads, on llama.cpp's slower path)
+            add(i, "attn_qkv.weight", (conv, h), "attn_qkv")
+            add(i, "attn_gate.weight", (vd, h), "attn_gate")
             add(i, "ssm_ba.weight", (2 * c.linear_v_heads, h), "ssm_ba")
             add(i, "ssm_conv1d.weight", (conv, c.conv_kernel), "conv")
             add(i, "ssm_dt.bias", (c.linear_v_heads,), "ssm_dt")
@@ -362,7 +366,7 @@ def _qwen4exp_plan(c: qwen4exp.Config, quant_name: str):
 
 # The n-gram table's type: rows of 160 values take only 32-value blocks. The real table is
 # 28.8 GB for 51.2B values, 4.5 bits each: Q4_0.
-_TABLE_TYPES = {"Q4_K_M": T.Q4_0, "IQ2_XS": T.Q4_0, "Q4_0": T.Q4_0, "Q8_0": T.Q8_0, "F16": T.F16}
+_TABLE_TYPES = {"Q4_K_M": T.Q4_0, "IQ2_XS": T.Q4_0, "Q4_0": T.Q4_0, "Q8_0": T.Q8_0, "F16": T.F16, "F32": T.F32}
 
 
 def ngram_hash(like, vocab: int, rows: int | None = None) -> NgramHash:

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tarfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,57 @@ def test_llama_cpp_file_matches_transformers(converted, arch):
     assert err < TOLERANCE, f"{arch}: max |logit difference| {err:.2e}"
     same = (got - _logits(path.parent / "hf", ids)).abs().max().item()
     assert same < 1e-5, f"{arch}: llama.cpp's file and the safetensors differ in Strata by {same:.2e}"
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next", "qwen4exp"])
+def test_synth_writes_the_converters_layout(converted, arch):
+    """`strata synth`'s tensors (names, shapes) and hyper-parameter keys for a model's config are
+    those llama.cpp's converter writes for it: a synth file is read by llama.cpp as by Strata."""
+    from strata import synth
+    from strata.gguf.reader import GGUFFile
+
+    _, path = converted(arch)
+    f = GGUFFile(path)
+    config = {m.ARCH: m for m in synth.FORMATS.values()}[f.arch].Config.from_gguf(f.metadata)
+    if arch == "qwen4exp":  # the plan for this very config: its n-gram table, and the indexer the
+        # converter writes although its compress ratios are 0 (from_gguf drops the unused indexer)
+        a = f"{arch}.attention.indexer."
+        config = replace(config, indexer_heads=f.metadata[a + "head_count"], indexer_dim=f.metadata[a + "key_length"])
+        planned = synth._qwen4exp_plan(config, "F16")
+    else:
+        planned = synth.tensor_plan(config, config.n_layers, config.vocab_size, "F16")
+    plan = {name: tuple(shape) for name, shape, *_ in planned}
+    theirs = {name: tuple(t.shape) for name, t in f.tensors.items()}
+    assert plan == theirs, {n: (plan.get(n), theirs.get(n)) for n in set(plan) | set(theirs)
+                            if plan.get(n) != theirs.get(n)}
+    ours = (synth.FORMATS[type(config)].gguf_metadata(config) if arch == "qwen4exp" else  # its own hash
+            synth.metadata(config, config.n_layers, config.vocab_size, "F16", arch))
+    # the converter writes the layer kinds as an array (which llama.cpp prefers) beside an interval
+    # it does not derive from them; synth writes the interval alone
+    skip = (f"{f.arch}.attention.recurrent_layers", f"{f.arch}.full_attention_interval")
+    if not any(getattr(config, "compress_ratios", ())):  # a dense qwen4exp: synth writes no indexer keys
+        skip += (f"{f.arch}.attention.indexer.", f"{f.arch}.attention.compress_ratios")
+    for key, value in f.metadata.items():
+        if key.startswith(f"{f.arch}.") and not key.startswith(skip):
+            got = ours.get(key)
+            assert got is not None and (list(got) == list(value) if isinstance(value, (list, tuple)) else
+                                        got == pytest.approx(value)), f"{key}: synth {got!r}, converter {value!r}"
+
+
+def test_llama_quantized_qwen3next_loads(converted, tmp_path):
+    """llama-quantize writes `ffn_gate_inp_shexp` 1-D (ggml drops the trailing extent of 1): such a
+    file loads and matches transformers as the converter's file does. ALL_F32 keeps the weights
+    exact (this tiny model moves by 0.1 when its weights are merely rounded to float16)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import gguf
+
+    model, path = converted("qwen3next")
+    out = tmp_path / "requantized.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
+    assert llama_cpp.llama_model_quantize(str(path).encode(), str(out).encode(), params) == 0
+    shapes = {t.name: list(t.shape) for t in gguf.GGUFReader(out).tensors}
+    assert shapes["blk.0.ffn_gate_inp_shexp.weight"] == [model.config.hidden_size]
+    ids = _prompt(12, model.config.vocab_size, seed=2)
+    err = (_logits(out, ids) - hf_logits(model, ids)).abs().max().item()
+    assert err < TOLERANCE, f"max |logit difference| {err:.2e}"

@@ -116,7 +116,12 @@ class SharedExpert(nn.Module):
     def __init__(self, w: WeightLoader, prefix: str, hidden: int, ffn: int):
         super().__init__()
         self.ffn = DenseFFN(w, prefix, hidden, ffn, suffix="_shexp")
-        self.gate = w.optional(f"{prefix}.ffn_gate_inp_shexp.weight", (1, hidden))
+        name = f"{prefix}.ffn_gate_inp_shexp.weight"
+        # (1, hidden) as the converter writes it; (hidden,) once llama-quantize has written the file
+        # (ggml drops a trailing extent of 1)
+        flat = w.has(name) and tuple(w.source.get(name).shape) == (hidden,)
+        gate = w.optional(name, (hidden,) if flat else (1, hidden))
+        self.gate = gate.reshape(1, hidden) if gate is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.ffn(x)
