@@ -900,7 +900,7 @@ static int act_mode = 3;
  * "q8x2" takes two 8-bit dot products per weight row: x's 8-bit value and its 8-bit residual.
  * Through ggml's vec_dot that is two passes, each unpacking the weight blocks again, which made
  * q8x2 1.7-1.9x the time of llama.cpp's single pass at one thread. For Q4_K, Q5_K, Q6_K (the
- * K-quant mixes of the common releases), Q4_0, Q4_1, Q5_1, Q8_0, IQ2_XXS, IQ2_XS, IQ4_NL, IQ4_XS
+ * K-quant mixes of the common releases), Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ2_XXS, IQ2_XS, IQ4_NL, IQ4_XS
  * and MXFP4 these kernels unpack each weight block once and feed both activations to vpdpbusd
  * (64 products per instruction), keeping
  * the two integer sums apart until the float scales apply: the same arithmetic as the two
@@ -1408,11 +1408,12 @@ static float dot2_q8_0(int64_t n, const uint8_t *w, const uint8_t *prep, const u
 /* 32-value blocks of 16 nibbles (value l: low nibble of qs[l], value l + 16: its high nibble)
  * through a table of 16 signed values, against Q8_0's prepared activations (q8_0_prep), the
  * 128 * sum(w) off per lane: MXFP4 {u8 e8m0; u8 qs[16]} (the E2M1 values doubled to integers,
- * half the e8m0 power), IQ4_NL {f16 d; u8 qs[16]} and Q4_0 {f16 d; u8 qs[16]} (values q - 8). */
+ * half the e8m0 power), IQ4_NL {f16 d; u8 qs[16]}, Q4_0 {f16 d; u8 qs[16]} (values q - 8) and
+ * Q5_0 {f16 d; u32 qh; u8 qs[16]} (values (q | bit l of qh << 4) - 16). */
 static inline float block_scale(const uint8_t *b, int e8m0) { return e8m0 ? e8m0_half(b[0]) : rd_f16(b); }
 
 static inline float dot2_nib32(int64_t n, const uint8_t *w, const uint8_t *prep, const int bsize, const int head,
-                               const v16i8 table, const int e8m0) {
+                               const v16i8 table, const int e8m0, const int q5) {
     const int64_t nb = n / 32;
     const uint8_t *vq = prep, *vr = vq + nb * 32;
     const float *dq = (const float *)(prep + nb * 64), *dr = dq + nb * 8;
@@ -1427,7 +1428,10 @@ static inline float dot2_nib32(int64_t n, const uint8_t *w, const uint8_t *prep,
                                                     _mm_loadu_si128((const __m128i *)(b1 + head)), 1);
         const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, m4)),
                                              _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), 1);
-        const __m512i w8 = _mm512_shuffle_epi8(values, _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)));
+        __m512i w8 = _mm512_shuffle_epi8(values, _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)));
+        if (q5) /* Q5_0: table q - 16, plus 16 where value l's bit l of qh is set */
+            w8 = _mm512_mask_add_epi8(w8, (__mmask64)rd_u32(b0 + 2) | ((__mmask64)rd_u32(b1 + 2) << 32), w8,
+                                      _mm512_set1_epi8(16));
         const __m512i c = _mm512_dpbusd_epi32(zero, x80, w8);
         const __m512i pq = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, _mm512_loadu_si512(vq + i * 32), w8), c);
         const __m512i pr = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, _mm512_loadu_si512(vr + i * 32), w8), c);
@@ -1442,7 +1446,7 @@ static inline float dot2_nib32(int64_t n, const uint8_t *w, const uint8_t *prep,
         const uint8_t *b = w + i * bsize;
         int32_t pq = 0, pr = 0, sw = 0;
         for (int l = 0; l < 32; l++) {
-            const int v = table[l < 16 ? b[head + l] & 15 : b[head + l - 16] >> 4];
+            const int v = table[l < 16 ? b[head + l] & 15 : b[head + l - 16] >> 4] + (q5 && (rd_u32(b + 2) >> l) & 1 ? 16 : 0);
             pq += v * (int)vq[i * 32 + l];
             pr += v * (int)vr[i * 32 + l];
             sw += v;
@@ -1458,17 +1462,24 @@ static const v16i8 Q4_0_I8 = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 
 
 static float dot2_mxfp4(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
     (void)unused;
-    return dot2_nib32(n, w, prep, 17, 1, E2M1_I8, 1);
+    return dot2_nib32(n, w, prep, 17, 1, E2M1_I8, 1, 0);
 }
 
 static float dot2_iq4_nl(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
     (void)unused;
-    return dot2_nib32(n, w, prep, 18, 2, IQ4_NL_I8, 0);
+    return dot2_nib32(n, w, prep, 18, 2, IQ4_NL_I8, 0, 0);
 }
 
 static float dot2_q4_0(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
     (void)unused;
-    return dot2_nib32(n, w, prep, 18, 2, Q4_0_I8, 0);
+    return dot2_nib32(n, w, prep, 18, 2, Q4_0_I8, 0, 0);
+}
+
+static const v16i8 Q5_0_I8 = {-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1};
+
+static float dot2_q5_0(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
+    (void)unused;
+    return dot2_nib32(n, w, prep, 22, 6, Q5_0_I8, 0, 1);
 }
 
 /* The fused kernel for a ggml type and its activation layout (qblk, qsize), or NULL. */
@@ -1485,6 +1496,7 @@ static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     if (type == 39 && qblk == 32 && qsize == 34) return dot2_mxfp4;
     if (type == 20 && qblk == 32 && qsize == 34) return dot2_iq4_nl;
     if (type == 2 && qblk == 32 && qsize == 34) return dot2_q4_0;
+    if (type == 6 && qblk == 32 && qsize == 34) return dot2_q5_0;
     return NULL;
 }
 #else
@@ -1501,7 +1513,7 @@ static void q8_0_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *
 static int fused2_on = 1;
 void strata_set_fused(int on) { fused2_on = on; }
 int strata_fused_types(int type) {
-    const int q8_1 = type == 3 || type == 7, q8_0 = type == 8 || type == 39 || type == 20 || type == 2;
+    const int q8_1 = type == 3 || type == 7, q8_0 = type == 8 || type == 39 || type == 20 || type == 2 || type == 6;
     return fused2_for(type, q8_1 || q8_0 ? 32 : 256, q8_1 ? 36 : q8_0 ? 34 : 292) != NULL;
 }
 
