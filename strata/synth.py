@@ -6,8 +6,9 @@ The file is a complete model in llama.cpp's layout (arch qwen3moe for qwen3-30b-
 for qwen3-next-80b, qwen4exp for qwen4exp): the real hidden size, heads, experts and expert
 width, fewer layers, optionally a smaller vocabulary (--vocab) or fewer experts (--experts, for
 small test files), and a small byte-level BPE tokenizer (tokenizer.ggml.model "gpt2") so
-llama.cpp accepts it. llama.cpp has no qwen4exp architecture, so only Strata loads those files;
-their n-gram table (`per_layer_token_embd`, layer 1) is small unless --ngram-rows asks for more
+llama.cpp accepts it (llama-cpp-python 0.3.36 runs all three; its qwen3next needs the key and
+value head widths equal, as the real model has). qwen4exp files'
+n-gram table (`per_layer_token_embd`, layer 1) is small unless --ngram-rows asks for more
 (the real one has 320,001,536 rows of 160 values), and they have no MTP block.
 
 Quantized tensors are written block by block without a quantizer: random bytes for the
@@ -618,8 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="strata synth", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="the .gguf file to write")
     ap.add_argument("--like", default="qwen3-30b-a3b",
-                    help=f"model whose shapes to copy: {', '.join(LIKE)} (qwen4exp files load in Strata only: "
-                         "llama.cpp has no qwen4exp architecture)")
+                    help=f"model whose shapes to copy: {', '.join(LIKE)} (all three load in llama.cpp 0.3.36 too)")
     ap.add_argument("--layers", type=int, default=4, help="number of layers (default 4)")
     ap.add_argument("--quant", default="Q4_K_M", help=f"type mix: {', '.join(QUANTS)} (default Q4_K_M)")
     ap.add_argument("--vocab", type=int, default=None, help="shrink the vocabulary to save disk (default: the model's)")
@@ -651,6 +651,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  router skew {args.router_skew}: hottest expert takes {r['hottest_share']:.2%} of routings "
               f"(uniform {1 / (args.experts or LIKE[args.like].n_experts):.2%}), the top 30% of experts take "
               f"{r['top30_share']:.1%} (layer 0's router over 4096 random hidden states)")
-    if isinstance(LIKE[args.like], qwen4exp.Config):
-        print("  a qwen4exp file: Strata loads it, llama.cpp does not know the architecture")
     return 0

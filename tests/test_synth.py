@@ -205,6 +205,8 @@ def test_llama_cpp_loads_it(q4km, tmp_path):
 def _tiny_likes():
     """Small configs of the two llama.cpp-loadable architectures, in synth's LIKE form (llama.cpp
     0.3.36's qwen3next needs equal DeltaNet key and value head widths, as the real model has)."""
+    from dataclasses import replace
+
     from strata.formats import qwen3moe, qwen3next
     from strata.formats.hparams import RopeConfig
 
@@ -216,10 +218,18 @@ def _tiny_likes():
             **common, n_layers=4, ffn_size=96, shared_ffn_size=48, rope=RopeConfig(dim=8, theta=1e7),
             recurrent=(True, True, True, False), conv_kernel=4, linear_k_heads=2, linear_v_heads=4,
             linear_k_dim=16, linear_v_dim=16),
+        # 4 hyper-connection streams, a QSA layer (12 tokens: within its budget, dense) and the
+        # n-gram table on layer 1, as the real model
+        "tiny-qwen4exp": replace(
+            synth.LIKE["qwen4exp"], **{k: v for k, v in common.items() if k != "vocab_size"}, vocab_size=512,
+            n_layers=4, shared_ffn_size=32, rope=RopeConfig(dim=8, theta=1e7), rope_sections=(2, 1, 1, 0),
+            recurrent=(True, True, True, False), compress_ratios=(0, 0, 0, 4), linear_k_heads=2, linear_v_heads=4,
+            linear_k_dim=16, linear_v_dim=16, hc_rank=16, indexer_heads=2, indexer_dim=16, indexer_budget=16,
+            ple_row_dim=4, ple_rows=None),  # 16 hash heads of 4: the table is hidden_size wide, as the real one
     }
 
 
-@pytest.mark.parametrize("like", ["tiny-qwen3moe", "tiny-qwen3next"])
+@pytest.mark.parametrize("like", ["tiny-qwen3moe", "tiny-qwen3next", "tiny-qwen4exp"])
 def test_synth_file_matches_llama_cpp(tmp_path, monkeypatch, like):
     """llama.cpp and Strata (float32 activations) compute the same logits on a synth file with F32
     weights. With 8-bit weights the two differ by about 0.3 on these random models, as llama.cpp
@@ -230,7 +240,8 @@ def test_synth_file_matches_llama_cpp(tmp_path, monkeypatch, like):
 
     config = _tiny_likes()[like]
     monkeypatch.setitem(synth.LIKE, like, config)
-    path = synth.write(tmp_path / "tiny.gguf", like_name=like, layers=config.n_layers, quant_name="F32")
+    path = synth.write(tmp_path / "tiny.gguf", like_name=like, layers=config.n_layers, quant_name="F32",
+                       ngram_rows=4096 if like == "tiny-qwen4exp" else None)
     ids = torch.randint(0, config.vocab_size, (12,), generator=torch.Generator().manual_seed(2)).tolist()
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=64, n_threads=1, logits_all=True, verbose=False)
     llm.eval(ids)
