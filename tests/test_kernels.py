@@ -277,7 +277,7 @@ def test_one_token_moe_in_one_call_equals_expert_by_expert(types, act_mode, monk
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_1", "Q8_0", "IQ2_XXS", "IQ2_XS", "IQ4_XS", "MXFP4", "IQ4_NL", "Q4_0", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_1", "Q8_0", "IQ2_XXS", "IQ2_XS", "IQ4_XS", "MXFP4", "IQ4_NL", "Q4_0", "Q5_0"])
 def test_fused_residual_pass_equals_ggmls_two_passes(qtype):
     """"q8x2" in one pass (qmm.c's AVX-512 VNNI kernels: each weight block unpacked once for both
     8-bit activations) against ggml's vec_dot run twice: the same sums up to float order. Q4_1

@@ -899,7 +899,7 @@ static int act_mode = 3;
  *
  * "q8x2" takes two 8-bit dot products per weight row: x's 8-bit value and its 8-bit residual.
  * Through ggml's vec_dot that is two passes, each unpacking the weight blocks again, which made
- * q8x2 1.7-1.9x the time of llama.cpp's single pass at one thread. For Q2_K, Q4_K, Q5_K, Q6_K (the
+ * q8x2 1.7-1.9x the time of llama.cpp's single pass at one thread. For Q2_K to Q6_K (the
  * K-quant mixes of the common releases), Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ2_XXS, IQ2_XS, IQ4_NL, IQ4_XS
  * and MXFP4 these kernels unpack each weight block once and feed both activations to vpdpbusd
  * (64 products per instruction), keeping
@@ -1064,6 +1064,65 @@ static float dot2_q2_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uin
         const __m256i br = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yr + 260)), m16);
         accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bq), _mm256_set1_ps(dmin * dq), accm);
         accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(br), _mm256_set1_ps(dmin * dr), accm);
+    }
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(accm), _mm256_extractf128_ps(accm, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    return _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(m);
+}
+
+/* Q3_K: {u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d} x q8_K. Value 128h + 32j + l is bits
+ * 2j..2j+1 of qs[32h + l] minus 4 where bit 4h + j of hmask[l] is clear; taken as u8 0..7 (that
+ * value + 4), the 4 coming off through the bsums with the signed 6-bit scales (per 16 values). */
+static float dot2_q3_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
+    const int64_t nb = n / 256;
+    const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    __m512 acc = _mm512_setzero_ps();
+    __m256 accm = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + i * 110, *yq = xq + i * 292, *yr = xr + i * 292;
+        float dq, dr;
+        memcpy(&dq, yq, 4);
+        memcpy(&dr, yr, 4);
+        const float d = rd_f16(b + 108);
+        /* scale k: low 4 bits from byte k (k < 8) or k - 8's high nibble, high 2 bits from byte
+         * 8 + k % 4 at bit 2 (k / 4); four at a time in u32 lanes */
+        const uint32_t a0 = rd_u32(b + 96), a1 = rd_u32(b + 100), t = rd_u32(b + 104);
+        const uint32_t k4 = 0x0F0F0F0Fu, k2 = 0x03030303u;
+        const __m128i sc8 = _mm_sub_epi8(_mm_setr_epi32((int)((a0 & k4) | ((t & k2) << 4)),
+                                                        (int)((a1 & k4) | (((t >> 2) & k2) << 4)),
+                                                        (int)(((a0 >> 4) & k4) | (((t >> 4) & k2) << 4)),
+                                                        (int)(((a1 >> 4) & k4) | (((t >> 6) & k2) << 4))),
+                                         _mm_set1_epi8(32));
+        const __m512i sc32 = _mm512_and_si512(_mm512_cvtepi8_epi32(sc8), _mm512_set1_epi32(0xFFFF));
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+        __m512i sq = _mm512_setzero_si512(), sr = _mm512_setzero_si512();
+        #pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) { /* 64 values: half h = c / 2, j = 2 (c % 2) and 2 (c % 2) + 1 */
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * (c / 2)));
+            const int sh = 4 * (c % 2), hb = 4 * (c / 2) + 2 * (c % 2);
+            const __mmask32 h0 = _mm256_test_epi8_mask(hm, _mm256_set1_epi8((char)(1 << hb)));
+            const __mmask32 h1 = _mm256_test_epi8_mask(hm, _mm256_set1_epi8((char)(1 << (hb + 1))));
+            const __m512i w8 = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, sh), m3),
+                                                       _mm256_maskz_mov_epi8(h0, four))),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, sh + 2), m3), _mm256_maskz_mov_epi8(h1, four)), 1);
+            const __m512i idx = _mm512_set_epi32(4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 2, 4 * c + 2,
+                                                 4 * c + 2, 4 * c + 2, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1,
+                                                 4 * c, 4 * c, 4 * c, 4 * c);
+            const __m512i s = _mm512_permutexvar_epi32(idx, sc32);
+            const __m512i pq = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w8, _mm512_loadu_si512(yq + 4 + 64 * c));
+            const __m512i pr = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w8, _mm512_loadu_si512(yr + 4 + 64 * c));
+            sq = madd_lo16(sq, pq, s);
+            sr = madd_lo16(sr, pr, s);
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dq), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dr), acc);
+        const __m256i s16 = _mm256_cvtepi8_epi16(sc8);
+        const __m256i bq = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yq + 260)), s16);
+        const __m256i br = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yr + 260)), s16);
+        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bq), _mm256_set1_ps(4.0f * d * dq), accm);
+        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(br), _mm256_set1_ps(4.0f * d * dr), accm);
     }
     __m128 m = _mm_add_ps(_mm256_castps256_ps128(accm), _mm256_extractf128_ps(accm, 1));
     m = _mm_add_ps(m, _mm_movehl_ps(m, m));
@@ -1532,6 +1591,7 @@ static float dot2_q5_0(int64_t n, const uint8_t *w, const uint8_t *prep, const u
 /* The fused kernel for a ggml type and its activation layout (qblk, qsize), or NULL. */
 static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     if (type == 10 && qblk == 256 && qsize == 292) return dot2_q2_k;
+    if (type == 11 && qblk == 256 && qsize == 292) return dot2_q3_k;
     if (type == 12 && qblk == 256 && qsize == 292) return dot2_q4_k;
     if (type == 13 && qblk == 256 && qsize == 292) return dot2_q5_k;
     if (type == 14 && qblk == 256 && qsize == 292) return dot2_q6_k;
