@@ -70,5 +70,9 @@ def test_few_tokens_experts_equal_one_token_calls(qtype, q8x2):
     for i in range(4):  # one token at a time: strata_moe_token
         one = kernels.grouped_swiglu(x[i:i + 1], grouped.route_table(ids[i:i + 1], w[i:i + 1]), (gate, up, down))
         assert torch.equal(y[i:i + 1], one)
+        alone = torch.zeros(1, hidden)  # strata_moe_token, the experts in the router's order
+        assert kernels._moe_token(x[i:i + 1], [(gate[e], up[e], down[e]) for e in ids[i].tolist()],
+                                  w[i].tolist(), None, alone)
+        assert torch.equal(alone, one)
     ref = grouped.grouped_swiglu(x, grouped.route_table(ids, w), (gate, up, down))  # dequantized floats
     assert (y - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()  # 8-bit x; a wrong sum is O(1) off

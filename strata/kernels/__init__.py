@@ -387,45 +387,62 @@ def _moe_token(x: torch.Tensor, parts, w: list[float], threads, out: torch.Tenso
     return True
 
 
-def _moe_tokens(x: torch.Tensor, table: RouteTable, source, threads, out: torch.Tensor) -> bool:
-    """A few tokens' routed experts in one C call (strata_moe_tokens: each used expert once over
-    its tokens), accumulated into `out` (float32); False (nothing done) where `_moe_token` would
-    refuse, or without the entry point.
+# id(stacked raw) -> (weak ref to it, (plan of expert 0, bytes from one expert to the next) or None)
+_stacked: dict[int, tuple[weakref.ref, tuple | None]] = {}
 
-    Each token adds its experts by descending weight: a router's top-k order, the order a
-    one-token table keeps (`route_table`) and strata_moe_token adds them in, so a token's sum is
-    a one-token step's (a router whose k weights are not sorted, or tie, differs by rounding)."""
+
+def _stacked_plan(q: QTensor):
+    """The plan of a stacked `[E, out, in]` QTensor's expert 0 and the stride to the next, worked out
+    once (an expert's slice is a new view each time, which `_plan` would plan anew)."""
+    raw = q.raw
+    hit = _stacked.get(id(raw))
+    if hit is not None and hit[0]() is raw:
+        return hit[1]
+    value = None
+    if len(q.shape) == 3 and raw.device.type == "cpu" and raw.is_contiguous():
+        pl = _plan(q[0])
+        if pl is not None and pl.fnptr is not None and pl.copy is None:
+            value = (pl, raw.stride(0) * raw.element_size())
+    k = id(raw)
+    _stacked[k] = (weakref.ref(raw, lambda _r, k=k, d=_stacked: d.pop(k, None)), value)
+    return value
+
+
+def _moe_tokens(x: torch.Tensor, table: RouteTable, stacked: tuple[QTensor, QTensor, QTensor], threads,
+                out: torch.Tensor) -> bool:
+    """Resident experts (`stacked`: gate, up, down `[E, out, in]`) of a few tokens in one C call
+    (strata_moe_tokens: each used expert once over its tokens), accumulated into `out` (float32);
+    False (nothing done) where `_moe_token` would refuse, or without the entry point.
+
+    Each token adds its experts by descending weight: a top-k router's order, the order a one-token
+    table keeps (`route_table`) and strata_moe_token adds them in, so each position of a verify pass
+    sums as a decode step does (a router whose k weights are not sorted, or tie, differs by rounding)."""
     lib = _build.load()
     fn = getattr(lib, "strata_moe_tokens", None) if lib is not None else None
     if fn is None or x.dtype != torch.float32 or out.dtype != torch.float32 or not x.is_contiguous():
         return False
-    used, counts = torch.unique_consecutive(table.expert, return_counts=True)
-    plans = [[_plan(q) for q in source(e)] for e in used.tolist()]
-    first = plans[0]
-    if any(pl is None or pl.fnptr is None for pl in first):
+    plans = [_stacked_plan(q) for q in stacked]
+    if any(pl is None for pl in plans):
         return False
-    g0, u0, d0 = first
+    (g0, gs), (u0, us), (d0, ds) = plans
     ffn, hidden = g0.rows, g0.cols
     if (u0.rows, u0.cols, d0.rows, d0.cols) != (ffn, hidden, hidden, ffn) or x.shape[-1] != hidden:
         return False
-    for pl in plans[1:]:
-        for a, b in zip(pl, first):
-            if a is None or a.fnptr != b.fnptr or (a.rows, a.cols) != (b.rows, b.cols):
-                return False
     if fn.argtypes is None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [p, p, p, p, ctypes.c_int, p, p, p, p, p, p, i64, i64, p, p, ctypes.c_int]
         fn.restype = ctypes.c_int
-    n = len(plans)
-    ptrs = [(ctypes.c_void_p * n)(*(pl[i].ptr for pl in plans)) for i in range(3)]
+    used, counts = torch.unique_consecutive(table.expert, return_counts=True)
+    used = used.tolist()
+    n = len(used)
+    ptrs = [(ctypes.c_void_p * n)(*(pl.ptr + e * stride for e in used)) for pl, stride in plans]
     counts = counts.to(torch.int64).contiguous()
     token = table.token.to(torch.int64).contiguous()
     weight = table.weight.to(torch.float32).contiguous()
     by_weight = torch.argsort(-weight, stable=True)
     order = by_weight[torch.argsort(token[by_weight], stable=True)].contiguous()  # per token, heaviest first
     return bool(fn(*ptrs, counts.data_ptr(), n, token.data_ptr(), weight.data_ptr(), order.data_ptr(),
-                   g0.fnptr, u0.fnptr, d0.fnptr,
-                   hidden, ffn, x.data_ptr(), out.data_ptr(), _threads(threads)))
+                   g0.fnptr, u0.fnptr, d0.fnptr, hidden, ffn, x.data_ptr(), out.data_ptr(), _threads(threads)))
 
 
 def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource,
@@ -434,6 +451,12 @@ def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource,
     experts in one C call (strata_moe_token), a few tokens' in one (strata_moe_tokens), else the
     one grouping loop with `expert_forward`."""
     source = grouped.as_source(experts)
+    # resident experts of a verify pass or a decode batch: one call (a tier's source hands out each
+    # expert as its read lands, to be used before the next: the loop below)
+    if not callable(experts) and 1 < x.shape[0] <= FAST_BATCH_MAX and table.expert.numel():
+        out = torch.zeros_like(x)
+        if _moe_tokens(x, table, experts, threads, out):
+            return out
     if x.shape[0] == 1 and table.expert.numel():  # decode: one token, no grouping needed
         out = torch.zeros_like(x)
         parts, w = [source(e) for e in table.expert.tolist()], table.weight.tolist()
@@ -442,12 +465,6 @@ def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource,
         for p, wj in zip(parts, w):
             out.add_(expert_forward(x, *p, threads=threads), alpha=wj)
         return out
-    # a verify pass, a decode batch, over resident experts (a tier's source hands out each expert as
-    # its read lands, to be used before the next: the loop below)
-    if not callable(experts) and 1 < x.shape[0] <= FAST_BATCH_MAX and table.expert.numel():
-        out = torch.zeros_like(x)
-        if _moe_tokens(x, table, source, threads, out):
-            return out
     return grouped.grouped_swiglu(x, table, source, lambda xs, g, u, d: expert_forward(xs, g, u, d, threads))
 
 
