@@ -277,7 +277,7 @@ def test_one_token_moe_in_one_call_equals_expert_by_expert(types, act_mode, monk
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_1", "Q8_0", "IQ2_XXS", "IQ2_XS", "IQ4_XS", "MXFP4", "IQ4_NL", "Q4_0", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_1", "Q8_0", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ4_XS", "MXFP4", "IQ4_NL", "Q4_0", "Q5_0"])
 def test_fused_residual_pass_equals_ggmls_two_passes(qtype):
     """"q8x2" in one pass (qmm.c's AVX-512 VNNI kernels: each weight block unpacked once for both
     8-bit activations) against ggml's vec_dot run twice: the same sums up to float order. Q4_1
@@ -305,7 +305,8 @@ def test_fused_residual_pass_equals_ggmls_two_passes(qtype):
                         assert rel_err(one, ref) < 1e-4 and rel_err(two, ref) < 2e-3, (rows, cols, batch)
                         continue
                     assert rel_err(one, two) < 1e-5, (qtype, rows, cols, batch, threads)
-                    assert rel_err(one, ref) < 3e-4
+                    # IQ3_XXS: ggml's two passes are 9.5e-4 from the exact product on the 5x256 case too
+                    assert rel_err(one, ref) < (2e-3 if qtype == "IQ3_XXS" else 3e-4)
     finally:
         lib.strata_set_fused(1)
         kernels.set_activations(before)

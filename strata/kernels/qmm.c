@@ -900,7 +900,7 @@ static int act_mode = 3;
  * "q8x2" takes two 8-bit dot products per weight row: x's 8-bit value and its 8-bit residual.
  * Through ggml's vec_dot that is two passes, each unpacking the weight blocks again, which made
  * q8x2 1.7-1.9x the time of llama.cpp's single pass at one thread. For Q2_K to Q6_K (the
- * K-quant mixes of the common releases), Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ2_XXS, IQ2_XS, IQ4_NL, IQ4_XS
+ * K-quant mixes of the common releases), Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ2_XXS, IQ2_XS, IQ3_XXS, IQ4_NL, IQ4_XS
  * and MXFP4 these kernels unpack each weight block once and feed both activations to vpdpbusd
  * (64 products per instruction), keeping
  * the two integer sums apart until the float scales apply: the same arithmetic as the two
@@ -1404,6 +1404,51 @@ static float dot2_iq2_xxs(int64_t n, const uint8_t *w, const uint8_t *xq, const 
     return 0.125f * _mm512_reduce_add_ps(acc);
 }
 
+/* IQ3_XXS: {f16 d; u8 grid[64]; u32 signs 4 x 7 bits | scale << 28 per 32 values} x q8_K: as
+ * IQ2_XXS with 4-value entries of GRID_IQ3_XXS (|w| <= 62: a lane's sum stays under 2^15) and a
+ * common 1/4. */
+static float dot2_iq3_xxs(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
+    const int64_t nb = n / 256;
+    const __m128i m15 = _mm_set1_epi8(15), m127 = _mm_set1_epi32(127), sh7 = _mm_setr_epi32(0, 7, 14, 21);
+    const __m128i parity4 = _mm_setr_epi8(0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 0, 1, 0, 1, 1, 0);
+    const __m512i x80 = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + i * 98, *yq = xq + i * 292, *yr = xr + i * 292;
+        float dq, dr;
+        memcpy(&dq, yq, 4);
+        memcpy(&dr, yr, 4);
+        const float d = rd_f16(b);
+        __m512i sq = zero, sr = zero;
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) { /* 64 values: two groups of 32 */
+            const __m512i g = _mm512_i32gather_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * j))),
+                                                     (const void *)GRID_IQ3_XXS, 4);
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(b + 66 + 8 * j)); /* groups 2j, 2j+1 */
+            const __m128i sa = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(q, 0x00), sh7), m127);
+            const __m128i sb = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(q, 0x55), sh7), m127);
+            const __m128i s7 = _mm_packus_epi32(sa, sb); /* 8 sign indices in u16 lanes */
+            const __m128i par = _mm_xor_si128(_mm_shuffle_epi8(parity4, _mm_and_si128(s7, m15)),
+                                              _mm_shuffle_epi8(parity4, _mm_srli_epi16(s7, 4)));
+            const __m128i sg = _mm_or_si128(s7, _mm_slli_epi16(par, 7));
+            const __mmask64 neg = (__mmask64)_mm_cvtsi128_si64(_mm_packus_epi16(sg, sg));
+            const __m512i ws = _mm512_mask_sub_epi8(g, neg, zero, g);
+            const __m512i c = _mm512_dpbusd_epi32(zero, x80, ws);
+            const __m512i pq = _mm512_sub_epi32(
+                _mm512_dpbusd_epi32(zero, _mm512_xor_si512(_mm512_loadu_si512(yq + 4 + 64 * j), x80), ws), c);
+            const __m512i pr = _mm512_sub_epi32(
+                _mm512_dpbusd_epi32(zero, _mm512_xor_si512(_mm512_loadu_si512(yr + 4 + 64 * j), x80), ws), c);
+            const int l0 = 2 * (int)(rd_u32(b + 66 + 8 * j) >> 28) + 1, l1 = 2 * (int)(rd_u32(b + 70 + 8 * j) >> 28) + 1;
+            const __m512i sc = _mm512_mask_blend_epi32((__mmask16)0xFF00, _mm512_set1_epi32(l0), _mm512_set1_epi32(l1));
+            sq = madd_lo16(sq, pq, sc);
+            sr = madd_lo16(sr, pr, sc);
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dq), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dr), acc);
+    }
+    return 0.25f * _mm512_reduce_add_ps(acc);
+}
+
 /* IQ4_XS: {f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]} x q8_K. Nibbles index the 16 signed
  * IQ4_NL values (vpshufb), each 32 values scale by a 6-bit (lo | hi << 4) - 32; the activations go
  * in as u8 (x + 128) as for IQ2_XS. With |w| <= 127 a lane's sum passes 2^15, so the scales take
@@ -1598,6 +1643,7 @@ static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     if (type == 3 && qblk == 32 && qsize == 36) return dot2_q4_1;
     if (type == 7 && qblk == 32 && qsize == 36) return dot2_q5_1;
     if (type == 16 && qblk == 256 && qsize == 292) return dot2_iq2_xxs;
+    if (type == 18 && qblk == 256 && qsize == 292) return dot2_iq3_xxs;
     if (type == 23 && qblk == 256 && qsize == 292) return dot2_iq4_xs;
     if (type == 17 && qblk == 256 && qsize == 292) return dot2_iq2_xs;
     if (type == 8 && qblk == 32 && qsize == 34) return dot2_q8_0;
