@@ -1,9 +1,9 @@
 """Real scale: the full-size flagship from disk under a RAM budget, each figure beside its limit.
 
-    .venv/bin/python bench/bench_scale.py --model /work/big/qwen4exp-48L-IQ2_XS.gguf \
+    .venv/bin/python bench/bench_scale.py --model big/qwen4exp-48L-IQ2_XS.gguf \
         --ram-memory 9G [--tokens 12] [--prompt-tokens 32] \
-        [--skewed-model /work/big/qwen4exp-48L-IQ2_XS-skew0.2.gguf --skew 0.2]
-    .venv/bin/python bench/bench_scale.py --model /work/big/qwen3next-80b-48L-IQ2_XS.gguf \
+        [--skewed-model big/qwen4exp-48L-IQ2_XS-skew0.2.gguf --skew 0.2]
+    .venv/bin/python bench/bench_scale.py --model big/qwen3next-80b-48L-IQ2_XS.gguf \
         --ram-memory 9G --llama-cpp
 
 The file is `strata synth --like qwen4exp --layers 48 --quant IQ2_XS` (45.7 GiB, written once).
@@ -21,7 +21,7 @@ own, measured before loading, shown apart).
 
 `--llama-cpp` runs llama.cpp (llama-cpp-python: mmap, the same threads, greedy, the same prompt
 ids) on each file after Strata, and prints its decode and prefill beside Strata's with the ratios
-(for `--like qwen3-next-80b`, which llama.cpp loads; it has no qwen4exp). Each engine starts from a
+(for `--like qwen3-next-80b`, or any file llama.cpp loads: llama-cpp-python 0.3.36 runs qwen4exp too). Each engine starts from a
 cold file: the bench drops the file's page-cache pages (posix_fadvise, this file only) first.
 
 `--skewed-model FILE --skew S` adds a run of a second file, the same synth written with
@@ -211,8 +211,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skewed-model", help="also run this file: the same synth written with --router-skew")
     ap.add_argument("--skew", type=float, default=0.0, help="the --router-skew the skewed file (or, without --skewed-model, --model) was written with")
     ap.add_argument("--llama-cpp", action="store_true",
-                    help="also run llama.cpp (llama-cpp-python, mmap, same threads) on each file (not qwen4exp: "
-                         "llama.cpp has no such architecture)")
+                    help="also run llama.cpp (llama-cpp-python, mmap, same threads) on each file")
     args = ap.parse_args(argv)
     path = Path(args.model)
     budget = parse_size(args.ram_memory, "--ram-memory")

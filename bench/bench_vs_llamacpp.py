@@ -219,7 +219,7 @@ def main(argv=None) -> int:
         have_llama = f"llama-cpp-python {llama_cpp.__version__}"
     except ImportError:
         have_llama = None
-        print("llama.cpp is unavailable (pip install llama-cpp-python, or a wheel from /work/wheels); "
+        print("llama.cpp is unavailable (pip install llama-cpp-python, built as the README says); "
               "measuring Strata alone")
     from strata import kernels
     from strata.kernels import _ggml
