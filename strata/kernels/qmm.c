@@ -915,6 +915,14 @@ typedef float (*dot2_fn)(int64_t n, const uint8_t *w, const uint8_t *xq, const u
  * vpdpwssd on the low int16 halves (s's high halves are 0), one instruction for mullo + add. */
 static inline __m512i madd_lo16(__m512i acc, __m512i v, __m512i s) { return _mm512_dpwssd_epi32(acc, v, s); }
 
+/* A K-quant block sum: the scaled products' lanes minus the mins' lanes (the mins' sum first). */
+static inline float sum_minus_mins(__m512 acc, __m256 accm) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(accm), _mm256_extractf128_ps(accm, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    return _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(m);
+}
+
 /* Q4_K: {f16 d, dmin; u8 scales[12]; u8 qs[128]} x q8_K {f32 d; i8 qs[256]; i16 bsums[16]}. */
 /* The 8 six-bit scales and mins of a Q4_K block's 12 scale bytes, as two u64 of 8 bytes each. */
 static inline void q4k_scales_mins(const uint8_t *q, uint64_t *sc, uint64_t *mn) {
@@ -929,59 +937,17 @@ static inline void q4k_scales_mins(const uint8_t *q, uint64_t *sc, uint64_t *mn)
     *mn = (uint64_t)m_lo | ((uint64_t)m_hi << 32);
 }
 
-static float dot2_q4_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
-    const int64_t nb = n / 256;
-    const __m256i m4 = _mm256_set1_epi8(15);
-    __m512 acc = _mm512_setzero_ps();
-    __m256 accm = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        const uint8_t *b = w + i * 144, *yq = xq + i * 292, *yr = xr + i * 292;
-        float dq, dr;
-        memcpy(&dq, yq, 4);
-        memcpy(&dr, yr, 4);
-        const float d = rd_f16(b), dmin = rd_f16(b + 2);
-        uint64_t sc, mn;
-        q4k_scales_mins(b + 4, &sc, &mn);
-        const __m512i sc32 = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc));
-        __m512i sq = _mm512_setzero_si512(), sr = _mm512_setzero_si512();
-        #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * j));
-            const __m512i w8 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, m4)),
-                                                  _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), 1);
-            const __m512i idx = _mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
-                                                 2 * j + 1, 2 * j + 1, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j);
-            const __m512i s = _mm512_permutexvar_epi32(idx, sc32);
-            const __m512i pq = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w8, _mm512_loadu_si512(yq + 4 + 64 * j));
-            const __m512i pr = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w8, _mm512_loadu_si512(yr + 4 + 64 * j));
-            sq = madd_lo16(sq, pq, s);
-            sr = madd_lo16(sr, pr, s);
-        }
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dq), acc);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dr), acc);
-        /* mins: dmin * m_j * (sum of x over sub-block j) from the activation's bsums (per 16) */
-        const __m256i m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)mn),
-                                                                 _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0)));
-        const __m256i bq = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yq + 260)), m16);
-        const __m256i br = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yr + 260)), m16);
-        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bq), _mm256_set1_ps(dmin * dq), accm);
-        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(br), _mm256_set1_ps(dmin * dr), accm);
-    }
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(accm), _mm256_extractf128_ps(accm, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_add_ss(m, _mm_movehdup_ps(m));
-    return _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(m);
-}
-
 /* Q5_K: {f16 d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]} x q8_K: Q4_K with a fifth bit per
- * value from qh (bit 2j / 2j+1 of qh[l] for value l of sub-block 2j / 2j+1), u8 weights 0..31. */
-static float dot2_q5_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
+ * value from qh (bit 2j / 2j+1 of qh[l] for value l of sub-block 2j / 2j+1), u8 weights 0..31.
+ * `five` is a constant in each caller, so each gets its own loop without the other's work. */
+static inline __attribute__((always_inline)) float dot2_q45_k(int64_t n, const uint8_t *w, const uint8_t *xq,
+                                                              const uint8_t *xr, const int five) {
     const int64_t nb = n / 256;
     const __m256i m4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
     __m512 acc = _mm512_setzero_ps();
     __m256 accm = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
-        const uint8_t *b = w + i * 176, *yq = xq + i * 292, *yr = xr + i * 292;
+        const uint8_t *b = w + i * (five ? 176 : 144), *yq = xq + i * 292, *yr = xr + i * 292;
         float dq, dr;
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
@@ -989,17 +955,19 @@ static float dot2_q5_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uin
         uint64_t sc, mn;
         q4k_scales_mins(b + 4, &sc, &mn);
         const __m512i sc32 = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
         __m512i sq = _mm512_setzero_si512(), sr = _mm512_setzero_si512();
         #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * j));
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (five ? 48 : 16) + 32 * j));
             /* the fifth bit of value l of sub-block 2j (2j+1) is bit 2j (2j+1) of qh[l] */
             const __mmask32 h0 = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * j))));
             const __mmask32 h1 = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(2 << (2 * j))));
-            const __m512i w8 = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_maskz_mov_epi8(h0, bit4))),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), _mm256_maskz_mov_epi8(h1, bit4)), 1);
+            const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            const __m512i w8 = five ? _mm512_inserti64x4(
+                                          _mm512_castsi256_si512(_mm256_or_si256(lo, _mm256_maskz_mov_epi8(h0, bit4))),
+                                          _mm256_or_si256(hi, _mm256_maskz_mov_epi8(h1, bit4)), 1)
+                                    : _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
             const __m512i idx = _mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
                                                  2 * j + 1, 2 * j + 1, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j);
             const __m512i s = _mm512_permutexvar_epi32(idx, sc32);
@@ -1018,10 +986,15 @@ static float dot2_q5_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uin
         accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bq), _mm256_set1_ps(dmin * dq), accm);
         accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(br), _mm256_set1_ps(dmin * dr), accm);
     }
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(accm), _mm256_extractf128_ps(accm, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_add_ss(m, _mm_movehdup_ps(m));
-    return _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(m);
+    return sum_minus_mins(acc, accm);
+}
+
+static float dot2_q4_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
+    return dot2_q45_k(n, w, xq, xr, 0);
+}
+
+static float dot2_q5_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
+    return dot2_q45_k(n, w, xq, xr, 1);
 }
 
 /* Q2_K: {u8 scales[16]; u8 qs[64]; f16 d, dmin} x q8_K. Value 128h + 32j + l is bits 2j..2j+1 of
@@ -1065,10 +1038,7 @@ static float dot2_q2_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uin
         accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bq), _mm256_set1_ps(dmin * dq), accm);
         accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(br), _mm256_set1_ps(dmin * dr), accm);
     }
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(accm), _mm256_extractf128_ps(accm, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_add_ss(m, _mm_movehdup_ps(m));
-    return _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(m);
+    return sum_minus_mins(acc, accm);
 }
 
 /* Q3_K: {u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d} x q8_K. Value 128h + 32j + l is bits
@@ -1124,10 +1094,7 @@ static float dot2_q3_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uin
         accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bq), _mm256_set1_ps(4.0f * d * dq), accm);
         accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(br), _mm256_set1_ps(4.0f * d * dr), accm);
     }
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(accm), _mm256_extractf128_ps(accm, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_add_ss(m, _mm_movehdup_ps(m));
-    return _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(m);
+    return sum_minus_mins(acc, accm);
 }
 
 /* Q6_K: {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d} x q8_K. Weights as u8 0..63 (q + 32); the
@@ -1176,10 +1143,7 @@ static float dot2_q6_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uin
         accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bq), _mm256_set1_ps(32.0f * d * dq), accm);
         accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(br), _mm256_set1_ps(32.0f * d * dr), accm);
     }
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(accm), _mm256_extractf128_ps(accm, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_add_ss(m, _mm_movehdup_ps(m));
-    return _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(m);
+    return sum_minus_mins(acc, accm);
 }
 
 /* Q4_1: {f16 d, m; u8 qs[16]} x q8_1 {f16 d, s; i8 qs[32]}. What does not depend on the weight row
