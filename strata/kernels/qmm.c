@@ -915,6 +915,22 @@ typedef float (*dot2_fn)(int64_t n, const uint8_t *w, const uint8_t *xq, const u
  * vpdpwssd on the low int16 halves (s's high halves are 0), one instruction for mullo + add. */
 static inline __m512i madd_lo16(__m512i acc, __m512i v, __m512i s) { return _mm512_dpwssd_epi32(acc, v, s); }
 
+/* Two 32-value blocks' integer products over x's 8-bit value and residual, scaled by their
+ * per-lane activation scales (8 lanes per block): the lanes a block's weight scale multiplies. */
+static inline __m512 pair_products(__m512i pq, __m512i pr, const float *dq, const float *dr) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(pq), _mm512_loadu_ps(dq),
+                           _mm512_mul_ps(_mm512_cvtepi32_ps(pr), _mm512_loadu_ps(dr)));
+}
+
+/* The f16 scales at the start of two blocks, each across its block's 8 lanes. */
+static inline __m512 f16_pair(const uint8_t *b0, const uint8_t *b1) {
+    uint16_t h0, h1;
+    memcpy(&h0, b0, 2);
+    memcpy(&h1, b1, 2);
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)h0)),
+                                                   _mm_set1_epi16((short)h1), 1));
+}
+
 /* A K-quant block sum: the scaled products' lanes minus the mins' lanes (the mins' sum first). */
 static inline float sum_minus_mins(__m512 acc, __m256 accm) {
     __m128 m = _mm_add_ps(_mm256_castps256_ps128(accm), _mm256_extractf128_ps(accm, 1));
@@ -1192,13 +1208,8 @@ static float dot2_q4_1(int64_t n, const uint8_t *w, const uint8_t *prep, const u
         const __m512i w8 = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0)); /* lo0 hi0 lo1 hi1 */
         const __m512i pq = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w8, _mm512_loadu_si512(vq + i * 32));
         const __m512i pr = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w8, _mm512_loadu_si512(vr + i * 32));
-        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pq), _mm512_loadu_ps(dq + i * 8),
-                                         _mm512_mul_ps(_mm512_cvtepi32_ps(pr), _mm512_loadu_ps(dr + i * 8)));
-        uint16_t h0, h1;
-        memcpy(&h0, b0, 2);
-        memcpy(&h1, b1, 2);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)h0)),
-                                                                  _mm_set1_epi16((short)h1), 1));
+        const __m512 t = pair_products(pq, pr, dq + i * 8, dr + i * 8);
+        const __m512 dw = f16_pair(b0, b1);
         acc = _mm512_fmadd_ps(t, dw, acc);
         mins += rd_f16(b0 + 2) * xs[i] + rd_f16(b1 + 2) * xs[i + 1];
     }
@@ -1244,13 +1255,8 @@ static float dot2_q5_1(int64_t n, const uint8_t *w, const uint8_t *prep, const u
         const __m512i w8 = _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1);
         const __m512i pq = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w8, _mm512_loadu_si512(vq + i * 32));
         const __m512i pr = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w8, _mm512_loadu_si512(vr + i * 32));
-        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pq), _mm512_loadu_ps(dq + i * 8),
-                                         _mm512_mul_ps(_mm512_cvtepi32_ps(pr), _mm512_loadu_ps(dr + i * 8)));
-        uint16_t d0, d1;
-        memcpy(&d0, b0, 2);
-        memcpy(&d1, b1, 2);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)d0)),
-                                                                  _mm_set1_epi16((short)d1), 1));
+        const __m512 t = pair_products(pq, pr, dq + i * 8, dr + i * 8);
+        const __m512 dw = f16_pair(b0, b1);
         acc = _mm512_fmadd_ps(t, dw, acc);
         mins += rd_f16(b0 + 2) * xs[i] + rd_f16(b1 + 2) * xs[i + 1];
     }
@@ -1494,13 +1500,8 @@ static float dot2_q8_0(int64_t n, const uint8_t *w, const uint8_t *prep, const u
         const __m512i c = _mm512_dpbusd_epi32(zero, x80, w8);
         const __m512i pq = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, _mm512_loadu_si512(vq + i * 32), w8), c);
         const __m512i pr = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, _mm512_loadu_si512(vr + i * 32), w8), c);
-        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pq), _mm512_loadu_ps(dq + i * 8),
-                                         _mm512_mul_ps(_mm512_cvtepi32_ps(pr), _mm512_loadu_ps(dr + i * 8)));
-        uint16_t h0, h1;
-        memcpy(&h0, b0, 2);
-        memcpy(&h1, b1, 2);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)h0)),
-                                                                  _mm_set1_epi16((short)h1), 1));
+        const __m512 t = pair_products(pq, pr, dq + i * 8, dr + i * 8);
+        const __m512 dw = f16_pair(b0, b1);
         acc = _mm512_fmadd_ps(t, dw, acc);
     }
     float tail = 0.0f;
@@ -1550,8 +1551,7 @@ static inline float dot2_nib32(int64_t n, const uint8_t *w, const uint8_t *prep,
         const __m512i c = _mm512_dpbusd_epi32(zero, x80, w8);
         const __m512i pq = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, _mm512_loadu_si512(vq + i * 32), w8), c);
         const __m512i pr = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, _mm512_loadu_si512(vr + i * 32), w8), c);
-        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pq), _mm512_loadu_ps(dq + i * 8),
-                                         _mm512_mul_ps(_mm512_cvtepi32_ps(pr), _mm512_loadu_ps(dr + i * 8)));
+        const __m512 t = pair_products(pq, pr, dq + i * 8, dr + i * 8);
         const __m512 dw = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(block_scale(b0, e8m0)),
                                                _mm512_set1_ps(block_scale(b1, e8m0)));
         acc = _mm512_fmadd_ps(t, dw, acc);
