@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.gpu.graphs import boundary
+from strata.kernels.threads import one_thread_if_small
 
 
 _HOST = torch.device("cpu")
@@ -68,7 +69,8 @@ def sdpa(q, k, v, mask, enable_gqa: bool) -> torch.Tensor:
     """Attention; off the CPU through the `strata::attention` custom op, whose fake implementation
     lets a device step be checked (and traced) without a device."""
     if q.device.type == "cpu":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+        with one_thread_if_small(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
     from strata.kernels.gpu import ops  # noqa: F401  (registers torch.ops.strata.*)
 
     return torch.ops.strata.attention(q, k, v, mask, enable_gqa)

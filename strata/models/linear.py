@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from strata import kernels, quant
 from strata.kernels import decode_ops, f16
+from strata.kernels.threads import one_thread_if_small
 from strata.formats.weights import FLOAT_TYPES, QTensor
 
 Weight = torch.Tensor | QTensor
@@ -124,9 +125,11 @@ class Linear(_StoredWeight):
             if w.dtype != x.dtype:  # a float16/bfloat16 matrix kept as stored: multiplied in its type
                 y = f16.try_f16_matmul(x, w) if w.dtype is torch.float16 else None  # decode rows: one C call
                 if y is None:
-                    y = F.linear(x.to(w.dtype), w).to(x.dtype)
+                    with one_thread_if_small(x.numel() * w.shape[0], x.device):
+                        y = F.linear(x.to(w.dtype), w).to(x.dtype)
                 return y if self.bias is None else y + self.bias
-            return F.linear(x, w, self.bias)
+            with one_thread_if_small(x.numel() * w.shape[0], x.device):
+                return F.linear(x, w, self.bias)
         if x.device.type != "cpu":  # on the device: the Triton kernels read the blocks, nothing is dequantized
             # (decode rows one program each, prefill in tiles; a type without a decoder was
             # dequantized at placement: `device_budget.dense_forms`)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.kernels.threads import one_thread_if_small
 from strata.models.cache import KVCache, ModelCache, StepInfo
 from strata.models.layers import Attention, RMSNorm, Tap, no_tap
 from strata.models.linear import Linear
@@ -35,7 +36,8 @@ class MoE(nn.Module):
             flat = x.reshape(-1, x.shape[-1])
         else:
             flat = x[token_mask]  # (N, hidden): real tokens only
-        logits = F.linear(flat.float(), self.router.float())  # fp32, as llama.cpp: bf16 flips near-ties
+        with one_thread_if_small(flat.numel() * self.router.shape[0], flat.device):
+            logits = F.linear(flat.float(), self.router.float())  # fp32, as llama.cpp: bf16 flips near-ties
         ids, weights = self.route(logits)
         weights = weights.to(flat.dtype)
         tap("ffn_moe_topk", ids)
