@@ -46,6 +46,7 @@ def test_decode_step_breaks_only_at_its_host_boundaries(model_file):
     cache = m.new_cache(1)
     with torch.no_grad():
         m(torch.tensor([[3, 4, 5]]), cache, last_only=True)
+        graphs.disable_boundaries()  # what DecodeGraphs does before it compiles
         ex = torch._dynamo.explain(m.forward)(torch.tensor([[7]]), cache, last_only=True)
     reasons = [r.reason.splitlines()[0] for r in ex.break_reasons]
     assert reasons and all(BOUNDARY in r or r == "step_unsupported" for r in reasons), reasons
