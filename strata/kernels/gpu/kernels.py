@@ -30,7 +30,7 @@ def block_rows() -> int:
     """Output rows per program: 8 on a GPU (sm_90 builds then take 32-96 registers a thread for
     every type, see `compile_check`; bench/gpu_check.py times 4, 8 and 16 on the device); 128
     under the interpreter, which runs one program at a time in Python: fewer, larger ones win."""
-    return 128 if os.environ.get("TRITON_INTERPRET") == "1" else 8
+    return 128 if _interpreted() else 8
 
 
 @triton.jit
@@ -251,13 +251,13 @@ DOT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 def _dot_type(dtype: torch.dtype) -> int:
     dot = DOT_TYPES.get(dtype, 0)
-    return 3 if dot == 1 and os.environ.get("TRITON_INTERPRET") == "1" else dot
+    return 3 if dot == 1 and _interpreted() else dot
 
 
 def batched_tile() -> tuple[int, int]:
     """(BM, BN) of the prefill kernel: 32 x 32 on a GPU (a 32 x 256 decoded tile in registers, see
     `compile_check`); 64 x 64 under the interpreter, where fewer, larger programs win."""
-    return (64, 64) if os.environ.get("TRITON_INTERPRET") == "1" else (32, 32)
+    return (64, 64) if _interpreted() else (32, 32)
 
 
 def qmatmul_batched(x: torch.Tensor, raw: torch.Tensor, qtype, shape: tuple[int, int],
