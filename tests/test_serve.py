@@ -326,6 +326,36 @@ def test_a_request_that_fails_inside_the_scheduler_ends_alone(engine, server, cl
     assert r.choices[0].message.content == want
 
 
+@pytest.mark.parametrize("route, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES}),
+    ("/v1/completions", {"prompt": "Hi"}),
+])
+def test_a_streamed_request_that_fails_ends_with_an_error_event(engine, server, client, monkeypatch, route, body):
+    """A failure inside the scheduler reaches a streaming client as one SSE error event (no traceback,
+    no `[DONE]`), and the next request is served."""
+    from strata.runtime.sampling import SamplingParams
+
+    url, app = server
+    sched = app.state.scheduler
+    submit = sched.submit
+
+    def failing_submit(ids, max_tokens, params, *rest):
+        bad = SamplingParams(temperature=1.0)
+        object.__setattr__(bad, "temperature", 1e-300)  # what validation refuses, as if it had not
+        return submit(ids, max_tokens, bad, *rest)
+
+    monkeypatch.setattr(sched, "submit", failing_submit)
+    request = {"model": MODEL, "max_tokens": 6, "stream": True, "stream_options": {"include_usage": True}, **body}
+    with httpx.stream("POST", url + route, json=request, headers={"Authorization": f"Bearer {KEY}"}) as r:
+        events = [line for line in r.iter_lines() if line]
+    monkeypatch.setattr(sched, "submit", submit)
+    assert events and all(e.startswith("data: ") for e in events) and "data: [DONE]" not in events
+    error = json.loads(events[-1][6:])["error"]
+    assert error["type"] == "server_error" and "generation failed" in error["message"]
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
+    assert r.choices[0].message.content
+
+
 def _rss_peak_kb() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))

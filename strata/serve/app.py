@@ -250,39 +250,46 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _chat_events(handle, gen, rid: str, model: str):
-    created, usage = int(time.time()), gen.include_usage
+async def _events(handle, usage: bool, chunks, usage_chunk):
+    """The SSE frame shared by both endpoints: the format's chunks, the usage chunk when asked,
+    `[DONE]`; an engine failure becomes an error event, and the request ends with the stream."""
     try:
-        yield _sse(p.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, with_usage=usage))
+        async for chunk in chunks:
+            yield _sse(chunk)
+        if usage:
+            yield _sse(usage_chunk(handle.prompt_tokens, handle.completion_tokens))
+        yield "data: [DONE]\n\n"
+    except Exception as e:
+        yield _sse(_engine_failure(e).body())
+    finally:
+        handle.cancel()
+
+
+def _chat_events(handle, gen, rid: str, model: str):
+    created, usage = int(time.time()), gen.include_usage
+
+    async def chunks():
+        yield p.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, with_usage=usage)
         async for r in handle:
             if r.text:
-                yield _sse(p.chat_chunk(rid, model, created, {"content": r.text}, with_usage=usage))
+                yield p.chat_chunk(rid, model, created, {"content": r.text}, with_usage=usage)
             if r.finish_reason is not None:
-                yield _sse(p.chat_chunk(rid, model, created, {}, r.finish_reason, with_usage=usage))
-        if usage:
-            yield _sse(p.usage_chunk(rid, model, created, "chat.completion.chunk", handle.prompt_tokens,
-                                     handle.completion_tokens))
-        yield "data: [DONE]\n\n"
-    except Exception as e:
-        yield _sse(_engine_failure(e).body())
-    finally:
-        handle.cancel()
+                yield p.chat_chunk(rid, model, created, {}, r.finish_reason, with_usage=usage)
+
+    return _events(handle, usage, chunks(),
+                   lambda n_prompt, n_out: p.usage_chunk(rid, model, created, "chat.completion.chunk", n_prompt, n_out))
 
 
-async def _completion_events(handle, gen, rid: str, model: str):
+def _completion_events(handle, gen, rid: str, model: str):
     created, usage = int(time.time()), gen.include_usage
-    try:
+
+    async def chunks():
         async for r in handle:
             if r.text or r.finish_reason is not None:
-                yield _sse(p.completion_chunk(rid, model, created, r.text, r.finish_reason, with_usage=usage))
-        if usage:
-            yield _sse(p.usage_chunk(rid, model, created, "text_completion", handle.prompt_tokens,
-                                     handle.completion_tokens))
-        yield "data: [DONE]\n\n"
-    except Exception as e:
-        yield _sse(_engine_failure(e).body())
-    finally:
-        handle.cancel()
+                yield p.completion_chunk(rid, model, created, r.text, r.finish_reason, with_usage=usage)
+
+    return _events(handle, usage, chunks(),
+                   lambda n_prompt, n_out: p.usage_chunk(rid, model, created, "text_completion", n_prompt, n_out))
 
 
 class _EventStream(StreamingResponse):
