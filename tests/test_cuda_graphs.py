@@ -14,9 +14,7 @@ import torch
 import strata
 from strata.errors import BadOption
 from strata.kernels.gpu import graphs
-from test_dtypes import BUILDERS, _near_init_norms
-from reference import randomise, save_hf
-from strata.gguf.convert import convert_hf_to_gguf
+from test_dtypes import tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # bf16, as on a GPU: the CPU's fused float32 decode ops (kernels/decode_ops.py, ctypes calls dynamo
@@ -28,11 +26,7 @@ BOUNDARY = "torch.compiler.disable()"  # dynamo's reason for a break at a `graph
 @pytest.fixture(scope="module", params=["mixtral", "qwen3moe", "qwen4exp"])
 def model_file(request, tmp_path_factory):
     """(architecture, GGUF path)."""
-    torch.manual_seed(0)
-    model = _near_init_norms(randomise(BUILDERS[request.param]().eval()))
-    d = tmp_path_factory.mktemp(request.param)
-    save_hf(model, d / "hf")
-    return request.param, convert_hf_to_gguf(d / "hf", d / "model.gguf") or d / "model.gguf"
+    return request.param, tiny_checkpoint(request.param, tmp_path_factory)[1]
 
 
 def test_decode_step_breaks_only_at_its_host_boundaries(model_file):

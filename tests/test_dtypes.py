@@ -81,14 +81,19 @@ def _near_init_norms(model, spread: float = 0.1):
     return model
 
 
-@pytest.fixture(scope="module", params=list(BUILDERS))
-def checkpoint(request, tmp_path_factory):
+def tiny_checkpoint(arch: str, tmp_path_factory):
+    """(transformers model, its GGUF path): a tiny random `arch` with random norms, converted."""
     torch.manual_seed(0)
-    model = _near_init_norms(randomise(BUILDERS[request.param]().eval()))
-    d = tmp_path_factory.mktemp(request.param)
+    model = _near_init_norms(randomise(BUILDERS[arch]().eval()))
+    d = tmp_path_factory.mktemp(arch)
     save_hf(model, d / "hf")
     convert_hf_to_gguf(d / "hf", d / "model.gguf")
-    return request.param, model, d / "model.gguf"
+    return model, d / "model.gguf"
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def checkpoint(request, tmp_path_factory):
+    return request.param, *tiny_checkpoint(request.param, tmp_path_factory)
 
 
 def _agreement(a: torch.Tensor, b: torch.Tensor) -> float:

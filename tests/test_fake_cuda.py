@@ -33,9 +33,7 @@ from strata.loader import load_model
 from strata.models.seams import Seams
 from strata.tiers.ngram_table import open_table
 from strata.tiers.placement import BlockPlacement, move_tensors, place_blocks
-from test_dtypes import BUILDERS, _near_init_norms
-from reference import randomise, save_hf
-from strata.gguf.convert import convert_hf_to_gguf
+from test_dtypes import tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -97,11 +95,7 @@ def _host_only(args, kwargs) -> bool:
 
 @pytest.fixture(scope="module", params=ARCHS)
 def model_file(request, tmp_path_factory):
-    torch.manual_seed(0)
-    model = _near_init_norms(randomise(BUILDERS[request.param]().eval()))
-    d = tmp_path_factory.mktemp(request.param)
-    save_hf(model, d / "hf")
-    return request.param, convert_hf_to_gguf(d / "hf", d / "model.gguf") or d / "model.gguf"
+    return request.param, tiny_checkpoint(request.param, tmp_path_factory)[1]
 
 
 class _AllOnDevice:
