@@ -187,6 +187,16 @@ def copies(t: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
     return [t] + [t.clone() for _ in range(n - 1)]
 
 
+def weights_of_each_type(types, rows: int, cols: int, device: torch.device, note: bool = True):
+    """(qtype, copies of one random weight) per type, until the time budget is spent."""
+    for qt in types:
+        if out_of_time():
+            if note:
+                print("  (out of time: remaining types skipped)")
+            return
+        yield qt, copies(random_weight(qt, rows, cols, device), device)
+
+
 def cycling(calls: list):
     """One function that makes the next of `calls` each time it is called."""
     it = itertools.cycle(calls)
@@ -203,11 +213,7 @@ def bench_qmv(device: torch.device, shape: tuple[int, int], peak: float | None, 
     print(f"  x @ W.T, one row of x, W {rows} x {cols}:")
     print(f"  {'type':<8} {'MB':>8} {'us':>9} {'GB/s':>8} {'of peak':>8} {'torch us':>10} {'speed-up':>9} {'rel err':>9}")
     out = []
-    for qt in types:
-        if out_of_time():
-            print("  (out of time: remaining types skipped)")
-            break
-        raws = copies(random_weight(qt, rows, cols, device), device)
+    for qt, raws in weights_of_each_type(types, rows, cols, device):
         t = seconds_per_call(cycling([partial(kernels.qmatmul, x, r, qt, shape) for r in raws]), device)
         ref = partial(gpu.qmatmul_reference, x, QTensor(raws[0], qt, shape))
         t_ref = seconds_per_call(ref, device, iters=5, reps=3)
@@ -230,10 +236,7 @@ def bench_block_rows(device: torch.device, shape: tuple[int, int], types, choice
     rows, cols = shape
     x = torch.randn(1, cols, device=device)
     out = {}
-    for qt in types:
-        if out_of_time():
-            break
-        raws = copies(random_weight(qt, rows, cols, device), device)
+    for qt, raws in weights_of_each_type(types, rows, cols, device, note=False):
         out[qt.name] = {}
         for bn in choices:
             fn = cycling([partial(kernels.qmatmul, x, r, qt, shape, bn=bn) for r in raws])
@@ -333,11 +336,7 @@ def bench_prefill(device: torch.device, rows_x: int, shape: tuple[int, int], pea
     print(f"  x @ W.T, x {rows_x} x {cols} ({dtype}), W {rows} x {cols}:")
     print(f"  {'type':<8} {'blocks us':>10} {'TFLOP/s':>8} {'dequant+mm us':>14} {'bf16 copy us':>13} {'rel err':>9}")
     out = []
-    for qt in types:
-        if out_of_time():
-            print("  (out of time: remaining types skipped)")
-            break
-        raws = copies(random_weight(qt, rows, cols, device), device)
+    for qt, raws in weights_of_each_type(types, rows, cols, device):
         w = QTensor(raws[0], qt, shape)
         t = seconds_per_call(cycling([partial(kernels.qmatmul_batched, x, r, qt, shape) for r in raws]), device)
         t_deq = seconds_per_call(partial(gpu.qmatmul_reference, x, w), device, iters=5, reps=3)
