@@ -61,3 +61,29 @@ def test_large_spans_are_read_straight_into_one_buffer_of_their_own(tmp_path):
         assert reader.bytes_read == sum(n for _, n in spans)
     finally:
         reader.close()
+
+
+def test_evicted_buffers_are_read_into_again_only_once_nothing_views_them(tmp_path):
+    n = 80
+    path = tmp_path / "m.gguf"
+    data = os.urandom(sum(SIZES) * n)
+    path.write_bytes(data)
+    offsets, start = [], 0
+    for size in SIZES:
+        offsets.append(start)
+        start += size * n
+    fmt = ExpertFormat(tuple(Part(None, (1, size), size, off) for size, off in zip(SIZES, offsets)))
+    home = DiskHome({0: fmt}, FileReader(path), capacity=40 * sum(SIZES), readers=2)
+    expect = lambda e: [data[off + e * size:off + (e + 1) * size] for size, off in zip(SIZES, offsets)]  # noqa: E731
+    try:
+        kept = home.parts(0, 0)  # a caller still computing from expert 0 after it is evicted
+        for e in range(1, n):
+            assert [bytes(t.numpy()) for t in home.parts(0, e)] == expect(e)
+        assert [bytes(t.numpy()) for t in kept] == expect(0)  # its buffer was never read into again
+        assert home.spare_reads > 0  # but evicted buffers nobody views were
+        assert home.held <= home.capacity and home.stats()["reads_into_kept_buffers"] == home.spare_reads
+        kept = None
+        for e in range(n):  # a second pass reads everything again into kept buffers, correctly
+            assert [bytes(t.numpy()) for t in home.parts(0, e)] == expect(e)
+    finally:
+        home.close()
