@@ -67,7 +67,16 @@ def experts(qtype: T, shape, n: int, seed: int = 0) -> list[QTensor]:
 
     q = quant.get(qtype)
     rows, cols = shape
-    blocks = random_blocks(qtype, n * rows * cols // q.block_size, np.random.default_rng(seed))
+    n_blocks = n * rows * cols // q.block_size
+    if qtype == T.IQ1_M:  # synth has no IQ1_M blocks: random bits, the split f16 scale set to 0.01
+        blocks = np.random.default_rng(seed).integers(0, 256, (n_blocks, q.type_size), dtype=np.uint8)
+        words = blocks[:, 48:56].copy().view(np.uint16)
+        h = int(np.float16(0.01).view(np.uint16))
+        for k in range(4):
+            words[:, k] = (words[:, k] & 0x0FFF) | (((h >> (4 * k)) & 0xF) << 12)
+        blocks[:, 48:56] = words.view(np.uint8)
+    else:
+        blocks = random_blocks(qtype, n_blocks, np.random.default_rng(seed))
     raw = torch.from_numpy(blocks.reshape(n, rows, -1))
     return [QTensor(raw[e], qtype, shape) for e in range(n)]
 

@@ -31,6 +31,8 @@ def random_qtensor(qtype, shape, seed=0, wild_scales=False) -> QTensor:
     q = quant.get(qtype)
     n = int(np.prod(shape))
     rng = np.random.default_rng(seed)
+    if qtype == T.IQ1_M:
+        return _random_iq1_m(shape, rng, wild_scales)
     blocks = random_blocks(qtype, n // q.block_size, rng)
     if wild_scales and qtype != T.MXFP4:  # the main f16 scale: any sign, 20 octaves
         offset = synth._F16_FIELDS[qtype][0][0]
@@ -39,6 +41,23 @@ def random_qtensor(qtype, shape, seed=0, wild_scales=False) -> QTensor:
         blocks[:, offset:offset + 2] = (sign * mag).astype(np.float16).view(np.uint8).reshape(-1, 2)
     raw = torch.from_numpy(blocks.reshape(*shape[:-1], -1).copy())
     return QTensor(raw, qtype, tuple(shape))
+
+
+def _random_iq1_m(shape, rng, wild_scales) -> QTensor:
+    """IQ1_M blocks (synth has none: its f16 scale is split over the top nibbles of the four
+    u16 scale words): random bits, then a finite scale of about 0.02 (or a wild one) put there."""
+    n_blocks = int(np.prod(shape)) // 256
+    blocks = rng.integers(0, 256, size=(n_blocks, 56), dtype=np.uint8)
+    d = (rng.uniform(0.5, 1.5, n_blocks) * 0.02).astype(np.float32)
+    if wild_scales:
+        d = d * rng.choice([-1.0, 1.0], n_blocks) * np.exp2(rng.uniform(-16, 4, n_blocks))
+    h = d.astype(np.float16).view(np.uint16).astype(np.uint16)
+    words = blocks[:, 48:56].copy().view(np.uint16)  # [n, 4]
+    for k in range(4):
+        words[:, k] = (words[:, k] & 0x0FFF) | (((h >> (4 * k)) & 0xF) << 12)
+    blocks[:, 48:56] = words.view(np.uint8)
+    raw = torch.from_numpy(blocks.reshape(*shape[:-1], -1).copy())
+    return QTensor(raw, T.IQ1_M, tuple(shape))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -277,7 +296,9 @@ def test_one_token_moe_in_one_call_equals_expert_by_expert(types, act_mode, monk
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_1", "Q8_0", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ4_XS", "MXFP4", "IQ4_NL", "Q4_0", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_1", "Q8_0", "IQ2_XXS", "IQ2_XS",
+                                   "IQ3_XXS", "IQ4_XS", "MXFP4", "IQ4_NL", "Q4_0", "Q5_0", "IQ1_S", "IQ1_M", "IQ2_S",
+                                   "IQ3_S"])
 def test_fused_residual_pass_equals_ggmls_two_passes(qtype):
     """"q8x2" in one pass (qmm.c's AVX-512 VNNI kernels: each weight block unpacked once for both
     8-bit activations) against ggml's vec_dot run twice: the same sums up to float order. Q4_1

@@ -15,7 +15,8 @@ batch is at most FAST_BATCH_MAX rows, else the reference runs. Activations (`set
   on this package's thread pool, twice: over x's 8-bit value and over its 8-bit residual (x
   minus that value), the same weight bytes read once; error ~3e-5 of max |y| (llama.cpp's own
   single pass: ~1e-2). On AVX-512 VNNI CPUs Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K,
-  IQ2_XXS, IQ2_XS, IQ3_XXS, IQ4_NL, IQ4_XS and MXFP4 take qmm.c's one-pass kernels instead
+  IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS and MXFP4 take qmm.c's
+  one-pass kernels instead
   (each weight block unpacked once for both activations: 1.2-2.0x faster than the two passes,
   `bench_kernels.py --fused-ab`). Prompt-sized batches dequantize W by ggml to float32 for one
   matmul.

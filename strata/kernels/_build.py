@@ -122,6 +122,12 @@ def _init_tables(lib: ctypes.CDLL) -> None:
     ksigns = np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8).copy()
     _tables[:] = [*grids, ksigns]
     lib.strata_init_tables(*(t.ctypes.data_as(ctypes.c_void_p) for t in _tables))
+    iq = []
+    for name, dtype in (("IQ1_S", np.int8), ("IQ2_S", np.uint8), ("IQ3_S", np.uint8)):
+        ref = getattr(gq, name)
+        ref.init_grid()
+        iq.append(np.ascontiguousarray(np.asarray(ref.grid, dtype=np.float32).reshape(ref.grid_shape).astype(dtype)))
+    lib.strata_init_tables_iq(*(t.ctypes.data_as(ctypes.c_void_p) for t in iq))  # copied by the library
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -134,6 +140,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_moe_token.restype = None
     lib.strata_init_tables.argtypes = [p, p, p, p]
     lib.strata_init_tables.restype = None
+    lib.strata_init_tables_iq.argtypes = [p, p, p]
+    lib.strata_init_tables_iq.restype = None
     lib.strata_abi_version.restype = ctypes.c_int
     lib.strata_set_activations.argtypes = [ctypes.c_int]
     lib.strata_set_activations.restype = None

@@ -85,6 +85,21 @@ void strata_init_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8
         }
 }
 
+/* The codebooks of IQ1_S / IQ1_M (2048 x 8 values in {-1, 0, 1}, kept here times 8 so that
+ * 8 * grid + delta is one int8 per value), IQ2_S (1024 x 8 magnitudes) and IQ3_S (512 x 4), from
+ * gguf-py at load time like the others; KSIGNS8 is ksigns_iq2xs (7 sign bits + their parity). */
+static int8_t GRID_IQ1_S8[2048][8] __attribute__((aligned(64)));
+static uint8_t GRID_IQ2_S[1024][8] __attribute__((aligned(64)));
+static uint8_t GRID_IQ3_S[512][4] __attribute__((aligned(64)));
+static uint8_t KSIGNS8[128];
+
+void strata_init_tables_iq(const int8_t *iq1s, const uint8_t *iq2s, const uint8_t *iq3s) {
+    for (int i = 0; i < 2048 * 8; i++) GRID_IQ1_S8[i / 8][i % 8] = (int8_t)(8 * iq1s[i]);
+    memcpy(GRID_IQ2_S, iq2s, sizeof GRID_IQ2_S);
+    memcpy(GRID_IQ3_S, iq3s, sizeof GRID_IQ3_S);
+    for (int i = 0; i < 128; i++) KSIGNS8[i] = (uint8_t)(i | (__builtin_parity((unsigned)i) << 7));
+}
+
 /* ------------------------------------------------------------------ vectors
  * GCC/Clang vector extensions: 8 lanes of 32 bits. With -march=native on x86 these become AVX2
  * (vpmovzxbd, vcvtdq2ps, vfmadd, vpshufb); elsewhere the compiler picks the native width.
@@ -900,8 +915,8 @@ static int act_mode = 3;
  * "q8x2" takes two 8-bit dot products per weight row: x's 8-bit value and its 8-bit residual.
  * Through ggml's vec_dot that is two passes, each unpacking the weight blocks again, which made
  * q8x2 1.7-1.9x the time of llama.cpp's single pass at one thread. For Q2_K to Q6_K (the
- * K-quant mixes of the common releases), Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ2_XXS, IQ2_XS, IQ3_XXS, IQ4_NL, IQ4_XS
- * and MXFP4 these kernels unpack each weight block once and feed both activations to vpdpbusd
+ * K-quant mixes of the common releases), Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S,
+ * IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS and MXFP4 these kernels unpack each weight block once and feed both activations to vpdpbusd
  * (64 products per instruction), keeping
  * the two integer sums apart until the float scales apply: the same arithmetic as the two
  * passes up to the order of float additions. Activation blocks are ggml's, from its own quantizer.
@@ -1597,6 +1612,161 @@ static float dot2_q5_0(int64_t n, const uint8_t *w, const uint8_t *prep, const u
     return dot2_nib32(n, w, prep, 22, 6, Q5_0_I8, 0, 1);
 }
 
+/* The IQ1/IQ2_S/IQ3_S kernels below share this step: 64 signed weights (s8) against both 8-bit
+ * activations at yq / yr (u8 after the xor with 0x80, the 128 * sum(w) off per lane), each lane's
+ * 4-value sum times its scale (`sc`, 16 lanes) into sq / sr. Exact integer sums as in ggml. */
+static inline __attribute__((always_inline)) void pair_dot64(__m512i ws, __m512i sc, const uint8_t *yq,
+                                                             const uint8_t *yr, __m512i *sq, __m512i *sr) {
+    const __m512i x80 = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+    const __m512i c = _mm512_dpbusd_epi32(zero, x80, ws);
+    const __m512i pq = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, _mm512_xor_si512(_mm512_loadu_si512(yq), x80), ws), c);
+    const __m512i pr = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, _mm512_xor_si512(_mm512_loadu_si512(yr), x80), ws), c);
+    *sq = madd_lo16(*sq, pq, sc);
+    *sr = madd_lo16(*sr, pr, sc);
+}
+
+/* IQ1_S: {f16 d; u8 qs[32]; u16 qh[8]} x q8_K. Group g (32 values) has 4 entries of 8 values
+ * from the 2048-entry grid (index qs[4g + l] | bits 3l..3l+2 of qh[g] << 8), a scale 2 * (qh[g]
+ * >> 12 & 7) + 1 and a shift of -1/8 (qh[g] bit 15) or +1/8. ggml sums grid * x and the shifts
+ * apart (sumi + 1/8 * sumi1); here each weight is 8 * grid + shift, an int8, and the block's sum
+ * is divided by 8 at the end: the same integers. |w| <= 9, so a lane's sum stays under 2^15. */
+static float dot2_iq1_s(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
+    const int64_t nb = n / 256;
+    const __m512i sh3 = _mm512_setr_epi64(0, 3, 6, 9, 0, 3, 6, 9), m7 = _mm512_set1_epi64(7);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + i * 50, *yq = xq + i * 292, *yr = xr + i * 292;
+        float dq, dr;
+        memcpy(&dq, yq, 4);
+        memcpy(&dr, yr, 4);
+        const float d = rd_f16(b);
+        __m512i sq = _mm512_setzero_si512(), sr = _mm512_setzero_si512();
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) { /* groups 2j, 2j+1 */
+            const uint16_t h0 = rd_u16(b + 34 + 4 * j), h1 = rd_u16(b + 36 + 4 * j);
+            const __m512i hv = _mm512_mask_blend_epi64((__mmask8)0xF0, _mm512_set1_epi64(h0), _mm512_set1_epi64(h1));
+            const __m512i hi = _mm512_slli_epi64(_mm512_and_si512(_mm512_srlv_epi64(hv, sh3), m7), 8);
+            const __m512i idx = _mm512_or_si512(_mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j))), hi);
+            const __m512i g = _mm512_i64gather_epi64(idx, (const void *)GRID_IQ1_S8, 8);
+            const __m512i delta = _mm512_mask_blend_epi64((__mmask8)0xF0, _mm512_set1_epi8(h0 & 0x8000 ? -1 : 1),
+                                                          _mm512_set1_epi8(h1 & 0x8000 ? -1 : 1));
+            const __m512i sc = _mm512_mask_blend_epi32((__mmask16)0xFF00, _mm512_set1_epi32(2 * ((h0 >> 12) & 7) + 1),
+                                                       _mm512_set1_epi32(2 * ((h1 >> 12) & 7) + 1));
+            pair_dot64(_mm512_add_epi8(g, delta), sc, yq + 4 + 64 * j, yr + 4 + 64 * j, &sq, &sr);
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dq), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dr), acc);
+    }
+    return 0.125f * _mm512_reduce_add_ps(acc);
+}
+
+/* IQ1_M: {u8 qs[32]; u8 qh[16]; u8 scales[8]} x q8_K. No d field: the f16 scale is the top
+ * nibbles of the 4 u16 of `scales`. Entry k of 32-value group g: index qs[4g + k] | (nibble k of
+ * qh[2g..2g+1]) & 7 << 8, shift -1/8 where that nibble's bit 3 is set; each 16 values scale by
+ * 2 * (3 bits of scales) + 1, u16 j of scales holding groups 2j (bits 0-5) and 2j + 1 (6-11). */
+static float dot2_iq1_m(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
+    const int64_t nb = n / 256;
+    const __m512i sh4 = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28), m7 = _mm512_set1_epi64(7), b3 = _mm512_set1_epi64(8);
+    const __m512i sh3 = _mm512_setr_epi32(0, 0, 0, 0, 3, 3, 3, 3, 6, 6, 6, 6, 9, 9, 9, 9);
+    const __m512i one = _mm512_set1_epi8(1), minus = _mm512_set1_epi8(-1);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + i * 56, *yq = xq + i * 292, *yr = xr + i * 292;
+        float dq, dr;
+        memcpy(&dq, yq, 4);
+        memcpy(&dr, yr, 4);
+        const uint16_t s0 = rd_u16(b + 48), s1 = rd_u16(b + 50), s2 = rd_u16(b + 52), s3 = rd_u16(b + 54);
+        const float d = f16_to_f32((uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000)));
+        __m512i sq = _mm512_setzero_si512(), sr = _mm512_setzero_si512();
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) { /* groups 2j, 2j+1: 8 entries, qh bytes 4j..4j+3 */
+            const __m512i nib = _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(rd_u32(b + 32 + 4 * j)), sh4),
+                                                 _mm512_set1_epi64(15));
+            const __m512i idx = _mm512_or_si512(_mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(b + 8 * j))),
+                                                _mm512_slli_epi64(_mm512_and_si512(nib, m7), 8));
+            const __m512i g = _mm512_i64gather_epi64(idx, (const void *)GRID_IQ1_S8, 8);
+            const __m512i delta = _mm512_mask_blend_epi64(_mm512_test_epi64_mask(nib, b3), one, minus);
+            const __m512i sc = _mm512_add_epi32(
+                _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(rd_u16(b + 48 + 2 * j)), sh3),
+                                                   _mm512_set1_epi32(7)), 1), _mm512_set1_epi32(1));
+            pair_dot64(_mm512_add_epi8(g, delta), sc, yq + 4 + 64 * j, yr + 4 + 64 * j, &sq, &sr);
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dq), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dr), acc);
+    }
+    return 0.125f * _mm512_reduce_add_ps(acc);
+}
+
+/* IQ2_S: {f16 d; u8 qs[32]; u8 signs[32]; u8 qh[8]; u8 scales[8]} x q8_K. Entry k (8 values) of
+ * group g: index qs[4g + k] | bits 2k..2k+1 of qh[g] << 8 into the 1024-entry grid, sign bits
+ * signs[4g + k] as they are (no parity), 16-value scales 2 * nibble + 1 over a common 1/8. */
+static float dot2_iq2_s(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
+    const int64_t nb = n / 256;
+    const __m512i sh2 = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), m3 = _mm512_set1_epi64(3), m15 = _mm512_set1_epi32(15);
+    const __m512i sh4 = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + i * 82, *yq = xq + i * 292, *yr = xr + i * 292;
+        float dq, dr;
+        memcpy(&dq, yq, 4);
+        memcpy(&dr, yr, 4);
+        const float d = rd_f16(b);
+        __m512i sq = zero, sr = zero;
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) { /* groups 2j, 2j+1 */
+            const __m512i hi = _mm512_slli_epi64(
+                _mm512_and_si512(_mm512_srlv_epi64(_mm512_set1_epi64(rd_u16(b + 66 + 2 * j)), sh2), m3), 8);
+            const __m512i idx = _mm512_or_si512(_mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j))), hi);
+            const __m512i g = _mm512_i64gather_epi64(idx, (const void *)GRID_IQ2_S, 8);
+            uint64_t neg;
+            memcpy(&neg, b + 34 + 8 * j, 8);
+            const __m512i ws = _mm512_mask_sub_epi8(g, (__mmask64)neg, zero, g);
+            const __m512i sc = _mm512_add_epi32(
+                _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(rd_u16(b + 74 + 2 * j)), sh4), m15), 1),
+                _mm512_set1_epi32(1));
+            pair_dot64(ws, sc, yq + 4 + 64 * j, yr + 4 + 64 * j, &sq, &sr);
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dq), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dr), acc);
+    }
+    return 0.125f * _mm512_reduce_add_ps(acc);
+}
+
+/* IQ3_S: {f16 d; u8 qs[64]; u8 qh[8]; u8 signs[32]; u8 scales[4]} x q8_K. Entry k (4 values) of
+ * group g: index qs[8g + k] | bit k of qh[g] << 8 into the 512-entry grid (|w| <= 15), sign bits
+ * as they are, 32-value scales 2 * nibble + 1 (scales[j]: groups 2j low, 2j + 1 high). */
+static float dot2_iq3_s(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
+    const int64_t nb = n / 256;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512();
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + i * 110, *yq = xq + i * 292, *yr = xr + i * 292;
+        float dq, dr;
+        memcpy(&dq, yq, 4);
+        memcpy(&dr, yr, 4);
+        const float d = rd_f16(b);
+        __m512i sq = zero, sr = zero;
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) { /* groups 2j, 2j+1: 16 entries */
+            const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(rd_u16(b + 66 + 2 * j)), iota), one), 8);
+            const __m512i idx = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * j))), hi);
+            const __m512i g = _mm512_i32gather_epi32(idx, (const void *)GRID_IQ3_S, 4);
+            uint64_t neg;
+            memcpy(&neg, b + 74 + 8 * j, 8);
+            const __m512i ws = _mm512_mask_sub_epi8(g, (__mmask64)neg, zero, g);
+            const uint8_t s = b[106 + j];
+            const __m512i sc = _mm512_mask_blend_epi32((__mmask16)0xFF00, _mm512_set1_epi32(2 * (s & 15) + 1),
+                                                       _mm512_set1_epi32(2 * (s >> 4) + 1));
+            pair_dot64(ws, sc, yq + 4 + 64 * j, yr + 4 + 64 * j, &sq, &sr);
+        }
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dq), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dr), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
 /* The fused kernel for a ggml type and its activation layout (qblk, qsize), or NULL. */
 static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     if (type == 10 && qblk == 256 && qsize == 292) return dot2_q2_k;
@@ -1615,6 +1785,10 @@ static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     if (type == 20 && qblk == 32 && qsize == 34) return dot2_iq4_nl;
     if (type == 2 && qblk == 32 && qsize == 34) return dot2_q4_0;
     if (type == 6 && qblk == 32 && qsize == 34) return dot2_q5_0;
+    if (type == 19 && qblk == 256 && qsize == 292) return dot2_iq1_s;
+    if (type == 29 && qblk == 256 && qsize == 292) return dot2_iq1_m;
+    if (type == 22 && qblk == 256 && qsize == 292) return dot2_iq2_s;
+    if (type == 21 && qblk == 256 && qsize == 292) return dot2_iq3_s;
     return NULL;
 }
 #else
