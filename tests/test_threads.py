@@ -55,3 +55,73 @@ def test_decode_attention_and_router_run_on_one_thread(tmp_path, monkeypatch, tw
     assert seen["attention"] and set(seen["attention"]) == {1}
     assert seen["router"] and set(seen["router"]) == {1}
     assert torch.get_num_threads() == 2
+
+
+@pytest.fixture
+def parallel_8bit(request):
+    """An 8-bit activation mode, and every product big enough to be shared out (tiny test matrices)."""
+    from strata import kernels
+    from strata.kernels import _build
+
+    lib = _build.load()
+    if lib is None or not kernels.ggml_types():
+        pytest.skip("needs the kernels and ggml's 8-bit dot products")
+    before = kernels.activations()
+    kernels.set_activations(request.param)
+    lib.strata_set_min_parallel(0)
+    yield lib
+    lib.strata_set_min_parallel(256 * 1024)
+    kernels.set_activations(before)
+
+
+@pytest.mark.parametrize("parallel_8bit", ["q8x2", "q8"], indirect=True)
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("IQ2_XS", "IQ2_XS", "Q2_K"), ("Q4_1", "Q8_0", "Q5_0")])
+def test_decode_token_experts_are_two_parallel_regions_bit_equal(types, parallel_8bit):
+    """A decode token's k experts: every gate and up in one pool job over x quantized once, then
+    every down in one (it was 3k jobs, each quantizing x again); the same sums as expert by expert."""
+    from strata import kernels
+    from test_kernels import random_qtensor
+
+    lib = parallel_8bit
+    gate, up = (random_qtensor(types[i], (8, 256, 512), seed=10 + i) for i in (0, 1))
+    down = random_qtensor(types[2], (8, 512, 256), seed=12)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(1))
+    ids, weights = torch.tensor([[5, 0, 3, 7]]), torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+
+    def expert(e):
+        return gate[e], up[e], down[e]
+
+    def expert_by_expert(x, threads):
+        out = torch.zeros_like(x)
+        for e, w in zip(ids[0].tolist(), weights[0].tolist()):
+            out.add_(kernels.expert_forward(x, *expert(e), threads=threads), alpha=w)
+        return out
+
+    for threads in (1, 2):
+        jobs = lib.strata_pool_jobs()
+        one_call = kernels.run_experts_fast(x, ids, weights, expert, threads=threads)
+        assert lib.strata_pool_jobs() - jobs == 2
+        assert torch.equal(one_call, expert_by_expert(x, threads))
+    bad = x.clone()
+    bad[0, 3] = float("nan")  # declined by the 8-bit path: each product as it would run alone
+    torch.testing.assert_close(kernels.run_experts_fast(bad, ids, weights, expert, threads=2),
+                               expert_by_expert(bad, 2), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("parallel_8bit", ["q8x2"], indirect=True)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_projection_group_is_one_parallel_region_bit_equal(batch, parallel_8bit):
+    from strata.models.linear import Linear, linear_group
+    from test_kernels import random_qtensor
+
+    lib = parallel_8bit
+    g = torch.Generator().manual_seed(3)
+    lins = (Linear(random_qtensor("Q4_K", (96, 512), seed=1), torch.randn(96, generator=g)),
+            Linear(random_qtensor("Q6_K", (32, 512), seed=2)),
+            Linear(random_qtensor("Q8_0", (32, 512), seed=3), torch.randn(32, generator=g)))
+    x = torch.randn(batch, 1, 512, generator=g)
+    jobs = lib.strata_pool_jobs()
+    grouped = linear_group(x, lins)
+    assert lib.strata_pool_jobs() - jobs == 1
+    for a, lin in zip(grouped, lins):
+        assert torch.equal(a, lin(x))

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmm.c")
 FLAGS = ["-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno"]
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 # ggml type name -> (C suffix, block size, type size); the types qmm.c implements.
 KERNEL_TYPES = {
@@ -153,6 +153,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_rope.restype = None
     lib.strata_qmm_group.argtypes = [ctypes.c_int, p, p, p, i64, p, i64, p, p, p, ctypes.c_int]
     lib.strata_qmm_group.restype = None
+    lib.strata_qmm_many.argtypes = [ctypes.c_int, p, p, p, p, p, p, i64, p, ctypes.c_int]
+    lib.strata_qmm_many.restype = ctypes.c_int
+    lib.strata_pool_jobs.argtypes = []
+    lib.strata_pool_jobs.restype = i64
     lib.strata_set_min_parallel.argtypes = [i64]
     lib.strata_set_min_parallel.restype = None
     lib.strata_set_fused.argtypes = [ctypes.c_int]

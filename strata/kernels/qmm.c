@@ -416,6 +416,8 @@ static _Atomic int pool_wanted; /* helpers with index < wanted take part in the 
 static _Atomic int pool_sleepers;
 static job_t pool_job;
 static int pool_size;
+static _Atomic int64_t pool_jobs; /* pool_run calls so far (a test counts a decode layer's) */
+int64_t strata_pool_jobs(void) { return atomic_load(&pool_jobs); }
 
 static inline uint32_t st_epoch(uint64_t s) { return (uint32_t)(s >> 32); }
 static inline int64_t st_next(uint64_t s) { return (int64_t)((s >> 16) & 0xFFFF); }
@@ -466,6 +468,7 @@ static void *pool_helper(void *arg) {
 
 /* Run fn(args, t) for t in [0, n_tiles) on up to nth threads (the caller included). */
 static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_t n_tiles, int nth) {
+    atomic_fetch_add_explicit(&pool_jobs, 1, memory_order_relaxed);
     if (nth > n_tiles) nth = (int)n_tiles;
     if (nth > MAX_HELPERS + 1) nth = MAX_HELPERS + 1;
     /* One job at a time; a second caller (another Python thread) runs its job alone. */
@@ -1913,6 +1916,170 @@ int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const
     return 1;
 }
 
+/* ------------------------------------------------------------------ several products, one parallel region
+ *
+ * A decode layer's products are small (a qwen3-30b expert's gate is 0.8 MiB, ~0.2 ms on one core)
+ * and were one pool_run each: per MoE token 3k fork/joins, each x quantized again for every
+ * expert's gate and up, and the helpers' share lost at every join. strata_qmm_many takes n products
+ * of the 8-bit modes ("q8", "q8x2") as one job: each distinct x quantized (and laid out) once, then
+ * the tiles of all n products claimed from one counter, so both threads stay busy across the
+ * products. Each row's arithmetic is strata_qmm_ext's (the same kernels on the same prepared x), so
+ * results are bit-equal to n separate calls. */
+#define MANY_MAX 256
+
+typedef struct {
+    const uint8_t *W;
+    int64_t rows, cols, wrow, xrow, tile0;
+    const uint8_t *XQ, *XR;
+    float *Y;
+    dot2_fn dot2;         /* the one-pass kernel, or NULL: ggml's dot (twice with XR) */
+    ggml_vec_dot_fn dot;
+} many_item;
+
+typedef struct {
+    const many_item *it;
+    int n;
+    int64_t B, tile_rows;
+} many_args;
+
+
+static void tile_many(const void *a_, int64_t tile) {
+    const many_args *a = (const many_args *)a_;
+    int lo = 0, hi = a->n - 1; /* the item holding this tile: the last with tile0 <= tile */
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (a->it[mid].tile0 <= tile) lo = mid;
+        else hi = mid - 1;
+    }
+    const many_item *m = &a->it[lo];
+    const int64_t t0 = (tile - m->tile0) * a->tile_rows;
+    const int64_t t1 = t0 + a->tile_rows < m->rows ? t0 + a->tile_rows : m->rows;
+    const uint8_t *end = m->W + m->rows * m->wrow;
+    for (int64_t b = 0; b < a->B; b++)
+        for (int64_t r = t0; r < t1; r++) {
+            if (b == 0) prefetch_ahead(m->W + r * m->wrow, m->wrow, end);
+            float *y = m->Y + b * m->rows + r;
+            if (m->dot2) {
+                *y = m->dot2(m->cols, m->W + r * m->wrow, m->XQ + b * m->xrow, m->XR + b * m->xrow);
+            } else {
+                m->dot((int)m->cols, y, 0, m->W + r * m->wrow, 0, m->XQ + b * m->xrow, 0, 1);
+                if (m->XR) {
+                    float lo2;
+                    m->dot((int)m->cols, &lo2, 0, m->W + r * m->wrow, 0, m->XR + b * m->xrow, 0, 1);
+                    *y += lo2;
+                }
+            }
+        }
+}
+
+/* One x prepared for one activation layout: ggml's blocks of x (and of its residual in "q8x2"),
+ * or the q8_0 / q8_1 one-pass layout built from them. */
+typedef struct {
+    const float *X;
+    int64_t cols;
+    ggml_from_float_fn quant;
+    int prep; /* 0 blocks as they are, 1 q8_0_prep, 2 q4_1_prep */
+    uint8_t *buf, *xq, *xr;
+    int64_t xrow;
+} many_act;
+
+static int prepare_act(many_act *p, const ext_kernel *k, int64_t B, int twice) {
+    const int64_t cols = p->cols, brow = cols / k->qblk * k->qsize;
+    const int64_t prow = p->prep == 1 ? q8_0_prep_bytes(cols) : p->prep == 2 ? q4_1_prep_bytes(cols) : 0;
+    uint8_t *blocks = malloc((size_t)((twice ? 2 : 1) * B * brow + B * prow) + 64);
+    float *tmp = twice ? malloc(sizeof(float) * (size_t)cols) : NULL;
+    if (!blocks || (twice && !tmp)) {
+        free(blocks);
+        free(tmp);
+        return 0;
+    }
+    uint8_t *xq = blocks, *xr = twice ? blocks + B * brow : NULL;
+    for (int64_t b = 0; b < B; b++) {
+        k->quant(p->X + b * cols, xq + b * brow, cols);
+        if (twice) {
+            if (!unquant8(xq + b * brow, k->qblk, k->qsize, tmp, cols)) {
+                free(blocks);
+                free(tmp);
+                return 0;
+            }
+            for (int64_t i = 0; i < cols; i++) tmp[i] = p->X[b * cols + i] - tmp[i];
+            k->quant(tmp, xr + b * brow, cols);
+        }
+    }
+    free(tmp);
+    p->buf = blocks;
+    if (p->prep) {
+        uint8_t *prep = blocks + (twice ? 2 : 1) * B * brow;
+        for (int64_t b = 0; b < B; b++)
+            (p->prep == 1 ? q8_0_prep : q4_1_prep)(cols, xq + b * brow, xr + b * brow, prep + b * prow);
+        p->xq = p->xr = prep;
+        p->xrow = prow;
+    } else {
+        p->xq = xq;
+        p->xr = xr;
+        p->xrow = brow;
+    }
+    return 1;
+}
+
+/* Y_j = X_j W_j^T (X_j: [B, cols_j], Y_j: [B, rows_j], wrows_j bytes per row of W_j) for n products of ggml types types[j] in
+ * one parallel region; 1 when done, 0 (nothing written) when it does not apply: not an 8-bit mode,
+ * a type without ggml's kernel, a non-finite x, too many products, or no memory. */
+int strata_qmm_many(int n, const int *types, const void *const *W, const int64_t *rows, const int64_t *cols,
+                    const int64_t *wrows, const float *const *X, int64_t B, float *const *Y, int nth) {
+    if (act_mode < 2 || n <= 0 || n > MANY_MAX || B <= 0) return 0;
+    const int twice = act_mode == 3;
+    many_item it[MANY_MAX];
+    many_act acts[MANY_MAX];
+    int act_of[MANY_MAX], n_act = 0, ok = 1;
+    int64_t bytes = 0;
+    for (int j = 0; j < n && ok; j++) {
+        const int type = types[j];
+        if (type < 0 || type >= MAX_EXT || !EXT[type].dot || cols[j] % EXT[type].qblk || cols[j] > 0x7FFFFFFF) return 0;
+        const ext_kernel *k = &EXT[type];
+        const dot2_fn dot2 = twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
+        const int prep = dot2 && k->qsize == 34 ? 1 : dot2 && (type == 3 || type == 7) ? 2 : 0;
+        int a = 0;
+        while (a < n_act && !(acts[a].X == X[j] && acts[a].cols == cols[j] && acts[a].quant == k->quant &&
+                              acts[a].prep == prep))
+            a++;
+        if (a == n_act) {
+            for (int64_t i = 0; i < B * cols[j]; i++)
+                if (!(X[j][i] - X[j][i] == 0.0f)) ok = 0; /* inf or nan: strata_qmm_ext declines it too */
+            if (!ok) break;
+            acts[a] = (many_act){X[j], cols[j], k->quant, prep, NULL, NULL, NULL, 0};
+            if (!prepare_act(&acts[a], k, B, twice)) {
+                ok = 0;
+                break;
+            }
+            n_act++;
+        }
+        act_of[j] = a;
+        const int64_t wrow = wrows[j];
+        it[j] = (many_item){(const uint8_t *)W[j], rows[j], cols[j], wrow, acts[a].xrow, 0,
+                            acts[a].xq, acts[a].xr, Y[j], dot2, k->dot};
+        bytes += rows[j] * wrow;
+    }
+    if (ok) {
+        int64_t tile_rows = ROW_TILE, total;
+        for (;;) {
+            total = 0;
+            for (int j = 0; j < n; j++) {
+                it[j].tile0 = total;
+                total += (rows[j] + tile_rows - 1) / tile_rows;
+            }
+            if (total <= 0xFFFF) break;
+            tile_rows *= 2;
+        }
+        if (bytes * B < min_parallel_bytes) nth = 1;
+        const many_args args = {it, n, B, tile_rows};
+        pool_run(tile_many, &args, total, nth < 1 ? 1 : nth);
+    }
+    for (int a = 0; a < n_act; a++) free(acts[a].buf);
+    (void)act_of;
+    return ok;
+}
+
 /* Prefill: W's rows dequantized by ggml's to_float, as float32 or rounded to bfloat16 (nearest
  * even) for torch's bf16 matmul (oneDNN, AMX where the CPU has it). */
 static ggml_to_float_fn TO_FLOAT[MAX_EXT];
@@ -2044,9 +2211,86 @@ typedef void (*qmm_fn)(const uint8_t *, int64_t, int64_t, const float *, int64_t
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
+/* strata_qmm_<type> -> its ggml type and block layout, for the calls that take kernels by pointer. */
+static const struct {
+    qmm_fn fn;
+    int type;
+    int64_t qk, ts;
+} QMM_TYPES[] = {
+    {strata_qmm_q4_0, 2, 32, 18},       {strata_qmm_q4_1, 3, 32, 20},      {strata_qmm_q5_0, 6, 32, 22},
+    {strata_qmm_q5_1, 7, 32, 24},       {strata_qmm_q8_0, 8, 32, 34},      {strata_qmm_q2_k, 10, 256, 84},
+    {strata_qmm_q3_k, 11, 256, 110},    {strata_qmm_q4_k, 12, 256, 144},   {strata_qmm_q5_k, 13, 256, 176},
+    {strata_qmm_q6_k, 14, 256, 210},    {strata_qmm_iq2_xxs, 16, 256, 66}, {strata_qmm_iq2_xs, 17, 256, 74},
+    {strata_qmm_iq3_xxs, 18, 256, 98},  {strata_qmm_iq4_nl, 20, 32, 18},   {strata_qmm_iq4_xs, 23, 256, 136},
+    {strata_qmm_mxfp4, 39, 32, 17},
+};
+
+/* The ggml type of kernel fn and the bytes of a weight row of `cols` values (wrow), or -1. */
+static int qmm_type_of(void *fn, int64_t cols, int64_t *wrow) {
+    for (size_t i = 0; i < sizeof QMM_TYPES / sizeof QMM_TYPES[0]; i++)
+        if ((void *)QMM_TYPES[i].fn == fn) {
+            if (cols % QMM_TYPES[i].qk) return -1;
+            *wrow = cols / QMM_TYPES[i].qk * QMM_TYPES[i].ts;
+            return QMM_TYPES[i].type;
+        }
+    return -1;
+}
+
+/* strata_moe_token in two parallel regions (the 8-bit modes): every expert's gate and up over the
+ * one quantized x, then every expert's down; the same arithmetic and order of sums as the loop
+ * below. 0 (nothing written) when strata_qmm_many declines the gate/up products. */
+static int moe_token_many(const void *const *gate, const void *const *up, const void *const *down, const float *w,
+                          int k, void *gate_fn, void *up_fn, void *down_fn, int64_t hidden, int64_t ffn,
+                          const float *x, float *out, int nth) {
+    int64_t gw = 0, uw = 0, dw = 0;
+    const int gt = qmm_type_of(gate_fn, hidden, &gw), ut = qmm_type_of(up_fn, hidden, &uw),
+              dt = qmm_type_of(down_fn, ffn, &dw);
+    if (act_mode < 2 || k <= 0 || 2 * k > MANY_MAX || gt < 0 || ut < 0 || dt < 0) return 0;
+    float *buf = malloc(sizeof(float) * (size_t)(k * (3 * ffn + hidden)) + 64);
+    if (!buf) return 0;
+    float *g = buf, *u = g + k * ffn, *h = u + k * ffn, *y = h + k * ffn;
+    int types[MANY_MAX];
+    const void *Ws[MANY_MAX];
+    int64_t rows[MANY_MAX], cols[MANY_MAX], wr[MANY_MAX];
+    const float *Xs[MANY_MAX];
+    float *Ys[MANY_MAX];
+    for (int j = 0; j < k; j++)
+        for (int s = 0; s < 2; s++) {
+            const int i = 2 * j + s;
+            types[i] = s ? ut : gt;
+            Ws[i] = s ? up[j] : gate[j];
+            rows[i] = ffn;
+            cols[i] = hidden;
+            wr[i] = s ? uw : gw;
+            Xs[i] = x;
+            Ys[i] = (s ? u : g) + j * ffn;
+        }
+    if (!strata_qmm_many(2 * k, types, Ws, rows, cols, wr, Xs, 1, Ys, nth)) {
+        free(buf);
+        return 0;
+    }
+    for (int64_t i = 0; i < k * ffn; i++) h[i] = silu(g[i]) * u[i];
+    for (int j = 0; j < k; j++) {
+        types[j] = dt;
+        Ws[j] = down[j];
+        rows[j] = hidden;
+        cols[j] = ffn;
+        wr[j] = dw;
+        Xs[j] = h + j * ffn;
+        Ys[j] = y + j * hidden;
+    }
+    if (!strata_qmm_many(k, types, Ws, rows, cols, wr, Xs, 1, Ys, nth)) /* a non-finite h: each alone */
+        for (int j = 0; j < k; j++) ((qmm_fn)down_fn)((const uint8_t *)down[j], hidden, ffn, h + j * ffn, 1, y + j * hidden, nth);
+    for (int j = 0; j < k; j++)
+        for (int64_t i = 0; i < hidden; i++) out[i] += w[j] * y[j * hidden + i];
+    free(buf);
+    return 1;
+}
+
 void strata_moe_token(const void *const *gate, const void *const *up, const void *const *down,
                       const float *w, int k, void *gate_fn, void *up_fn, void *down_fn, int64_t hidden,
                       int64_t ffn, const float *x, float *out, float *scratch, int nth) {
+    if (moe_token_many(gate, up, down, w, k, gate_fn, up_fn, down_fn, hidden, ffn, x, out, nth)) return;
     float *g = scratch, *u = scratch + ffn, *h = scratch + 2 * ffn, *y = scratch + 3 * ffn;
     for (int j = 0; j < k; j++) {
         ((qmm_fn)gate_fn)((const uint8_t *)gate[j], ffn, hidden, x, 1, g, nth);
@@ -2140,8 +2384,43 @@ void strata_rope(const float *x, const float *cs, const float *sn, int64_t n_tok
 /* Several products of the same x (a projection group: q/k/v, gate/up): Y_j = X W_j^T by each
  * weight's strata_qmm_* (fns), into out [B, sum rows] with Y_j at column offset sum_{i<j} rows_i,
  * plus bias_j where given: one call from Python instead of one per weight. */
+/* strata_qmm_group's products in one parallel region (strata_qmm_many); 0 (nothing written) when
+ * it declines them. */
+static int group_many(int n, void *const *fns, const void *const *W, const int64_t *rows, int64_t cols,
+                      const float *X, int64_t B, const float *const *bias, float *out, int nth) {
+    if (n <= 0 || n > MANY_MAX) return 0;
+    int types[MANY_MAX];
+    int64_t cs[MANY_MAX], wr[MANY_MAX], total = 0;
+    const float *Xs[MANY_MAX];
+    float *Ys[MANY_MAX];
+    for (int j = 0; j < n; j++) {
+        types[j] = qmm_type_of(fns[j], cols, &wr[j]);
+        if (types[j] < 0) return 0;
+        cs[j] = cols;
+        Xs[j] = X;
+        total += rows[j];
+    }
+    float *tmp = B == 1 ? NULL : malloc(sizeof(float) * (size_t)(B * total) + 64);
+    if (B != 1 && !tmp) return 0;
+    for (int64_t j = 0, off = 0; j < n; off += rows[j], j++) Ys[j] = B == 1 ? out + off : tmp + B * off;
+    if (!strata_qmm_many(n, types, W, rows, cs, wr, Xs, B, Ys, nth)) {
+        free(tmp);
+        return 0;
+    }
+    for (int64_t j = 0, off = 0; j < n; off += rows[j], j++)
+        for (int64_t b = 0; b < B; b++) {
+            float *dst = out + b * total + off;
+            if (B != 1) memcpy(dst, Ys[j] + b * rows[j], sizeof(float) * (size_t)rows[j]);
+            if (bias[j])
+                for (int64_t i = 0; i < rows[j]; i++) dst[i] += bias[j][i];
+        }
+    free(tmp);
+    return 1;
+}
+
 void strata_qmm_group(int n, void *const *fns, const void *const *W, const int64_t *rows, int64_t cols,
                       const float *X, int64_t B, const float *const *bias, float *out, float *scratch, int nth) {
+    if (group_many(n, fns, W, rows, cols, X, B, bias, out, nth)) return;
     int64_t total = 0, off = 0;
     for (int j = 0; j < n; j++) total += rows[j];
     for (int j = 0; j < n; j++) {
@@ -2239,4 +2518,4 @@ void strata_f16mm(const uint16_t *W, int64_t rows, int64_t cols, const float *X,
     pool_run(tile_f16, &a, (rows + tile_rows - 1) / tile_rows, nth < 1 ? 1 : nth);
 }
 
-int strata_abi_version(void) { return 9; }
+int strata_abi_version(void) { return 10; }
