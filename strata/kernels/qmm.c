@@ -2437,6 +2437,55 @@ void strata_qmm_group(int n, void *const *fns, const void *const *W, const int64
     }
 }
 
+/* ------------------------------------------------------------------ gated delta rule, one step
+ *
+ * One decode token of Gated DeltaNet (strata/kernels/delta_rule.py), per head h of bh, with the
+ * state S (dk x dv, float32) updated in place:
+ *     S <- d S;  delta = (v - k^T S) beta;  S <- S + k delta^T;  out = q^T S
+ * in two passes over S (the decayed state is recomputed, not stored: the same product), where
+ * torch needs five over a state tensor 4x the size of L2. Sums over dk run j = 0, 1, ... */
+typedef struct {
+    float *S;
+    const float *q, *k, *v, *decay, *beta;
+    float *out;
+    int64_t dk, dv;
+} gdn_args;
+
+static void gdn_head(const void *a_, int64_t h) {
+    const gdn_args *a = (const gdn_args *)a_;
+    const int64_t dk = a->dk, dv = a->dv;
+    float *S = a->S + h * dk * dv;
+    const float *q = a->q + h * dk, *k = a->k + h * dk, *v = a->v + h * dv;
+    float *out = a->out + h * dv;
+    const float d = a->decay[h], beta = a->beta[h];
+    float delta[dv];
+    for (int64_t c = 0; c < dv; c++) delta[c] = 0.0f;
+    for (int64_t j = 0; j < dk; j++) {
+        const float kj = k[j];
+        const float *row = S + j * dv;
+        for (int64_t c = 0; c < dv; c++) delta[c] += kj * (row[c] * d);
+    }
+    for (int64_t c = 0; c < dv; c++) {
+        delta[c] = (v[c] - delta[c]) * beta;
+        out[c] = 0.0f;
+    }
+    for (int64_t j = 0; j < dk; j++) {
+        const float kj = k[j], qj = q[j];
+        float *row = S + j * dv;
+        for (int64_t c = 0; c < dv; c++) {
+            const float s = row[c] * d + kj * delta[c];
+            row[c] = s;
+            out[c] += qj * s;
+        }
+    }
+}
+
+void strata_gdn_step(float *S, const float *q, const float *k, const float *v, const float *decay,
+                     const float *beta, float *out, int64_t bh, int64_t dk, int64_t dv, int nth) {
+    const gdn_args a = {S, q, k, v, decay, beta, out, dk, dv};
+    pool_run(gdn_head, &a, bh, nth < 1 ? 1 : nth);
+}
+
 /* ------------------------------------------------------------------ float16 weights
  *
  * Y (B x rows, float32) = X (B x cols, float32) W^T for a float16 W (strata/kernels/f16.py): each

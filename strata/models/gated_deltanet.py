@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.kernels.delta_rule import try_gdn_step
 from strata.models.cache import StepInfo
 from strata.models.linear import apply_linear
 from strata.models.weights import WeightLoader
@@ -196,7 +197,8 @@ class GatedDeltaNet(nn.Module):
         beta, g = beta * keep, g * keep  # padding: no write, no decay
         start = cache.state
         steps = [] if cache.tracking and t * start.nbytes <= cache.STEP_BYTES else None
-        out, cache.state = gated_delta_rule(q, k, v, g, beta, start, self.chunk, recurrent=cache.tracking, steps=steps)
+        out, cache.state = gated_delta_rule(q, k, v, g, beta, start, self.chunk, recurrent=cache.tracking, steps=steps,
+                                            in_place=not cache.tracking)
         if cache.tracking:
             cache.pending = _Undo(start, q, k, v, g, beta, cache.window, step.n_new.to(x.device, non_blocking=True),
                                   steps)
@@ -235,13 +237,15 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, recurrent: bool = False, steps: list | None = None):
+def gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, recurrent: bool = False, steps: list | None = None,
+                     in_place: bool = False):
     """q, k (B, T, H_k, d_k); v (B, T, H_v, d_v); g, beta (B, T, H_v); state (B, H_v, d_k, d_v).
 
     Returns the output (B, T, H_v, d_v) fp32 and the new state. Key heads are shared by
     H_v / H_k consecutive value heads. One token runs the recurrence, more run in chunks
     (unless `recurrent`: a speculative verify pass runs its few tokens one by one, and `steps`,
-    a list, receives the state after each of them).
+    a list, receives the state after each of them). With `in_place`, a one-token step may
+    write the new state into `state` (a cache's own, which nothing else keeps).
     """
     r = v.shape[2] // q.shape[2]
     if r > 1:
@@ -250,20 +254,21 @@ def gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, recurrent: bool =
     q, k = l2norm(q), l2norm(k)
     q = q * q.shape[-1] ** -0.5
     if q.shape[2] == 1 or recurrent:
-        out, state = recurrent_gated_delta_rule(q, k, v, g, beta, state, steps)
+        out, state = recurrent_gated_delta_rule(q, k, v, g, beta, state, steps, in_place)
     else:
         out, state = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk)
     return out.transpose(1, 2), state
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, state, steps: list | None = None):
+def recurrent_gated_delta_rule(q, k, v, g, beta, state, steps: list | None = None, in_place: bool = False):
     """Token by token; q, k (B, H, T, d_k), v (B, H, T, d_v), g, beta (B, H, T).
 
-    With d = exp(g) the step is S' = d S + k (x) delta, delta = (v - k^T (d S)) beta, out = q^T S',
-    by batched products over the (d_k x d_v) state: four passes over it per token (a scaled copy,
-    two reads, one rank-1 update in place) instead of seven broadcast temporaries, as decode's
-    DeltaNet layers are bound by the state's memory traffic. The order of operations is the
-    reference's (transformers' recurrent step), so the rounding is too."""
+    With d = exp(g) the step is S' = d S + k (x) delta, delta = (v - k^T (d S)) beta, out = q^T S'.
+    On the CPU each step is one C call (`kernels.delta_rule`: two passes over the state, written
+    in place; into a copy unless `in_place`, and a copy per step when `steps` keeps them all);
+    else batched products over the (d_k x d_v) state, four passes over it per token (a scaled
+    copy, two reads, one rank-1 update in place), in the order of operations of the reference
+    (transformers' recurrent step). Both are bound by the state's memory traffic."""
     b, h, t, dk = k.shape
     dv = v.shape[-1]
     bh = b * h
@@ -272,6 +277,14 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state, steps: list | None = Non
     for i in range(t):
         q_i, k_i = q[:, :, i].reshape(bh, dk), k[:, :, i].reshape(bh, dk)
         decay = g[:, :, i].exp().reshape(bh, 1)
+        new = state if in_place and steps is None else state.clone()
+        o = try_gdn_step(new, q_i, k_i, v[:, :, i].reshape(bh, dv), decay, beta[:, :, i].reshape(bh))
+        if o is not None:
+            state, in_place = new, True  # the copy is this call's own from here on
+            out[:, :, i] = o.reshape(b, h, dv)
+            if steps is not None:
+                steps.append(state.reshape(b, h, dk, dv))
+            continue
         state = state * decay[..., None]
         delta = (v[:, :, i].reshape(bh, dv) - torch.bmm(k_i[:, None], state)[:, 0]) * beta[:, :, i].reshape(bh, 1)
         state.baddbmm_(k_i[:, :, None], delta[:, None, :])

@@ -1,0 +1,57 @@
+"""The C step of the gated delta rule (kernels.delta_rule) against the torch recurrence in float64."""
+
+import pytest
+import torch
+
+from strata import kernels
+from strata.kernels import _build
+from strata.kernels.delta_rule import try_gdn_step
+from strata.models.gated_deltanet import gated_delta_rule
+
+pytestmark = pytest.mark.skipif(_build.load() is None, reason="no C kernels on this machine")
+
+
+def _inputs(b=2, t=1, hk=2, hv=4, dk=16, dv=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(b, t, hk, dk, generator=g) for _ in range(2))
+    v = torch.randn(b, t, hv, dv, generator=g)
+    gate = -torch.rand(b, t, hv, generator=g)
+    beta = torch.rand(b, t, hv, generator=g)
+    gate[1, -1], beta[1, -1] = 0.0, 0.0  # a padded position: the state passes through unchanged
+    state = torch.randn(b, hv, dk, dv, generator=g)
+    return q, k, v, gate, beta, state
+
+
+def test_one_step_matches_the_torch_step_in_float64():
+    n, dk, dv = 6, 32, 40
+    g = torch.Generator().manual_seed(1)
+    state, q, k, v = torch.randn(n, dk, dv, generator=g), torch.randn(n, dk, generator=g), \
+        torch.randn(n, dk, generator=g), torch.randn(n, dv, generator=g)
+    decay, beta = torch.rand(n, generator=g), torch.rand(n, generator=g)
+    s = state.double() * decay.double()[:, None, None]
+    delta = (v.double() - torch.einsum("nk,nkv->nv", k.double(), s)) * beta.double()[:, None]
+    s = s + k.double()[:, :, None] * delta[:, None, :]
+    want = torch.einsum("nk,nkv->nv", q.double(), s)
+    got = try_gdn_step(state, q, k, v, decay, beta)  # in place
+    assert got is not None
+    assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5)
+    assert torch.allclose(state.double(), s, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_recurrence_through_the_kernel_equals_torch_and_keeps_the_start_state_unless_in_place(monkeypatch, t):
+    q, k, v, gate, beta, state = _inputs(t=t)
+    monkeypatch.setattr(kernels, "USE_KERNELS", False)
+    want, want_state = gated_delta_rule(q, k, v, gate, beta, state.clone(), recurrent=True)
+    monkeypatch.setattr(kernels, "USE_KERNELS", True)
+    start = state.clone()
+    steps = []
+    out, new = gated_delta_rule(q, k, v, gate, beta, state, recurrent=True, steps=steps)
+    assert torch.equal(state, start)  # not in place: the caller's state (a rollback's start) is kept
+    assert torch.allclose(out, want, atol=1e-5) and torch.allclose(new, want_state, atol=1e-5)
+    assert len(steps) == t and len({s.data_ptr() for s in steps}) == t and torch.equal(steps[-1], new)
+    if t > 1:  # the padded last position of row 1 left its state exactly as the step before
+        assert torch.equal(steps[-1][1], steps[-2][1])
+    out2, new2 = gated_delta_rule(q, k, v, gate, beta, state, recurrent=True, in_place=True)
+    assert torch.equal(out2, out) and torch.equal(new2, new)
+    assert torch.equal(state, new) and new2.data_ptr() == state.data_ptr()  # written into the cache's own state
