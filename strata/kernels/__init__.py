@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from strata.formats.weights import QTensor
-from strata.kernels import _build, grouped
+from strata.kernels import _build, grouped, prompt
 from strata.kernels.grouped import ExpertSource, RouteTable
 
 __all__ = [
@@ -282,6 +282,28 @@ def dequantize_ggml(w: QTensor, dtype: torch.dtype = torch.bfloat16, threads: in
     return out
 
 
+# From this many rows of x on, a type with its own AVX-512 dequantizer in prefill.c takes the AMX
+# product (`try_qmatmul_prompt`); others need PROMPT_MIN_ROWS (ggml's dequantizer is slower). At 768x2048,
+# 1 thread (bench/bench_kernels.py --prompt-amx): the AMX product ~0.4 ms flat, the 8-bit kernel
+# 0.06-0.12 ms a row.
+PROMPT_AMX_MIN_ROWS = 6
+
+
+def try_qmatmul_prompt(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torch.Tensor | None:
+    """`x @ w.T` by prefill.c's AMX product for a prompt-sized batch ("q8x2": x and W split into two
+    bfloat16 parts each, ~float32 accuracy; "q8": one bfloat16 product), in x's dtype; None where it
+    does not apply (int16 / exact activations, too few rows, no AMX, no dequantizer for the type)."""
+    if not USE_KERNELS or _activations not in ("q8", "q8x2") or x.device.type != "cpu":
+        return None
+    n = x.numel() // max(x.shape[-1], 1)
+    if n < PROMPT_AMX_MIN_ROWS or not prompt.has_type(w.qtype):
+        return None
+    if n < PROMPT_MIN_ROWS.get(_type_name(w.qtype), 32) and not prompt.has_type(w.qtype, own_only=True):
+        return None
+    y = prompt.matmul(x, w, threads, 1 if _activations == "q8" else 3)
+    return None if y is None else y.to(x.dtype)
+
+
 def _batched_ok(x: torch.Tensor, w: QTensor) -> bool:
     if not USE_KERNELS or _activations not in ("q8", "q8x2") or x.device.type != "cpu" or w.raw.device.type != "cpu":
         return False
@@ -289,10 +311,19 @@ def _batched_ok(x: torch.Tensor, w: QTensor) -> bool:
     return name in _build.GGML_TYPES and x.numel() // max(x.shape[-1], 1) >= PROMPT_MIN_ROWS.get(name, 32)
 
 
+def _prompt_ok(x: torch.Tensor, w: QTensor) -> bool:
+    if not USE_KERNELS or _activations not in ("q8", "q8x2") or x.device.type != "cpu" or w.raw.device.type != "cpu":
+        return False
+    return x.numel() // max(x.shape[-1], 1) >= PROMPT_AMX_MIN_ROWS and prompt.has_type(w.qtype, own_only=True)
+
+
 def try_qmatmul_batched(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torch.Tensor | None:
     """`x @ w.T` for a prompt-sized batch (at least PROMPT_MIN_ROWS rows): W dequantized by ggml
     and one matmul, in bfloat16 ("q8": oneDNN / AMX) or float32 ("q8x2"), returned in x's dtype;
     None when it does not apply (int16 / exact activations, too few rows, no ggml, not the CPU)."""
+    y = try_qmatmul_prompt(x, w, threads)
+    if y is not None:
+        return y
     if not _batched_ok(x, w):
         return None
     dt = torch.bfloat16 if _activations == "q8" else torch.float32
@@ -331,7 +362,7 @@ def expert_forward(x: torch.Tensor, gate_q: QTensor, up_q: QTensor, down_q: QTen
     compiled kernel for a few rows, else the reference; when none of them has a fast path this
     is exactly `expert_forward_reference`.
     """
-    if not any(_batched_ok(x, w) or fast_ok(x, w) for w in (gate_q, up_q, down_q)):
+    if not any(_batched_ok(x, w) or _prompt_ok(x, w) or fast_ok(x, w) for w in (gate_q, up_q, down_q)):
         return expert_forward_reference(x, gate_q, up_q, down_q)
 
     def mm(v, w):

@@ -2124,6 +2124,12 @@ static void tile_deq(const void *a_, int64_t tile) {
     free(buf);
 }
 
+/* For prefill.c (built into this library): ggml's to_float of a type (NULL: none), and the pool. */
+void *strata_to_float_fn(int type) { return type >= 0 && type < MAX_EXT ? (void *)TO_FLOAT[type] : NULL; }
+void strata_pool_run(void (*fn)(const void *, int64_t), const void *args, int64_t n_tiles, int nth) {
+    pool_run(fn, args, n_tiles, nth);
+}
+
 /* Y (rows x cols, bfloat16 or float32) = W dequantized; 0 if ggml has no to_float for the type. */
 int strata_dequant(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, void *Y, int bf16, int nth) {
     if (type < 0 || type >= MAX_EXT || !TO_FLOAT[type]) return 0;

@@ -138,7 +138,10 @@ class Linear(_StoredWeight):
         y = kernels.try_qmatmul(x, w)  # None: prefill, another device, no kernel, or kernels off
         if y is not None:
             return y if self.bias is None else y + self.bias
-        if w.shape[0] * w.shape[1] * 4 <= SCRATCH_BYTES:  # prefill on the CPU: ggml dequantizes, one matmul
+        y = kernels.try_qmatmul_prompt(x, w)  # prefill on the CPU: the AMX product (prefill.c)
+        if y is not None:
+            return y if self.bias is None else y + self.bias
+        if w.shape[0] * w.shape[1] * 4 <= SCRATCH_BYTES:  # else ggml dequantizes, one matmul
             y = kernels.try_qmatmul_batched(x, w)
             if y is not None:
                 return y if self.bias is None else y + self.bias

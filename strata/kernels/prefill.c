@@ -1,0 +1,449 @@
+/* Prompt-sized quantized products on AMX: Y[t, r] = sum_k W[r, k] * X[t, k] for many rows t.
+ *
+ * A decode step multiplies by each weight once per token, so the 8-bit kernels of qmm.c read each
+ * block and take integer dot products. A prompt multiplies the same weights by hundreds of rows:
+ * here each weight is dequantized once per call into bfloat16 tiles and multiplied by all rows on
+ * the CPU's AMX units (TDPBF16PS: 16x16 float32 outputs += 16x32 by 32x16 bfloat16, float32
+ * accumulation throughout; torch's bf16 matmul would round every output to bfloat16).
+ *
+ * Precision: a float32 value v is split into hi = bf16(v) and lo = bf16(v - hi), so v is kept to
+ * about 2^-17. With terms = 3, each product sums W_hi X_hi + W_hi X_lo + W_lo X_hi (the dropped
+ * W_lo X_lo is ~2^-18 of it): close to float32 math on the dequantized weights. terms = 1 keeps
+ * W_hi X_hi alone (bfloat16 rounding of both sides, ~2^-9 per value).
+ *
+ * Layout. A (weights): 16 rows x 32 values of one k-chunk, row-major, 1 KiB per tile; a job
+ * dequantizes a panel of up to 64 weight rows (4 tiles high) over all of K into a thread-local
+ * buffer, then runs every 16-row group of X against it. B (activations): 16 pairs of k x 16 rows
+ * of X, the VNNI pair layout AMX reads, packed once per call. C: up to 4 tiles, one per 16 weight
+ * rows, for one group of 16 rows of X.
+ *
+ * Built into the same library as qmm.c (whose thread pool runs the panels); without AMX-BF16 at
+ * build time or without the kernel's permission to use AMX state, strata_pp_available() is 0 and
+ * callers keep their other path.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__linux__)
+#define PP_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+typedef void (*pp_to_float)(const void *row, float *out, int64_t n);
+
+/* from qmm.c: its thread pool, and ggml's to_float (NULL without ggml) */
+void strata_pool_run(void (*fn)(const void *, int64_t), const void *args, int64_t n_tiles, int nth);
+void *strata_to_float_fn(int type);
+
+#define PP_MAX_TYPES 64
+
+#ifdef PP_AMX
+
+/* ------------------------------------------------------------------ own row dequantizers
+ * Field for field as gguf-py's numpy decoders (strata/quant mirrors them): float32 scale products
+ * first, then the integer value times the scale (minus the minimum). */
+
+static uint8_t GRID_IQ2_XS[512][8];
+static uint8_t GRID_IQ2_XXS[256][8];
+static float SIGNS[128][8] __attribute__((aligned(32)));
+
+static inline float h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline __m512 u8x16(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+
+static void deq_q8_0(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    for (int64_t i = 0; i < n; i += 32, b += 34, y += 32) {
+        const __m512 d = _mm512_set1_ps(h2f(b));
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2)), q1 = _mm_loadu_si128((const __m128i *)(b + 18));
+        _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d));
+        _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d));
+    }
+}
+
+static void deq_q4_0(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    const __m128i m4 = _mm_set1_epi8(15);
+    for (int64_t i = 0; i < n; i += 32, b += 18, y += 32) {
+        const __m512 d = _mm512_set1_ps(h2f(b)), off = _mm512_set1_ps(-8.0f);
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, m4)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), m4)));
+        _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_add_ps(lo, off), d));
+        _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_add_ps(hi, off), d));
+    }
+}
+
+static inline void scale_min_k4(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    for (int i = 0; i < 4; i++) {
+        sc[i] = s[i] & 63;
+        mn[i] = s[i + 4] & 63;
+        sc[i + 4] = (s[i + 8] & 0xF) | ((s[i] >> 2) & 0x30);
+        mn[i + 4] = (s[i + 8] >> 4) | ((s[i + 4] >> 2) & 0x30);
+    }
+}
+
+/* 16 values q (as floats) * d - m, stored at y */
+static inline void fms16(float *y, __m512 q, float d, float m) {
+    _mm512_storeu_ps(y, _mm512_sub_ps(_mm512_mul_ps(q, _mm512_set1_ps(d)), _mm512_set1_ps(m)));
+}
+
+static void deq_q4_k(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    const __m128i m4 = _mm_set1_epi8(15);
+    for (int64_t i = 0; i < n; i += 256, b += 144, y += 256) {
+        const float d = h2f(b), dmin = h2f(b + 2);
+        uint8_t sc[8], mn[8];
+        scale_min_k4(b + 4, sc, mn);
+        const uint8_t *qs = b + 16;
+        for (int p = 0; p < 4; p++) {
+            const float d0 = d * (float)sc[2 * p], m0 = dmin * (float)mn[2 * p];
+            const float d1 = d * (float)sc[2 * p + 1], m1 = dmin * (float)mn[2 * p + 1];
+            for (int h = 0; h < 2; h++) {
+                const __m128i q = _mm_loadu_si128((const __m128i *)(qs + 32 * p + 16 * h));
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, m4)));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), m4)));
+                fms16(y + 64 * p + 16 * h, lo, d0, m0);
+                fms16(y + 64 * p + 32 + 16 * h, hi, d1, m1);
+            }
+        }
+    }
+}
+
+static void deq_q5_k(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    const __m128i m4 = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
+    for (int64_t i = 0; i < n; i += 256, b += 176, y += 256) {
+        const float d = h2f(b), dmin = h2f(b + 2);
+        uint8_t sc[8], mn[8];
+        scale_min_k4(b + 4, sc, mn);
+        const uint8_t *qh = b + 16, *qs = b + 48;
+        for (int p = 0; p < 4; p++) {
+            const float d0 = d * (float)sc[2 * p], m0 = dmin * (float)mn[2 * p];
+            const float d1 = d * (float)sc[2 * p + 1], m1 = dmin * (float)mn[2 * p + 1];
+            for (int h = 0; h < 2; h++) {
+                const __m128i q = _mm_loadu_si128((const __m128i *)(qs + 32 * p + 16 * h));
+                const __m128i hb = _mm_loadu_si128((const __m128i *)(qh + 16 * h));
+                const __m128i h0 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 2 * p), one), 4);
+                const __m128i h1 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 2 * p + 1), one), 4);
+                const __m128i lo = _mm_or_si128(_mm_and_si128(q, m4), h0);
+                const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q, 4), m4), h1);
+                fms16(y + 64 * p + 16 * h, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d0, m0);
+                fms16(y + 64 * p + 32 + 16 * h, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d1, m1);
+            }
+        }
+    }
+}
+
+static void deq_q6_k(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    const __m128i m4 = _mm_set1_epi8(15), m2 = _mm_set1_epi8(3);
+    const __m512 off = _mm512_set1_ps(32.0f);
+    for (int64_t i = 0; i < n; i += 256, b += 210, y += 256) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = h2f(b + 208);
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 4; t++) { /* 32 values: low or high nibbles of ql, bits 2t of qh */
+                const uint8_t *pl = ql + h * 64 + (t & 1) * 32, *ph = qh + h * 32;
+                for (int s = 0; s < 2; s++) {
+                    __m128i l = _mm_loadu_si128((const __m128i *)(pl + 16 * s));
+                    if (t >> 1) l = _mm_srli_epi16(l, 4);
+                    const __m128i hb = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(ph + 16 * s)), 2 * t), m2);
+                    const __m128i q = _mm_or_si128(_mm_and_si128(l, m4), _mm_slli_epi16(hb, 4));
+                    const __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), off);
+                    _mm512_storeu_ps(y + h * 128 + t * 32 + 16 * s,
+                                     _mm512_mul_ps(v, _mm512_set1_ps(d * (float)sc[h * 8 + t * 2 + s])));
+                }
+            }
+    }
+}
+
+static inline __m256 grid8(const uint8_t *g) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)g)));
+}
+
+static void deq_iq2_xs(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    for (int64_t i = 0; i < n; i += 256, b += 74, y += 256) {
+        const float d = h2f(b);
+        const uint8_t *sc = b + 66;
+        for (int p = 0; p < 8; p++) {
+            const __m256 db0 = _mm256_set1_ps(d * (0.5f + (float)(sc[p] & 0xF)) * 0.25f);
+            const __m256 db1 = _mm256_set1_ps(d * (0.5f + (float)(sc[p] >> 4)) * 0.25f);
+            for (int k = 0; k < 4; k++) {
+                uint16_t q;
+                memcpy(&q, b + 2 + 8 * p + 2 * k, 2);
+                const __m256 v = _mm256_mul_ps(_mm256_mul_ps(k < 2 ? db0 : db1, grid8(GRID_IQ2_XS[q & 511])),
+                                               _mm256_load_ps(SIGNS[q >> 9]));
+                _mm256_storeu_ps(y + 32 * p + 8 * k, v);
+            }
+        }
+    }
+}
+
+static void deq_iq2_xxs(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    for (int64_t i = 0; i < n; i += 256, b += 66, y += 256) {
+        const float d = h2f(b);
+        for (int s = 0; s < 8; s++) {
+            const uint8_t *q = b + 2 + 8 * s;
+            uint32_t aux;
+            memcpy(&aux, q + 4, 4);
+            const __m256 db = _mm256_set1_ps(d * (0.5f + (float)(aux >> 28)) * 0.25f);
+            for (int k = 0; k < 4; k++)
+                _mm256_storeu_ps(y + 32 * s + 8 * k, _mm256_mul_ps(_mm256_mul_ps(db, grid8(GRID_IQ2_XXS[q[k]])),
+                                                                  _mm256_load_ps(SIGNS[(aux >> (7 * k)) & 0x7F])));
+        }
+    }
+}
+
+static pp_to_float OWN[PP_MAX_TYPES];
+
+void strata_pp_init_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8_t *ksigns) {
+    memcpy(GRID_IQ2_XXS, iq2xxs, sizeof GRID_IQ2_XXS);
+    memcpy(GRID_IQ2_XS, iq2xs, sizeof GRID_IQ2_XS);
+    for (int i = 0; i < 128; i++)
+        for (int j = 0; j < 8; j++) SIGNS[i][j] = (ksigns[i] >> j) & 1 ? -1.0f : 1.0f;
+    OWN[2] = deq_q4_0;
+    OWN[8] = deq_q8_0;
+    OWN[12] = deq_q4_k;
+    OWN[13] = deq_q5_k;
+    OWN[14] = deq_q6_k;
+    OWN[16] = deq_iq2_xxs;
+    OWN[17] = deq_iq2_xs;
+}
+
+/* ------------------------------------------------------------------ bf16 splitting */
+
+/* 32 floats -> 32 bf16 hi (nearest even) and 32 bf16 lo = bf16(v - hi) */
+static inline void split32(const float *v, uint16_t *hi, uint16_t *lo) {
+    const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+    const __m512bh h = _mm512_cvtne2ps_pbh(b, a);
+    _mm512_storeu_si512(hi, (__m512i)h);
+    if (!lo) return;
+    const __m512i hw = (__m512i)h;
+    /* hi back to float32: each bf16 is the upper half of its float */
+    const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hw)), 16));
+    const __m512 hb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hw, 1)), 16));
+    _mm512_storeu_si512(lo, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha)));
+}
+
+/* ------------------------------------------------------------------ AMX */
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_state = -1; /* -1 unknown, 0 refused, 1 granted */
+
+static int amx_ok(void) {
+    if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+/* Loaded at the start of every panel and released at its end: oneDNN (torch's bf16 matmuls) runs
+ * its own tile configurations on the same threads. */
+static void configure_tiles(void) {
+    tilecfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.colsb[i] = 64;
+        c.rows[i] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+typedef struct {
+    const uint8_t *W;
+    int64_t rows, cols, wrow;
+    const uint16_t *xh, *xl; /* packed X: [group][k-chunk] tiles of 512 bf16 */
+    int64_t groups, tokens;
+    float *Y; /* tokens x rows */
+    int terms;
+    pp_to_float f;
+} pp_args;
+
+static __thread uint16_t *panel_buf;
+static __thread float *row_buf;
+static __thread int64_t panel_cap, row_cap;
+
+/* C tiles 0..NT-1 (weight tiles of the panel) for one group of 16 rows of X, over all k-chunks:
+ * tile 4/5 = X hi/lo, tile 6/7 = W hi/lo. */
+#define PP_PANEL(NT)                                                                                   \
+    static void pp_group##NT(const uint16_t *ah, const uint16_t *al, const uint16_t *bh,              \
+                             const uint16_t *bl, int64_t kcn, int terms, float *cbuf) {                \
+        _tile_zero(0);                                                                                 \
+        if (NT > 1) _tile_zero(1);                                                                     \
+        if (NT > 2) _tile_zero(2);                                                                     \
+        if (NT > 3) _tile_zero(3);                                                                     \
+        for (int64_t kc = 0; kc < kcn; kc++) {                                                         \
+            _tile_loadd(4, bh + kc * 512, 64);                                                         \
+            if (terms > 1) _tile_loadd(5, bl + kc * 512, 64);                                          \
+            PP_STEP(0, NT)                                                                             \
+            PP_STEP(1, NT)                                                                             \
+            PP_STEP(2, NT)                                                                             \
+            PP_STEP(3, NT)                                                                             \
+        }                                                                                              \
+        _tile_stored(0, cbuf, 64);                                                                     \
+        if (NT > 1) _tile_stored(1, cbuf + 256, 64);                                                   \
+        if (NT > 2) _tile_stored(2, cbuf + 512, 64);                                                   \
+        if (NT > 3) _tile_stored(3, cbuf + 768, 64);                                                   \
+    }
+
+/* weight tile I of the panel: its A tiles lie kcn * 512 values apart */
+#define PP_STEP(I, NT)                                                                                 \
+    if (NT > I) {                                                                                      \
+        _tile_loadd(6, ah + ((I) * kcn + kc) * 512, 64);                                               \
+        _tile_dpbf16ps(I, 6, 4);                                                                       \
+        if (terms > 1) {                                                                               \
+            _tile_dpbf16ps(I, 6, 5);                                                                   \
+            _tile_loadd(7, al + ((I) * kcn + kc) * 512, 64);                                           \
+            _tile_dpbf16ps(I, 7, 4);                                                                   \
+        }                                                                                              \
+    }
+
+PP_PANEL(1)
+PP_PANEL(2)
+PP_PANEL(3)
+PP_PANEL(4)
+
+static void pp_panel(const void *a_, int64_t panel) {
+    const pp_args *a = a_;
+    const int64_t r0 = panel * 64, kcn = a->cols / 32;
+    const int64_t nr = a->rows - r0 < 64 ? a->rows - r0 : 64;
+    const int nt = (int)((nr + 15) / 16);
+    const int64_t need = (int64_t)nt * 16 * a->cols * 2; /* hi and lo */
+    if (panel_cap < need) {
+        free(panel_buf);
+        panel_buf = aligned_alloc(64, (size_t)need * sizeof(uint16_t));
+        panel_cap = panel_buf ? need : 0;
+    }
+    if (row_cap < a->cols) {
+        free(row_buf);
+        row_buf = aligned_alloc(64, (size_t)((a->cols + 15) / 16 * 16) * sizeof(float));
+        row_cap = row_buf ? a->cols : 0;
+    }
+    if (!panel_buf || !row_buf) return; /* out of memory: the caller checks nothing, Y keeps its zeros */
+    uint16_t *ah = panel_buf, *al = panel_buf + (int64_t)nt * 16 * a->cols;
+    for (int r = 0; r < nt * 16; r++) {
+        const int64_t tile = r / 16, in = r % 16;
+        if (r < nr) {
+            a->f(a->W + (r0 + r) * a->wrow, row_buf, a->cols);
+        } else {
+            memset(row_buf, 0, sizeof(float) * (size_t)a->cols);
+        }
+        for (int64_t kc = 0; kc < kcn; kc++) {
+            const int64_t at = (tile * kcn + kc) * 512 + in * 32;
+            split32(row_buf + kc * 32, ah + at, a->terms > 1 ? al + at : NULL);
+        }
+    }
+    configure_tiles();
+    float cbuf[1024] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < a->groups; g++) {
+        const uint16_t *bh = a->xh + g * kcn * 512, *bl = a->terms > 1 ? a->xl + g * kcn * 512 : NULL;
+        switch (nt) {
+            case 1: pp_group1(ah, al, bh, bl, kcn, a->terms, cbuf); break;
+            case 2: pp_group2(ah, al, bh, bl, kcn, a->terms, cbuf); break;
+            case 3: pp_group3(ah, al, bh, bl, kcn, a->terms, cbuf); break;
+            default: pp_group4(ah, al, bh, bl, kcn, a->terms, cbuf); break;
+        }
+        const int64_t t0 = g * 16, tn = a->tokens - t0 < 16 ? a->tokens - t0 : 16;
+        for (int64_t t = 0; t < tn; t++) {
+            float *y = a->Y + (t0 + t) * a->rows + r0;
+            for (int64_t r = 0; r < nr; r++) y[r] = cbuf[(r / 16) * 256 + (r % 16) * 16 + t];
+        }
+    }
+    _tile_release();
+}
+
+/* X (tokens x cols float32) -> B tiles: xh[(g * kcn + kc) * 512 + kp * 32 + t * 2 + j] =
+ * hi(X[16 g + t][32 kc + 2 kp + j]), rows past `tokens` zero; xl likewise for lo. */
+static void pack_x(const float *X, int64_t tokens, int64_t cols, int64_t groups, uint16_t *xh, uint16_t *xl) {
+    const int64_t kcn = cols / 32;
+    uint16_t th[16][32] __attribute__((aligned(64))), tl[16][32] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t kc = 0; kc < kcn; kc++) {
+            for (int t = 0; t < 16; t++) {
+                const int64_t row = g * 16 + t;
+                if (row < tokens) {
+                    split32(X + row * cols + kc * 32, th[t], xl ? tl[t] : NULL);
+                } else {
+                    memset(th[t], 0, sizeof th[t]);
+                    memset(tl[t], 0, sizeof tl[t]);
+                }
+            }
+            uint32_t *oh = (uint32_t *)(xh + (g * kcn + kc) * 512);
+            uint32_t *ol = xl ? (uint32_t *)(xl + (g * kcn + kc) * 512) : NULL;
+            for (int kp = 0; kp < 16; kp++)
+                for (int t = 0; t < 16; t++) {
+                    oh[kp * 16 + t] = ((const uint32_t *)th[t])[kp];
+                    if (ol) ol[kp * 16 + t] = ((const uint32_t *)tl[t])[kp];
+                }
+        }
+}
+
+int strata_pp_available(void) { return amx_ok(); }
+
+/* 1 if `type` (a ggml type id) has a dequantizer here (own, else ggml's). */
+int strata_pp_has_type(int type, int own_only) {
+    if (type < 0 || type >= PP_MAX_TYPES) return 0;
+    return OWN[type] != NULL || (!own_only && strata_to_float_fn(type) != NULL);
+}
+
+/* Y (tokens x rows float32) = X (tokens x cols float32) W^T, W rows x cols of `type` (wrow bytes a
+ * row; cols a multiple of 32). Returns 0 (Y untouched) when AMX, the type or memory is missing. */
+int strata_pp_matmul(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, const float *X,
+                     int64_t tokens, float *Y, int terms, int nth) {
+    if (!amx_ok() || cols % 32 || rows <= 0 || tokens <= 0 || type < 0 || type >= PP_MAX_TYPES) return 0;
+    pp_to_float f = OWN[type] ? OWN[type] : (pp_to_float)strata_to_float_fn(type);
+    if (!f) return 0;
+    const int64_t groups = (tokens + 15) / 16, n = groups * (cols / 32) * 512;
+    uint16_t *xh = aligned_alloc(64, (size_t)n * sizeof(uint16_t) * (terms > 1 ? 2 : 1));
+    if (!xh) return 0;
+    uint16_t *xl = terms > 1 ? xh + n : NULL;
+    pack_x(X, tokens, cols, groups, xh, xl);
+    const pp_args a = {W, rows, cols, wrow, xh, xl, groups, tokens, Y, terms > 1 ? 3 : 1, f};
+    strata_pool_run(pp_panel, &a, (rows + 63) / 64, nth < 1 ? 1 : nth);
+    free(xh);
+    return 1;
+}
+
+/* y (n float32) = one row of W dequantized here (tests compare it with the reference decoder) */
+int strata_pp_dequant_row(int type, const uint8_t *w, int64_t n, float *y) {
+    if (type < 0 || type >= PP_MAX_TYPES || !OWN[type]) return 0;
+    OWN[type](w, y, n);
+    return 1;
+}
+
+#else /* no AMX-BF16 at build time */
+
+void strata_pp_init_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8_t *ksigns) {
+    (void)iq2xxs, (void)iq2xs, (void)ksigns;
+}
+int strata_pp_available(void) { return 0; }
+int strata_pp_has_type(int type, int own_only) { (void)type, (void)own_only; return 0; }
+int strata_pp_matmul(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, const float *X,
+                     int64_t tokens, float *Y, int terms, int nth) {
+    (void)type, (void)W, (void)rows, (void)cols, (void)wrow, (void)X, (void)tokens, (void)Y, (void)terms, (void)nth;
+    return 0;
+}
+int strata_pp_dequant_row(int type, const uint8_t *w, int64_t n, float *y) {
+    (void)type, (void)w, (void)n, (void)y;
+    return 0;
+}
+
+#endif

@@ -1,0 +1,191 @@
+"""The AMX prompt products (strata/kernels/prefill.c) against the exact dequantized math.
+
+Each type's own dequantizer must equal the reference decoder (strata.quant, which mirrors gguf-py)
+value for value; each product, with 3 terms (the default "q8x2"), must stay within 2e-5 of max |y|
+of float64 math on the dequantized weights, and within 1e-2 with 1 term ("q8": bfloat16 rounding);
+odd row counts (a partial 16-row tile, a partial 64-row panel), row counts of x that are not a
+multiple of 16, an odd number of blocks per row, 1 and 2 threads. Then a model: prefill logits of
+files llama.cpp quantized, through these products, stay closer to the exact dequantized math than
+llama.cpp's own logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from strata import kernels
+from strata.formats.weights import QTensor
+from strata.kernels import prompt
+
+pytestmark = pytest.mark.skipif(not prompt.available(), reason="no AMX-BF16 on this CPU (or no C compiler)")
+
+# type -> byte offsets of its float16 scales in a block (random bytes elsewhere are valid blocks)
+F16_FIELDS = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ2_XXS": (0,),
+              "IQ2_XS": (0,), "Q2_K": (80, 82)}
+OWN = ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS"]
+
+
+def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> QTensor:
+    qt = T[name]
+    qk, ts = GGML_QUANT_SIZES[qt]
+    g = np.random.default_rng(seed)
+    raw = g.integers(0, 256, size=(rows, cols // qk, ts), dtype=np.uint8)
+    scales = g.uniform(0.002, 0.02, size=(rows, cols // qk, len(F16_FIELDS[name]))).astype(np.float16)
+    for i, off in enumerate(F16_FIELDS[name]):
+        raw[:, :, off:off + 2] = scales[:, :, i:i + 1].view(np.uint8)
+    return QTensor(torch.from_numpy(raw.reshape(rows, -1).copy()), qt, (rows, cols))
+
+
+def _cols(name: str) -> int:
+    return 3 * 256 if GGML_QUANT_SIZES[T[name]][0] == 256 else 7 * 32  # an odd number of blocks
+
+
+@pytest.mark.parametrize("name", OWN)
+def test_own_dequantizer_equals_reference(name):
+    w = random_blocks(name, 3, _cols(name))
+    ref = w.dequantize(torch.float32)
+    for r in range(3):
+        got = prompt.dequant_row(w.raw[r], w.qtype, w.shape[1])
+        assert got is not None
+        torch.testing.assert_close(got, ref[r], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", OWN + ["Q2_K"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prompt_product_matches_exact(name, threads):
+    if not prompt.has_type(T[name]):
+        pytest.skip(f"{name} needs ggml's dequantizer, which is not loaded")
+    cols = _cols(name)
+    for rows in (37, 70):  # one partial panel; a full one then a partial one
+        w = random_blocks(name, rows, cols, seed=rows)
+        exact_w = w.dequantize(torch.float64)
+        for tokens in (1, 17, 33):
+            x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+            ref = x.double() @ exact_w.T
+            scale = float(ref.abs().max())
+            for terms, bound in ((3, 2e-5), (1, 1e-2)):
+                y = prompt.matmul(x, w, threads, terms)
+                assert y is not None and y.shape == (tokens, rows) and y.dtype == torch.float32
+                err = float((y.double() - ref).abs().max()) / scale
+                assert err < bound, (name, rows, tokens, terms, err)
+
+
+def test_prompt_product_leading_shape_and_refusals():
+    w = random_blocks("Q4_K", 20, 256)
+    x = torch.randn(2, 9, 256)
+    y = prompt.matmul(x, w, 1)
+    assert y.shape == (2, 9, 20)
+    ref = x.double() @ w.dequantize(torch.float64).T
+    assert float((y.double() - ref).abs().max()) < 2e-5 * float(ref.abs().max())
+    assert prompt.matmul(torch.randn(4, 128), w, 1) is None  # wrong row length
+
+
+def test_prefill_routes_prompt_batches_to_amx(monkeypatch):
+    """In the 8-bit modes a prompt-sized batch takes the AMX product, a decode row does not, and
+    exact / int16 activations never do."""
+    calls = []
+    real = prompt.matmul
+    monkeypatch.setattr(prompt, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    w = random_blocks("IQ2_XS", 64, 512)
+    before = kernels.activations()
+    try:
+        for mode, rows, used in (("q8x2", 80, True), ("q8", 80, True), ("q8x2", 1, False), ("int16", 80, False),
+                                 ("float32", 80, False)):
+            kernels.set_activations(mode)
+            calls.clear()
+            kernels.qmatmul(torch.randn(rows, 512), w)
+            assert bool(calls) == used, (mode, rows)
+    finally:
+        kernels.set_activations(before)
+
+
+# --- a model: prefill logits of llama.cpp-quantized files through the AMX products ---------------
+
+PROMPT = [(7 * i + 3) % 250 + 2 for i in range(100)]  # > 64 tokens: the prompt path, not the decode kernels
+
+
+@pytest.fixture(scope="module")
+def quantized_files(tmp_path_factory):
+    """A tiny MoE llama (randomised norms) in F32 and llama.cpp's Q8_0 and Q4_K_M of it, and an
+    IQ2_XS one written by ggml's own quantizer."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    if "IQ2_XS" not in kernels.ggml_types():
+        pytest.skip("llama.cpp's CPU library is not loaded by strata.kernels")
+    import tiny
+    from test_kernels import _ggml_quantizer
+
+    from strata.formats import llama
+    from strata.formats.hparams import RopeConfig
+    from strata.gguf import writer
+
+    d = tmp_path_factory.mktemp("prefill-quantized")
+    shape = dict(hidden_size=256, ffn_size=256, n_heads=4, n_kv_heads=2, head_dim=64, n_layers=1,
+                 rope=RopeConfig(dim=64, interleaved=True), context_length=128)
+    f32 = tiny.write_tiny_llama(d / "f32.gguf", **shape)
+    files = {"F32": f32}
+    for name, ftype in (("Q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0), ("Q4_K_M", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M)):
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = ftype
+        params.nthread = 1
+        out = d / f"{name}.gguf"
+        assert llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), params) == 0
+        files[name] = out
+    c = tiny.llama_config(**shape)
+    meta = {**llama.gguf_metadata(c), **tiny.byte_tokenizer_metadata()}
+    tensors = [(n, t, T.F32 if t.dim() == 1 else T.Q8_0 if n == "token_embd.weight" else T.IQ2_XS)
+               for n, t in tiny.llama_tensors(c).items()]
+    mp = pytest.MonkeyPatch()
+    mp.setattr(writer.quant, "quantize_reference", _ggml_quantizer(llama_cpp))
+    try:
+        files["IQ2_XS"] = writer.write_gguf(d / "IQ2_XS.gguf", "llama", meta, tensors)
+    finally:
+        mp.undo()
+    return files
+
+
+def _prefill_logits(path, mode: str, threads: int = 1) -> tuple[torch.Tensor, int]:
+    """(prefill logits of PROMPT, how many AMX products ran) with the kernels in `mode`."""
+    import strata
+
+    calls = []
+    real = prompt.matmul
+    before = kernels.activations()
+    kernels.set_activations(mode)
+    prompt.matmul = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        engine = strata.load(path, cpu_threads=threads, draft="off")
+        logits = engine.logits(PROMPT).float()
+        engine.close()
+    finally:
+        prompt.matmul = real
+        kernels.set_activations(before)
+    return logits, len(calls)
+
+
+def test_prefill_logits_within_llama_cpps_distance(quantized_files):
+    import llama_cpp
+    import numpy as np
+
+    def llama_logits(path):
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=128, n_threads=1, logits_all=True, verbose=False)
+        llm.eval(PROMPT)
+        return torch.tensor(np.array(llm.scores[: len(PROMPT)]))
+
+    exact_f32, _ = _prefill_logits(quantized_files["F32"], "float32")  # first: both engines, one model
+    assert float((llama_logits(quantized_files["F32"]) - exact_f32).abs().max()) < 1e-3 * float(exact_f32.abs().max()) + 1e-3
+    for name in ("Q8_0", "Q4_K_M", "IQ2_XS"):
+        path = quantized_files[name]
+        exact, n_exact = _prefill_logits(path, "float32")
+        assert n_exact == 0
+        theirs = float((llama_logits(path) - exact).abs().max())
+        for mode, threads in (("q8x2", 1), ("q8x2", 2), ("q8", 1)):
+            ours, n = _prefill_logits(path, mode, threads)
+            assert n >= 7, (name, mode, n)  # q, k, v, output, 2+ experts x 3 (each > 64 rows here)
+            dist = float((ours - exact).abs().max())
+            print(f"{name} {mode} {threads} thr: prefill max logit distance from exact {dist:.4f}, llama.cpp {theirs:.4f}")
+            assert dist <= theirs, (name, mode, dist, theirs)
+            if mode == "q8x2":
+                assert dist < 1e-2 * max(theirs, 1e-3) + 2e-3, (name, dist)
