@@ -75,6 +75,14 @@ def _label_kernels():
     weights; returns the originals."""
     originals = kernels.try_qmatmul, kernels._moe_token
 
+    def labelled_stacked(x, table, stacked, threads, out):
+        types = "/".join(q.qtype.name for q in stacked)
+        k = table.expert.numel()
+        label = f"qmm moe-token {types} k{k}x3x{stacked[0].shape[1]}x{stacked[0].shape[2]}"
+        KERNEL_BYTES[label] = sum(q.nbytes // q.shape[0] for q in stacked) * k
+        with record_function(label):
+            return stacked_original(x, table, stacked, threads, out)
+
     def labelled(x, w, threads=None):
         rows, cols = w.shape
         label = f"qmm {w.qtype.name} {rows}x{cols} b{x.numel() // cols}"
@@ -96,8 +104,10 @@ def _label_kernels():
             return originals[2](x, ws, biases)
 
     originals = (*originals, decode_ops.try_qmatmul_group)
+    stacked_original = kernels._moe_token_stacked
     kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group = labelled, labelled_moe, labelled_group
-    return originals
+    kernels._moe_token_stacked = labelled_stacked
+    return (*originals, stacked_original)
 
 
 def bytes_per_token(model, k: int) -> dict[str, int]:
@@ -147,7 +157,7 @@ def print_profile(engine, prompt: list[int], steps: int) -> None:
                         token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
                     walls.append(time.perf_counter() - t)
         finally:
-            kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group = original
+            kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group, kernels._moe_token_stacked = original
             for m in undo:
                 del m.forward
     step_ms = statistics.median(walls) * 1e3
@@ -205,7 +215,11 @@ def replay_products(engine, prompt: list[int], repeats: int = 8) -> None:
     outside the kernels. CPU time, not wall, so a shared machine's descheduling does not count."""
     model = engine.model
     calls = []
-    originals = kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group
+    originals = kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group, kernels._moe_token_stacked
+
+    def rec_s(x, table, stacked, threads, out):
+        calls.append((lambda *a: originals[3](*a, torch.zeros_like(a[0])), (x.clone(), table, stacked, threads)))
+        return originals[3](x, table, stacked, threads, out)
 
     def rec_q(x, w, threads=None):
         calls.append((originals[0], (x.clone(), w, threads)))
@@ -223,11 +237,12 @@ def replay_products(engine, prompt: list[int], repeats: int = 8) -> None:
     with torch.inference_mode():
         token = model(torch.tensor([prompt]), cache, last_only=True)[:, 0].argmax(-1)
         token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
-        kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group = rec_q, rec_m, rec_g
+        kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group, kernels._moe_token_stacked = (
+            rec_q, rec_m, rec_g, rec_s)
         try:
             token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
         finally:
-            kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group = originals
+            kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group, kernels._moe_token_stacked = originals
         steps, alone = [], []
         for _ in range(repeats):
             t = time.process_time()

@@ -125,3 +125,28 @@ def test_projection_group_is_one_parallel_region_bit_equal(batch, parallel_8bit)
     assert lib.strata_pool_jobs() - jobs == 1
     for a, lin in zip(grouped, lins):
         assert torch.equal(a, lin(x))
+
+
+def test_resident_decode_experts_take_no_per_expert_views(monkeypatch):
+    """A decode token over resident stacked experts: the one C call gets each expert's bytes from the
+    stacked plan (no k x 3 QTensor views, each planned anew); the same result as by views."""
+    from strata import kernels
+    from strata.formats.weights import QTensor
+    from strata.kernels.grouped import route_table
+    from test_kernels import random_qtensor
+
+    if not kernels.available():
+        pytest.skip("kernels unavailable")
+    gate, up = (random_qtensor("Q4_K", (8, 256, 512), seed=10 + i) for i in (0, 1))
+    down = random_qtensor("Q6_K", (8, 512, 256), seed=12)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(1))
+    table = route_table(torch.tensor([[5, 0, 3]]), torch.tensor([[0.5, 0.3, 0.2]]))
+    by_views = kernels.grouped_swiglu(x, table, lambda e: (gate[e], up[e], down[e]))
+    kernels.grouped_swiglu(x, table, (gate, up, down))  # the stacked plans: expert 0's, made once
+
+    def no_views(*a):
+        raise AssertionError("a per-expert view on the decode path")
+
+    monkeypatch.setattr(QTensor, "__getitem__", no_views)
+    monkeypatch.setattr(kernels, "_moe_token", no_views)
+    assert torch.equal(kernels.grouped_swiglu(x, table, (gate, up, down)), by_views)

@@ -477,6 +477,35 @@ def _moe_tokens(x: torch.Tensor, table: RouteTable, stacked: tuple[QTensor, QTen
                    g0.fnptr, u0.fnptr, d0.fnptr, hidden, ffn, x.data_ptr(), out.data_ptr(), _threads(threads)))
 
 
+def _moe_token_stacked(x: torch.Tensor, table: RouteTable, stacked: tuple[QTensor, QTensor, QTensor], threads,
+                       out: torch.Tensor) -> bool:
+    """`_moe_token` for resident stacked experts: each expert's bytes found from the stacked plans
+    (`_stacked_plan`), not by slicing k x 3 views and planning each anew (24 new plans per layer on
+    a qwen3 token, ~0.3 ms of Python); the same C call, so the same result. False where it declines."""
+    lib = _build.load()
+    if lib is None or x.dtype is not torch.float32 or out.dtype is not torch.float32 or not x.is_contiguous():
+        return False
+    plans = [_stacked_plan(q) for q in stacked]
+    if plans[0] is None or plans[1] is None or plans[2] is None:
+        return False
+    (g0, gs), (u0, us), (d0, ds) = plans
+    ffn, hidden = g0.rows, g0.cols
+    if (u0.rows, u0.cols, d0.rows, d0.cols) != (ffn, hidden, hidden, ffn) or x.shape[-1] != hidden:
+        return False
+    ids = table.expert.tolist()
+    n_exp = stacked[0].shape[0]
+    if any(not 0 <= e < n_exp for e in ids) or any(q.shape[0] != n_exp for q in stacked):
+        return False
+    k = len(ids)
+    vp = ctypes.c_void_p * k
+    scratch = torch.empty(3 * ffn + hidden, dtype=torch.float32)
+    lib.strata_moe_token(vp(*(g0.ptr + e * gs for e in ids)), vp(*(u0.ptr + e * us for e in ids)),
+                         vp(*(d0.ptr + e * ds for e in ids)), (ctypes.c_float * k)(*table.weight.tolist()), k,
+                         g0.fnptr, u0.fnptr, d0.fnptr, hidden, ffn, x.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                         _threads(threads))
+    return True
+
+
 def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource,
                    threads: int | None = None) -> torch.Tensor:
     """The grouped expert product (`strata.kernels.grouped`) by these kernels: a decode token's
@@ -491,6 +520,8 @@ def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource,
             return out
     if x.shape[0] == 1 and table.expert.numel():  # decode: one token, no grouping needed
         out = torch.zeros_like(x)
+        if not callable(experts) and _moe_token_stacked(x, table, experts, threads, out):
+            return out
         parts, w = [source(e) for e in table.expert.tolist()], table.weight.tolist()
         if _moe_token(x, parts, w, threads, out):
             return out
