@@ -87,3 +87,40 @@ def test_evicted_buffers_are_read_into_again_only_once_nothing_views_them(tmp_pa
             assert [bytes(t.numpy()) for t in home.parts(0, e)] == expect(e)
     finally:
         home.close()
+
+
+def test_the_shared_expert_runs_while_the_routed_ones_are_read_and_gives_the_same_tokens(tmp_path):
+    import strata
+    from strata import synth
+    from strata.models.layers import SharedExpert
+    from strata.tiers import executor as ex
+
+    path = synth.write(tmp_path / "next.gguf", like_name="qwen3-next-80b", layers=1, vocab=512, experts=16,
+                       quant_name="Q4_0")
+    ids = [3, 1, 4, 1, 5]
+    ref = strata.load(path, cpu_threads=1)
+    want_logits, want = ref.logits(ids), ref.generate(ids, 4, stop_at_eos=False)
+    ref.close()
+    engine = strata.load(path, cpu_threads=2, pin_experts="disk", ram_cache="25%")
+    shared_ran, seen = threading.Event(), []
+    run, shared_forward = ex.CpuLane._run, SharedExpert.forward
+
+    def lane_run(self, *a):  # a worker finishing after the shared expert ran, if it runs beside it
+        seen.append(shared_ran.wait(5))
+        return run(self, *a)
+
+    def shared(self, x):
+        out = shared_forward(self, x)
+        shared_ran.set()
+        return out
+    try:
+        ex.CpuLane._run, SharedExpert.forward = lane_run, shared
+        got = engine.generate(ids, 1, stop_at_eos=False)
+        ex.CpuLane._run, SharedExpert.forward = run, shared_forward
+        got = engine.generate(ids, 4, stop_at_eos=False)
+        assert (engine.logits(ids) - want_logits).abs().max().item() < 1e-4
+    finally:
+        ex.CpuLane._run, SharedExpert.forward = run, shared_forward
+        engine.close()
+    assert got == want
+    assert seen and all(seen)  # the shared expert was computed while the routed ones were under way

@@ -11,9 +11,11 @@ from strata.kernels import gpu
 from strata.kernels.grouped import ExpertSource, RouteTable, as_source, grouped_swiglu as reference
 
 
-def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource, device_half: bool = False) -> torch.Tensor:
+def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource, device_half: bool = False,
+                   threads: int | None = None) -> torch.Tensor:
     """y = the grouped product of `table` over `experts`. `device_half`: the caller is the tiers'
-    device half, which takes Triton under TRITON_INTERPRET=1 on CPU tensors too (how tests run it)."""
+    device half, which takes Triton under TRITON_INTERPRET=1 on CPU tensors too (how tests run it).
+    `threads`: the CPU kernels' threads (None: torch's count)."""
     if x.is_cuda:
         return gpu.grouped_swiglu(x, table, experts)
     if not table.expert.numel():
@@ -22,5 +24,5 @@ def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource, de
     if device_half and gpu.applies(x, *(q.qtype for q in first)):
         return gpu.grouped_swiglu(x, table, experts)
     if kernels.experts_fast_ok(x, *first):
-        return kernels.grouped_swiglu(x, table, experts)
+        return kernels.grouped_swiglu(x, table, experts, threads)
     return reference(x, table, experts)

@@ -163,8 +163,15 @@ class Experts(nn.Module):
             w.quantized(f"{prefix}.ffn_up_exps.weight", (n_experts, ffn, hidden)),
             w.quantized(f"{prefix}.ffn_down_exps.weight", (n_experts, hidden, ffn)))
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.backend(x, ids, weights)
+    @property
+    def overlaps(self) -> bool:
+        """Whether the backend runs a `beside()` callable while its experts compute (the tiers)."""
+        return getattr(self.backend, "overlaps", False)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, beside=None) -> torch.Tensor:
+        if beside is None:
+            return self.backend(x, ids, weights)
+        return self.backend(x, ids, weights, beside=beside)
 
 
 def softmax_topk(logits: torch.Tensor, k: int, normalize: bool):

@@ -41,9 +41,16 @@ class MoE(nn.Module):
         ids, weights = self.route(logits)
         weights = weights.to(flat.dtype)
         tap("ffn_moe_topk", ids)
-        routed = self.experts(flat, ids, weights)
-        if self.shared is not None:
-            routed = routed + self.shared(flat)
+        if self.shared is not None and flat.device.type == "cpu" and getattr(self.experts, "overlaps", False):
+            # the tiers compute the shared expert while the routed ones are read and computed
+            # (summed in the same order as below)
+            shared = []
+            routed = self.experts(flat, ids, weights, beside=lambda: shared.append(self.shared(flat)))
+            routed = routed + shared[0]
+        else:
+            routed = self.experts(flat, ids, weights)
+            if self.shared is not None:
+                routed = routed + self.shared(flat)
         if token_mask is None:
             return routed.reshape(x.shape)
         out = torch.zeros_like(x)

@@ -18,6 +18,7 @@ import torch
 from strata.kernels import moe
 from strata.kernels.gpu.graphs import boundary
 from strata.kernels.grouped import route_table
+from strata.kernels.threads import one_thread_if_small
 from strata.tiers.device_cache import DeviceCache
 from strata.tiers.stats import TierStats
 from strata.tiers.store import ExpertFormat
@@ -100,8 +101,12 @@ class CpuLane:
             if arrival is None or x.shape[0] > ARRIVAL_ROWS:
                 return moe.grouped_swiglu(x, route_table(ids, weights, experts), source())
             # a disk home at decode: each expert as its read lands, the products summed in expert
-            # order (so the result does not depend on which read came first)
-            products = {e: moe.grouped_swiglu(x, route_table(ids, weights, {e}), source())
+            # order (so the result does not depend on which read came first). Each worker's
+            # products run on its own thread (the workers are the parallelism: a worker that also
+            # asked for the kernels' helper threads would oversubscribe the cores, and wait at
+            # their barrier once per expert)
+            threads = 1 if self.threads > 1 else None
+            products = {e: moe.grouped_swiglu(x, route_table(ids, weights, {e}), source(), threads=threads)
                         for e in arrival(layer, sorted(experts))}
             out = torch.zeros_like(x)
             for e in sorted(products):
@@ -127,8 +132,9 @@ class HybridExecutor:
 
     @boundary  # the routing read: compiled decode steps break their graph here (kernels/gpu/graphs.py)
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-            experts: set[int] | None = None) -> torch.Tensor:
-        """The layer's output over the routed experts (only those in `experts`, when given: a shard)."""
+            experts: set[int] | None = None, beside=None) -> torch.Tensor:
+        """The layer's output over the routed experts (only those in `experts`, when given: a shard).
+        `beside()` (the shared expert) runs here while the CPU workers compute and the reads land."""
         rider = self.prefetcher.take(layer) if self.prefetcher is not None else None
         x_host, ids_host, weights_host, *predicted = self.read_host(
             x, ids, weights, *(() if rider is None else (rider[1],)))  # the step's one read back
@@ -143,6 +149,9 @@ class HybridExecutor:
         out = self._device(layer, x, ids_host, weights_host, set(on_device))
         if rider is not None:  # after this layer's kernels are queued: the copies wait for those only
             self.prefetcher.issue(rider[0], predicted[0], self.prefill, self.cache.mark() if self.cache else None)
+        if beside is not None:  # on one thread: the CPU workers hold the cores
+            with one_thread_if_small(0, x.device):
+                beside()
         for f in futures:  # the host waits for its own threads; the device queue is not synchronised
             out = out + to_device(f.result(), out.device)
         return out.to(x.device)
@@ -178,9 +187,11 @@ class TieredExperts:
     """One MoE layer's face in the model (what `TieredProvider.layer` returns): its calls go to the
     provider's executor, built once the model is."""
 
+    overlaps = True  # takes `beside`: other work to run while its experts are computed and read
+
     def __init__(self, provider, layer: int):
         self.provider, self.layer = provider, layer
 
     @boundary  # the outermost host call: dynamo would otherwise compile this per layer
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.provider.executor.run(self.layer, x, ids, weights)
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, beside=None) -> torch.Tensor:
+        return self.provider.executor.run(self.layer, x, ids, weights, beside=beside)
