@@ -16,8 +16,14 @@ Two JSON-lines layouts that vLLM users publish are read (the layout is detected 
   tokens inside one forward (it restarts at 0 with each forward). Such loggers record one
   layer per run; several files (one per layer, same prompts and seed) are merged forward by
   forward, and refused if their forwards differ in size. vLLM's start-up profiling forwards
-  (every token routed alike) are dropped; a forward wider than the median one is marked
-  prefill (a batched prompt), the others decode.
+  (every token routed alike) are dropped; a forward over twice as wide as the median one is
+  marked prefill (a batched prompt), the others decode (a batch of decode steps shrinks by one
+  as each sequence ends, so 25 beside a median of 24 is still decode).
+- the same layout with one `token_idx` counter over the whole run (it never restarts, e.g.
+  OLMoE-1B-7B, github.com/KaxitPandya/cerebras-assesment2): the lines do not say where a
+  forward ends, so `--forward-sizes` must say it (e.g. `2048,1377,25*46,24*81`: tokens per
+  forward in execution order, `N*K` for K forwards of N tokens), derived from what the run
+  did; bench/routing_logs.md says how. A forward of one repeated routing is still dropped.
 
 With `--predict`, the trace also holds next-layer predictions made from the routing alone
 (bench/routing_predictor.py: which experts of layer l+1 followed the token's experts at layer
@@ -49,6 +55,7 @@ from routing_predictor import SOURCE, CooccurrencePredictor  # noqa: E402
 KNOWN_MODELS = {
     "mixtral": {"n_experts": 8, "n_layers": 32, "expert_bytes": 3 * 4096 * 14336 * 9 // 16},
     "qwen1.5-moe": {"n_experts": 60, "n_layers": 24, "expert_bytes": 3 * 2048 * 1408 * 9 // 16},
+    "olmoe": {"n_experts": 64, "n_layers": 16, "expert_bytes": 3 * 2048 * 1024 * 9 // 16},
 }
 
 Forward = tuple[bool, dict[int, list[tuple[list[int], list[float]]]]]  # (prefill, layer -> per token (ids, weights))
@@ -102,18 +109,47 @@ def _closed(layers: dict[int, list]) -> Forward:
     return (max(len(v) for v in layers.values()) > 1, layers)
 
 
-def logger_forwards(files: list[list[dict]]) -> list[Forward]:
-    """Merge one-layer-per-file logs forward by forward."""
-    per_file = []
-    for rows in files:
+def parse_forward_sizes(text: str) -> list[int]:
+    """`2048,1377,25*46` -> [2048, 1377, 25, 25, ...] (tokens per forward, in execution order)."""
+    out = []
+    for part in text.split(","):
+        size, _, times = part.strip().partition("*")
+        try:
+            n, k = int(size), int(times or 1)
+        except ValueError:
+            raise StrataError(f"--forward-sizes: {part.strip()!r} is not N or N*K",
+                              "write e.g. --forward-sizes 2048,1377,25*46") from None
+        if n < 1 or k < 1:
+            raise StrataError(f"--forward-sizes: {part.strip()!r} must be positive")
+        out += [n] * k
+    return out
+
+
+def _split(routes: list[dict], sizes: list[int] | None) -> list[list[dict]]:
+    """The lines of one log, forward by forward: where `token_idx` restarts, or by `sizes`."""
+    if sizes is None:
+        if routes and all(r["token_idx"] == i for i, r in enumerate(routes)) and len(routes) > 1:
+            raise StrataError("token_idx never restarts in this log, so its forward passes cannot be told apart",
+                              "give --forward-sizes (tokens per forward, in order)")
         forwards, current = [], []
-        for r in (r for r in rows if r.get("type") == "route"):
+        for r in routes:
             if r["token_idx"] == 0 and current:
                 forwards.append(current)
                 current = []
             current.append(r)
-        if current:
-            forwards.append(current)
+        return forwards + [current] if current else forwards
+    if sum(sizes) != len(routes):
+        raise StrataError(f"--forward-sizes add up to {sum(sizes)} tokens, but the log has {len(routes)}",
+                          "give sizes that cover every logged token")
+    ends = np.cumsum(sizes)
+    return [routes[e - n:e] for n, e in zip(sizes, ends)]
+
+
+def logger_forwards(files: list[list[dict]], sizes: list[int] | None = None) -> list[Forward]:
+    """Merge one-layer-per-file logs forward by forward."""
+    per_file = []
+    for rows in files:
+        forwards = _split([r for r in rows if r.get("type") == "route"], sizes)
         per_file.append([f for f in forwards if not _profiling(f)])
     sizes = [[len(f) for f in forwards] for forwards in per_file]
     if any(s != sizes[0] for s in sizes):
@@ -126,7 +162,7 @@ def logger_forwards(files: list[list[dict]]) -> list[Forward]:
         for forwards in per_file:
             for r in forwards[i]:
                 layers.setdefault(r["layer"], []).append((r["topk_ids"], r["topk_weights"]))
-        out.append((n > width, dict(sorted(layers.items()))))
+        out.append((n > 2 * width, dict(sorted(layers.items()))))
     return out
 
 
@@ -143,7 +179,7 @@ def model_of(rows: list[dict], name: str | None) -> str | None:
 
 
 def convert(paths: list[Path], out: Path, model: str | None = None, n_experts: int | None = None,
-            predict: bool = False) -> dict:
+            predict: bool = False, forward_sizes: list[int] | None = None) -> dict:
     files = [read_lines(p) for p in paths]
     kinds = {layout(rows) for rows in files}
     if len(kinds) > 1:
@@ -151,7 +187,7 @@ def convert(paths: list[Path], out: Path, model: str | None = None, n_experts: i
     if kinds == {"speculative-moe"}:
         forwards = [f for rows in files for f in speculative_moe_forwards(rows)]
     else:
-        forwards = logger_forwards(files)
+        forwards = logger_forwards(files, forward_sizes)
     known = KNOWN_MODELS.get(model_of(files[0], model) or "", {})
     top = max(e for _, layers in forwards for toks in layers.values() for ids, _ in toks for e in ids)
     n_experts = n_experts or known.get("n_experts") or files[0][0].get("num_experts") or top + 1
@@ -192,13 +228,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("logs", nargs="+", type=Path, help="JSON-lines routing logs (several: one layer each, merged)")
     p.add_argument("-o", "--out", type=Path, required=True, help="the trace to write (.npz)")
-    p.add_argument("--model", help="model name, when the log does not say (mixtral, qwen1.5-moe)")
+    p.add_argument("--model", help="model name, when the log does not say (mixtral, qwen1.5-moe, olmoe)")
     p.add_argument("--n-experts", type=int, help="routed experts per layer, when the model is not known")
+    p.add_argument("--forward-sizes", type=parse_forward_sizes, metavar="N,N*K,...",
+                   help="tokens per forward in execution order, for a log whose token_idx never restarts")
     p.add_argument("--predict", action="store_true",
                    help="add next-layer predictions made from the routing alone (bench/routing_predictor.py)")
     args = p.parse_args(argv)
     try:
-        info = convert(args.logs, args.out, args.model, args.n_experts, args.predict)
+        info = convert(args.logs, args.out, args.model, args.n_experts, args.predict, args.forward_sizes)
     except (StrataError, OSError, KeyError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

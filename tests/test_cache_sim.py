@@ -49,6 +49,28 @@ def test_adaptive_learns_a_new_hot_set():
     assert adaptive.resident == {7, 8}
 
 
+def test_adaptive_ranks_a_key_in_a_burst_above_a_one_off_of_the_same_cell():
+    """Two keys with the same lag and lifetime share: the one used in each of the last runs
+    outranks the one used once, after routing in which bursts were what got reused."""
+    E, burst, one_off = 8, 0, 1
+
+    def block():  # each key bursts for 6 runs beside one-off keys: 12 uses a key
+        return [[b, (b + 1 + t) % E] for b in range(E) for t in range(6)]
+
+    runs = block() * 3 + [[one_off, 5], [one_off, 6], [one_off, 7]] + block() * 3
+    runs += [[burst, 2], [burst, 3], [burst, 4], [burst, one_off]]
+    adaptive = make_policy("adaptive", 2, E)
+    for keys in runs:
+        adaptive.access(keys)
+    keys = np.array([burst, one_off])
+    lag, share, _, _ = adaptive._cells(keys)
+    assert lag[0] == lag[1] and share[0] == share[1]  # one cell of the table: only the calibration tells them apart
+    high, low = adaptive.estimate(keys)
+    assert high > low + 0.01
+    adaptive.place([burst, one_off], set())
+    assert adaptive.victim(set()) == one_off
+
+
 def test_static_never_changes_after_filling():
     static = make_policy("static", 2, 1000, ranking=[5, 6, 7])
     assert static.preload == [5, 6]
@@ -357,6 +379,30 @@ def test_converter_merges_per_layer_logger_files(tmp_path):
     short.write_text("\n".join(short_line for short_line in (tmp_path / "a.jsonl").read_text().splitlines()[:-1]))
     with pytest.raises(StrataError, match="differ in size"):
         _converter().convert([tmp_path / "a.jsonl", short], tmp_path / "bad.npz")
+
+
+def test_converter_splits_a_log_with_one_token_counter_by_forward_sizes(tmp_path):
+    """A logger whose token_idx never restarts (OLMoE's): the forwards come from --forward-sizes, the
+    profiling forward is still dropped, and a decode batch that shrinks by one stays decode."""
+    import json
+
+    sizes = [16, 9, 3, 3, 2, 2, 2]
+    ids = [[1, 2]] * 16 + [[t % 64, 63 - t % 64] for t in range(sum(sizes) - 16)]
+    lines = [{"type": "meta", "model_id": "allenai/OLMoE-1B-7B-0924", "layers_logged": [0], "top_k": 2}]
+    lines += [{"type": "route", "req_id": "r0", "token_idx": i, "layer": 0, "topk_ids": x, "topk_weights": [0.5, 0.5]}
+              for i, x in enumerate(ids)]
+    log = tmp_path / "olmoe.jsonl"
+    log.write_text("\n".join(json.dumps(x) for x in lines))
+    conv = _converter()
+    with pytest.raises(StrataError, match="never restarts"):
+        conv.convert([log], tmp_path / "x.npz")
+    assert conv.parse_forward_sizes("16,9,3*2,2*3") == sizes
+    with pytest.raises(StrataError, match="add up to"):
+        conv.convert([log], tmp_path / "x.npz", forward_sizes=[16, 9, 3])
+    info = conv.convert([log], tmp_path / "o.npz", forward_sizes=sizes)
+    trace = load_trace(tmp_path / "o.npz")
+    assert info["forwards"] == 6 and info["prefill_tokens"] == 9 and info["decode_tokens"] == 12
+    assert trace.n_experts == 64 and trace.prefill_flags()[:2] == [True, False] and trace.expert_bytes[0] > 0
 
 
 def test_opt_fills_a_batched_step_with_the_soonest_reused():

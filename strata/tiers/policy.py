@@ -15,7 +15,11 @@ that one layer used keys (and how many of the step's tokens each served); `place
   cell may not rank a rarer expert above a commoner one at the same lag), and a key's share
   starts from SHARE_PRIOR runs at the mean (two lucky runs do not make it the hottest). It
   evicts the least likely expert and copies a miss in only when the miss is likelier than
-  that victim, so a one-off expert stays on the CPU. Real routing
+  that victim, so a one-off expert stays on the CPU. The table's estimate is then
+  calibrated by a small logistic regression learned online on the next run's use (inputs:
+  the table's log-odds, the lifetime share, the lag, and the key's share over the last few
+  and the last few dozen runs): a key in a burst outranks one with the same lag and
+  lifetime share that is not. Real routing
   differs in what predicts reuse (Mixtral's is close to memoryless, batched Qwen1.5-MoE's
   is all frequency); the table learns which, instead of a fixed blend of the two.
 - `static`: a fixed hot set (a ranking from a trace, or the first experts seen); never evicts.
@@ -28,7 +32,9 @@ the table has hit more lately (no better, three times slower), admitting every m
 ghost list that admits a miss rejected in its layer's last 2-8 runs (churns batched
 routing), the table also non-increasing in lag (Mixtral's hot pairs alternate), and
 scaling the next layer's estimates by an expert-id co-occurrence with the layer that just
-ran (lower in both directions on Mixtral).
+ran (lower in both directions on Mixtral), per-layer tables shrunk to the shared one,
+per-layer slot budgets moved by ghost hits, and ranking by an expected reuse distance per
+cell instead of the use rate (no better, or lower, on the Mixtral traces).
 
 `SlotMap` puts a policy to work over the cache's regions (decode, prefill) and prefetches;
 the runtime's `DeviceCache` and `strata cache-sim` both drive it, so they count alike.
@@ -48,8 +54,11 @@ LAG_EDGES = np.array([1, 2, 3, 4, 7, 13, 25])
 SHARE_EDGES = np.array([0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 6.0, 16.0, 64.0, 256.0])
 HORIZON = 2  # the table's target: the key is used within this many runs of its layer
 PRIOR = 2.0  # pseudo-observations at the layer's mean share, so an empty cell starts at the mean
+TIE = 1e-3  # weight of the lifetime share beside the estimate: equal estimates evict the rarer key
 SHARE_PRIOR = 2.0  # pseudo-runs at the mean share (1 / E) in a key's own share, so two runs cannot make it top
-TIE = 1e-3  # weight of the frequency share inside one cell: equal cells evict the rarer key
+BURST_HALF_LIVES = (2.0, 16.0)  # runs of the key's layer: the recent-share features of the calibration
+CALIBRATION_RATE = 0.02  # step of the calibration's online logistic regression (per run of a layer)
+NEVER_LAG = 50  # the lag feature of a key never used
 
 Placement = tuple[list[tuple[int, int | None]], list[int]]  # (admitted (key, victim)), rejected
 
@@ -227,6 +236,10 @@ class Adaptive(Packed):
         self.used = np.zeros(shape)  # of those, the key was used within the horizon
         self.seen_next = np.zeros(shape)  # the same with the next run as the horizon: what `value` reads
         self.used_next = np.zeros(shape)
+        self.burst = np.zeros((len(BURST_HALF_LIVES), len(self.last)))  # recent share of the layer's routings
+        self.weights = np.zeros(len(BURST_HALF_LIVES) + 4)  # the calibration: starts as the table itself
+        self.weights[0] = 1.0
+        self.inputs: dict[int, np.ndarray] = {}  # layer -> its keys' calibration inputs after its last run
 
     def _cells(self, keys: np.ndarray):
         layer = keys // self.n_experts
@@ -237,7 +250,7 @@ class Adaptive(Packed):
         share = (self.routed[keys] + SHARE_PRIOR / self.n_experts) / (runs + SHARE_PRIOR)  # of the layer's token-routings
         return lag, np.searchsorted(SHARE_EDGES, share * self.n_experts, side="right"), self.mean_share[layer], share
 
-    def estimate(self, keys: np.ndarray, seen=None, used=None) -> np.ndarray:
+    def table(self, keys: np.ndarray, seen=None, used=None) -> np.ndarray:
         """Per key: the cell's use rate, shrunk towards the layer's mean by PRIOR pseudo-runs; the
         observed part taken as the running maximum over the rarer cells at the same lag."""
         seen, used = (self.seen, self.used) if seen is None else (seen, used)
@@ -245,19 +258,38 @@ class Adaptive(Packed):
         observed = np.maximum.accumulate(used / (seen + PRIOR), axis=1)
         return observed[lag, freq] + PRIOR / (seen[lag, freq] + PRIOR) * mean
 
+    def inputs_of(self, keys: np.ndarray) -> np.ndarray:
+        """The calibration's inputs per key: the table's log-odds, log lifetime share over the
+        mean, log(1 + lag), log recent shares over the mean, and a constant."""
+        p = np.clip(self.table(keys), 1e-4, 1 - 1e-4)
+        _, _, _, share = self._cells(keys)
+        layer = keys // self.n_experts
+        lag = np.where(self.last[keys] < 0, NEVER_LAG, self.runs[layer] - self.last[keys])
+        recent = [np.log(b[keys] * self.n_experts + 0.05) for b in self.burst]
+        return np.column_stack([np.log(p / (1 - p)), np.log(share * self.n_experts), np.log1p(lag), *recent,
+                                np.ones(len(keys))])
+
+    def estimate(self, keys: np.ndarray) -> np.ndarray:
+        """Per key: the chance of a use at its layer's next run, the table calibrated."""
+        return 1 / (1 + np.exp(-self.inputs_of(keys) @ self.weights))
+
     def value(self, key):
         """The chance of a use at the layer's next run (a prediction's confidence is one for that run)."""
-        return float(self.estimate(np.array([key]), self.seen_next, self.used_next)[0])
+        return float(self.table(np.array([key]), self.seen_next, self.used_next)[0])
 
     def access(self, keys, counts=None):
         if not keys:
             return
         layer = keys[0] // self.n_experts
         every = np.arange(layer * self.n_experts, (layer + 1) * self.n_experts)
+        used = np.asarray(keys, dtype=np.int64)
+        if layer in self.inputs:  # one gradient step of the calibration on this run's outcome
+            x, hit = self.inputs[layer], np.zeros(self.n_experts)
+            hit[used - every[0]] = 1.0
+            self.weights += CALIBRATION_RATE * x.T @ (hit - 1 / (1 + np.exp(-x @ self.weights))) / len(x)
         lag, freq, _, _ = self._cells(every)
         waiting = self.waiting.setdefault(layer, deque())
         waiting.append((int(self.runs[layer]), lag, freq))
-        used = np.asarray(keys, dtype=np.int64)
         np.add.at(self.seen_next, (lag, freq), 1)
         np.add.at(self.used_next, (lag[used - every[0]], freq[used - every[0]]), 1)
         self.runs[layer] += 1
@@ -269,6 +301,11 @@ class Adaptive(Packed):
             run, lag, freq = waiting.popleft()
             np.add.at(self.seen, (lag, freq), 1)
             np.add.at(self.used, (lag[self.last[every] > run], freq[self.last[every] > run]), 1)
+        run_share = np.zeros(self.n_experts)
+        run_share[used - every[0]] = served / served.sum()
+        for b, half_life in zip(self.burst, BURST_HALF_LIVES):
+            b[every] += (1 - 0.5 ** (1 / half_life)) * (run_share - b[every])
+        self.inputs[layer] = self.inputs_of(every)
 
     def ranks(self, resident):
         _, _, _, share = self._cells(resident)
