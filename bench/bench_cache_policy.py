@@ -113,7 +113,7 @@ def prefill_report(model: Path, size: str, reserves: list[int], prompt_len: int 
 # every choice was compared on the tuned ones; the held-out ones were replayed once, at the end.
 ROLES = {"mixtral-humaneval": "tuned", "qwen-gsm8k-5layers": "tuned", "mixtral-gsm8k": "tuned",
          "mixtral-humaneval-raw": "tuned", "qwen-gsm8k-layer0": "tuned", "qwen-gptq-gsm8k-layer0": "held out",
-         "demo": "held out"}
+         "olmoe-gsm8k-layer0": "held out", "demo": "held out"}
 SIZES = "10,20,30,40,50,60,70,80,90"
 BARS = {0.3: 0.65, 0.7: 0.85}
 
