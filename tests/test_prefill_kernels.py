@@ -146,23 +146,32 @@ def quantized_files(tmp_path_factory):
     return files
 
 
-def _prefill_logits(path, mode: str, threads: int = 1) -> tuple[torch.Tensor, int]:
-    """(prefill logits of PROMPT, how many AMX products ran) with the kernels in `mode`."""
+def _prefill_logits(path, mode: str, threads: int = 1) -> tuple[torch.Tensor, dict]:
+    """(prefill logits of PROMPT, how many AMX calls of each kind ran) with the kernels in `mode`."""
     import strata
 
-    calls = []
-    real = prompt.matmul
+    calls = {"matmul": 0, "moe": 0}
+    real = {name: getattr(prompt, name) for name in calls}
+
+    def counted(name):
+        def call(*a, **k):
+            calls[name] += 1
+            return real[name](*a, **k)
+        return call
+
     before = kernels.activations()
     kernels.set_activations(mode)
-    prompt.matmul = lambda *a, **k: calls.append(1) or real(*a, **k)
+    mp = pytest.MonkeyPatch()
+    for name in calls:
+        mp.setattr(prompt, name, counted(name))
     try:
         engine = strata.load(path, cpu_threads=threads, draft="off")
         logits = engine.logits(PROMPT).float()
         engine.close()
     finally:
-        prompt.matmul = real
+        mp.undo()
         kernels.set_activations(before)
-    return logits, len(calls)
+    return logits, calls
 
 
 def test_prefill_logits_within_llama_cpps_distance(quantized_files):
@@ -179,13 +188,53 @@ def test_prefill_logits_within_llama_cpps_distance(quantized_files):
     for name in ("Q8_0", "Q4_K_M", "IQ2_XS"):
         path = quantized_files[name]
         exact, n_exact = _prefill_logits(path, "float32")
-        assert n_exact == 0
+        assert not any(n_exact.values())
         theirs = float((llama_logits(path) - exact).abs().max())
         for mode, threads in (("q8x2", 1), ("q8x2", 2), ("q8", 1)):
             ours, n = _prefill_logits(path, mode, threads)
-            assert n >= 7, (name, mode, n)  # q, k, v, output, 2+ experts x 3 (each > 64 rows here)
+            assert n["matmul"] >= 4 and n["moe"] >= 1, (name, mode, n)  # q, k, v, output; the layer's experts
             dist = float((ours - exact).abs().max())
             print(f"{name} {mode} {threads} thr: prefill max logit distance from exact {dist:.4f}, llama.cpp {theirs:.4f}")
             assert dist <= theirs, (name, mode, dist, theirs)
             if mode == "q8x2":
                 assert dist < 1e-2 * max(theirs, 1e-3) + 2e-3, (name, dist)
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("IQ2_XS", "IQ2_XS", "IQ2_XS"), ("Q8_0", "Q5_K", "Q4_0")])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prompt_experts_match_reference(types, threads, monkeypatch):
+    """A prompt's routed experts (one C call for the layer, and one per expert for a tier's source)
+    against the grouped reference; one expert gets fewer rows than PROMPT_AMX_MIN_ROWS (its decode
+    kernels), one none."""
+    from strata.kernels import grouped
+
+    n_exp, hidden, ffn, tokens = 5, 512, 256, 70
+    stacked = [random_blocks(t, n_exp * rows, cols, seed=i) for i, (t, rows, cols) in
+               enumerate(zip(types, (ffn, ffn, hidden), (hidden, hidden, ffn)))]
+    stacked = tuple(QTensor(q.raw.reshape(n_exp, q.shape[0] // n_exp, -1), q.qtype, (n_exp, q.shape[0] // n_exp, q.shape[1]))
+                    for q in stacked)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, hidden, generator=g) * 0.1
+    ids = torch.stack([torch.randint(0, 3, (tokens,), generator=g), torch.full((tokens,), 3)], dim=1)
+    ids[:3, 1] = 4  # expert 4: three rows; expert 3: the rest
+    weights = torch.rand(tokens, 2, generator=g)
+    table = grouped.route_table(ids, weights)
+    calls = {"moe": 0, "swiglu": 0}
+    for name in calls:
+        real = getattr(prompt, name)
+        monkeypatch.setattr(prompt, name, lambda *a, _r=real, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1) or _r(*a, **k))
+    before = kernels.activations()
+    kernels.set_activations("q8x2")
+    try:
+        ref = grouped.grouped_swiglu(x.double(), table, tuple(QTensor(q.raw, q.qtype, q.shape) for q in stacked),
+                                     lambda xs, a, b, c: grouped.swiglu_reference(xs, *(q.dequantize(torch.float64) for q in (a, b, c))))
+        got = kernels.grouped_swiglu(x, table, stacked, threads)
+        assert calls == {"moe": 1, "swiglu": 0}
+        source = grouped.as_source(stacked)
+        tiered = kernels.grouped_swiglu(x, table, lambda e: source(e), threads)  # callable: expert by expert
+        assert calls == {"moe": 1, "swiglu": 4}  # expert 4's three rows: the decode kernels
+    finally:
+        kernels.set_activations(before)
+    scale = float(ref.abs().max())
+    for y in (got, tiered):
+        assert float((y.double() - ref).abs().max()) < 2e-4 * scale

@@ -304,6 +304,26 @@ def try_qmatmul_prompt(x: torch.Tensor, w: QTensor, threads: int | None = None) 
     return None if y is None else y.to(x.dtype)
 
 
+def _prompt_experts(x: torch.Tensor, ws: tuple[QTensor, ...]):
+    """(terms, small kernels, min rows) for prefill.c's expert calls over x's rows, or None where
+    they do not apply (the modes, the kernels, the types)."""
+    n = x.numel() // max(x.shape[-1], 1)
+    if (not USE_KERNELS or _activations not in ("q8", "q8x2") or x.device.type != "cpu" or n < PROMPT_AMX_MIN_ROWS
+            or not prompt.available()):
+        return None
+    small, mins = [], []
+    for w in ws:
+        if not prompt.has_type(w.qtype):
+            return None
+        own = prompt.has_type(w.qtype, own_only=True)
+        pl = _plan(w if len(w.shape) == 2 else w[0])
+        small.append(pl.fnptr if pl is not None else None)
+        mins.append(PROMPT_AMX_MIN_ROWS if own else PROMPT_MIN_ROWS.get(_type_name(w.qtype), 32))
+    if any(s is None for s in small) and n < max(mins):
+        return None
+    return (1 if _activations == "q8" else 3), small, mins
+
+
 def _batched_ok(x: torch.Tensor, w: QTensor) -> bool:
     if not USE_KERNELS or _activations not in ("q8", "q8x2") or x.device.type != "cpu" or w.raw.device.type != "cpu":
         return False
@@ -362,6 +382,11 @@ def expert_forward(x: torch.Tensor, gate_q: QTensor, up_q: QTensor, down_q: QTen
     compiled kernel for a few rows, else the reference; when none of them has a fast path this
     is exactly `expert_forward_reference`.
     """
+    spec = _prompt_experts(x, (gate_q, up_q, down_q))
+    if spec is not None:  # a prompt's rows: one C call (prefill.c)
+        y = prompt.swiglu(x, gate_q, up_q, down_q, threads, *spec)
+        if y is not None:
+            return y.to(x.dtype)
     if not any(_batched_ok(x, w) or _prompt_ok(x, w) or fast_ok(x, w) for w in (gate_q, up_q, down_q)):
         return expert_forward_reference(x, gate_q, up_q, down_q)
 
@@ -512,6 +537,14 @@ def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource,
     experts in one C call (strata_moe_token), a few tokens' in one (strata_moe_tokens), else the
     one grouping loop with `expert_forward`."""
     source = grouped.as_source(experts)
+    # resident experts of a prompt: the whole layer in one C call (prefill.c)
+    if not callable(experts) and x.shape[0] > FAST_BATCH_MAX and table.expert.numel() and x.dtype is torch.float32:
+        spec = _prompt_experts(x, experts)
+        if spec is not None:
+            used, counts = torch.unique_consecutive(table.expert, return_counts=True)
+            out = torch.zeros_like(x)
+            if prompt.moe(x.contiguous(), used, counts, table.token, table.weight, experts, out, threads, *spec):
+                return out
     # resident experts of a verify pass or a decode batch: one call (a tier's source hands out each
     # expert as its read lands, to be used before the next: the loop below)
     if not callable(experts) and 1 < x.shape[0] <= FAST_BATCH_MAX and table.expert.numel():

@@ -23,6 +23,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__linux__)
@@ -404,21 +405,146 @@ int strata_pp_has_type(int type, int own_only) {
     return OWN[type] != NULL || (!own_only && strata_to_float_fn(type) != NULL);
 }
 
+static pp_to_float dequantizer(int type) {
+    if (type < 0 || type >= PP_MAX_TYPES) return NULL;
+    return OWN[type] ? OWN[type] : (pp_to_float)strata_to_float_fn(type);
+}
+
+/* X packed for AMX: hi and (terms 3) lo tiles */
+typedef struct {
+    uint16_t *h, *l;
+    int64_t groups, tokens;
+} packed_x;
+
+static int pack(const float *X, int64_t tokens, int64_t cols, int terms, packed_x *p) {
+    p->groups = (tokens + 15) / 16;
+    p->tokens = tokens;
+    const int64_t n = p->groups * (cols / 32) * 512;
+    p->h = aligned_alloc(64, (size_t)n * sizeof(uint16_t) * (terms > 1 ? 2 : 1));
+    if (!p->h) return 0;
+    p->l = terms > 1 ? p->h + n : NULL;
+    pack_x(X, tokens, cols, p->groups, p->h, p->l);
+    return 1;
+}
+
+static void run_packed(pp_to_float f, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, const packed_x *p,
+                       float *Y, int terms, int nth) {
+    const pp_args a = {W, rows, cols, wrow, p->h, p->l, p->groups, p->tokens, Y, terms > 1 ? 3 : 1, f};
+    strata_pool_run(pp_panel, &a, (rows + 63) / 64, nth < 1 ? 1 : nth);
+}
+
 /* Y (tokens x rows float32) = X (tokens x cols float32) W^T, W rows x cols of `type` (wrow bytes a
  * row; cols a multiple of 32). Returns 0 (Y untouched) when AMX, the type or memory is missing. */
 int strata_pp_matmul(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, const float *X,
                      int64_t tokens, float *Y, int terms, int nth) {
-    if (!amx_ok() || cols % 32 || rows <= 0 || tokens <= 0 || type < 0 || type >= PP_MAX_TYPES) return 0;
-    pp_to_float f = OWN[type] ? OWN[type] : (pp_to_float)strata_to_float_fn(type);
-    if (!f) return 0;
-    const int64_t groups = (tokens + 15) / 16, n = groups * (cols / 32) * 512;
-    uint16_t *xh = aligned_alloc(64, (size_t)n * sizeof(uint16_t) * (terms > 1 ? 2 : 1));
-    if (!xh) return 0;
-    uint16_t *xl = terms > 1 ? xh + n : NULL;
-    pack_x(X, tokens, cols, groups, xh, xl);
-    const pp_args a = {W, rows, cols, wrow, xh, xl, groups, tokens, Y, terms > 1 ? 3 : 1, f};
-    strata_pool_run(pp_panel, &a, (rows + 63) / 64, nth < 1 ? 1 : nth);
-    free(xh);
+    pp_to_float f = dequantizer(type);
+    if (!amx_ok() || !f || cols % 32 || rows <= 0 || tokens <= 0) return 0;
+    packed_x p;
+    if (!pack(X, tokens, cols, terms, &p)) return 0;
+    run_packed(f, W, rows, cols, wrow, &p, Y, terms, nth);
+    free(p.h);
+    return 1;
+}
+
+/* ------------------------------------------------------------------ SwiGLU experts
+ *
+ * A prompt's routed experts: each expert's rows gathered, gate and up from one packing of them,
+ * silu(gate) * up, down, and the weighted rows added to their tokens, without a torch operation in
+ * between (on a shared 2-core machine each small torch op was a barrier for its OpenMP team).
+ * Experts with fewer than min_rows[m] rows take qmm.c's decode kernel `small[m]` for matrix m
+ * (gate, up, down) when one is given: below a few rows it is faster. */
+typedef void (*qmm_fn)(const uint8_t *W, int64_t rows, int64_t cols, const float *X, int64_t B, float *Y, int nth);
+
+typedef struct {
+    pp_to_float f[3];
+    int64_t wrow[3];
+    qmm_fn small[3];
+    int min_rows[3];
+    int64_t hidden, ffn;
+    int terms, nth;
+} swiglu_spec;
+
+/* y (n x hidden) = down(silu(gate x) * up x) for one expert; scratch: 2 n ffn floats. */
+static int swiglu(const swiglu_spec *s, const uint8_t *G, const uint8_t *U, const uint8_t *D, const float *x, int64_t n,
+                  float *y, float *scratch) {
+    float *g = scratch, *u = scratch + n * s->ffn;
+    const int amx_g = !s->small[0] || n >= s->min_rows[0], amx_u = !s->small[1] || n >= s->min_rows[1];
+    packed_x p = {0};
+    if ((amx_g || amx_u) && !pack(x, n, s->hidden, s->terms, &p)) return 0;
+    if (amx_g) run_packed(s->f[0], G, s->ffn, s->hidden, s->wrow[0], &p, g, s->terms, s->nth);
+    else s->small[0](G, s->ffn, s->hidden, x, n, g, s->nth);
+    if (amx_u) run_packed(s->f[1], U, s->ffn, s->hidden, s->wrow[1], &p, u, s->terms, s->nth);
+    else s->small[1](U, s->ffn, s->hidden, x, n, u, s->nth);
+    free(p.h);
+    for (int64_t i = 0; i < n * s->ffn; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    if (!s->small[2] || n >= s->min_rows[2]) {
+        if (!pack(g, n, s->ffn, s->terms, &p)) return 0;
+        run_packed(s->f[2], D, s->hidden, s->ffn, s->wrow[2], &p, y, s->terms, s->nth);
+        free(p.h);
+    } else {
+        s->small[2](D, s->hidden, s->ffn, g, n, y, s->nth);
+    }
+    return 1;
+}
+
+static int make_spec(swiglu_spec *s, const int *types, const int64_t *wrow, void *const *small, const int *min_rows,
+                     int64_t hidden, int64_t ffn, int terms, int nth) {
+    if (!amx_ok() || hidden % 32 || ffn % 32) return 0;
+    for (int m = 0; m < 3; m++) {
+        s->f[m] = dequantizer(types[m]);
+        if (!s->f[m]) return 0;
+        s->wrow[m] = wrow[m];
+        s->small[m] = small ? (qmm_fn)small[m] : NULL;
+        s->min_rows[m] = min_rows ? min_rows[m] : 0;
+    }
+    s->hidden = hidden, s->ffn = ffn, s->terms = terms, s->nth = nth;
+    return 1;
+}
+
+/* One expert: Y (n x hidden) = down(silu(gate X) * up X). types, wrow, small, min_rows: per matrix
+ * (gate, up, down); small may be NULL. Returns 0 (Y untouched) where it cannot run. */
+int strata_pp_swiglu(const int *types, const int64_t *wrow, void *const *small, const int *min_rows,
+                     const uint8_t *G, const uint8_t *U, const uint8_t *D, const float *X, int64_t n,
+                     int64_t hidden, int64_t ffn, float *Y, int terms, int nth) {
+    swiglu_spec s;
+    if (n <= 0 || !make_spec(&s, types, wrow, small, min_rows, hidden, ffn, terms, nth)) return 0;
+    float *scratch = malloc(sizeof(float) * (size_t)(2 * n * ffn));
+    if (!scratch) return 0;
+    const int ok = swiglu(&s, G, U, D, X, n, Y, scratch);
+    free(scratch);
+    return ok;
+}
+
+/* A layer's routed experts over a prompt: expert i (matrices G[i], U[i], D[i]) takes the counts[i]
+ * consecutive pairs of the route table (token, weight), in order; out (tokens x hidden) +=
+ * weight * expert(X[token]), expert by expert. Returns 0 (out untouched) where it cannot run. */
+int strata_pp_moe(const int *types, const int64_t *wrow, void *const *small, const int *min_rows,
+                  const void *const *G, const void *const *U, const void *const *D, const int64_t *counts, int n_used,
+                  const int64_t *token, const float *weight, const float *X, int64_t hidden, int64_t ffn, float *out,
+                  int terms, int nth) {
+    swiglu_spec s;
+    if (!make_spec(&s, types, wrow, small, min_rows, hidden, ffn, terms, nth)) return 0;
+    int64_t most = 0;
+    for (int i = 0; i < n_used; i++) most = counts[i] > most ? counts[i] : most;
+    float *xs = malloc(sizeof(float) * (size_t)(most * (2 * hidden + 2 * ffn)));
+    if (!xs) return 0;
+    float *ys = xs + most * hidden, *scratch = ys + most * hidden;
+    int64_t start = 0;
+    for (int i = 0; i < n_used; start += counts[i], i++) {
+        const int64_t n = counts[i];
+        if (n <= 0) continue;
+        for (int64_t j = 0; j < n; j++) memcpy(xs + j * hidden, X + token[start + j] * hidden, sizeof(float) * (size_t)hidden);
+        if (!swiglu(&s, G[i], U[i], D[i], xs, n, ys, scratch)) { /* out of memory part way: report it */
+            free(xs);
+            return -1;
+        }
+        for (int64_t j = 0; j < n; j++) {
+            float *o = out + token[start + j] * hidden;
+            const float w = weight[start + j], *yj = ys + j * hidden;
+            for (int64_t c = 0; c < hidden; c++) o[c] += w * yj[c];
+        }
+    }
+    free(xs);
     return 1;
 }
 
@@ -443,6 +569,21 @@ int strata_pp_matmul(int type, const uint8_t *W, int64_t rows, int64_t cols, int
 }
 int strata_pp_dequant_row(int type, const uint8_t *w, int64_t n, float *y) {
     (void)type, (void)w, (void)n, (void)y;
+    return 0;
+}
+int strata_pp_swiglu(const int *types, const int64_t *wrow, void *const *small, const int *min_rows,
+                     const uint8_t *G, const uint8_t *U, const uint8_t *D, const float *X, int64_t n,
+                     int64_t hidden, int64_t ffn, float *Y, int terms, int nth) {
+    (void)types, (void)wrow, (void)small, (void)min_rows, (void)G, (void)U, (void)D, (void)X, (void)n;
+    (void)hidden, (void)ffn, (void)Y, (void)terms, (void)nth;
+    return 0;
+}
+int strata_pp_moe(const int *types, const int64_t *wrow, void *const *small, const int *min_rows,
+                  const void *const *G, const void *const *U, const void *const *D, const int64_t *counts, int n_used,
+                  const int64_t *token, const float *weight, const float *X, int64_t hidden, int64_t ffn, float *out,
+                  int terms, int nth) {
+    (void)types, (void)wrow, (void)small, (void)min_rows, (void)G, (void)U, (void)D, (void)counts, (void)n_used;
+    (void)token, (void)weight, (void)X, (void)hidden, (void)ffn, (void)out, (void)terms, (void)nth;
     return 0;
 }
 

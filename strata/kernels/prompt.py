@@ -38,6 +38,10 @@ def _lib() -> ctypes.CDLL | None:
         lib.strata_pp_matmul.restype = c_int
         lib.strata_pp_dequant_row.argtypes = [c_int, p, i64, p]
         lib.strata_pp_dequant_row.restype = c_int
+        lib.strata_pp_swiglu.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i64, p, c_int, c_int]
+        lib.strata_pp_swiglu.restype = c_int
+        lib.strata_pp_moe.argtypes = [p, p, p, p, p, p, p, p, c_int, p, p, p, i64, i64, p, c_int, c_int]
+        lib.strata_pp_moe.restype = c_int
         iq2xxs, iq2xs, _iq3xxs, ksigns = _build._tables
         lib.strata_pp_init_tables(iq2xxs.ctypes.data, iq2xs.ctypes.data, ksigns.ctypes.data)
         _ready = bool(lib.strata_pp_available())
@@ -78,6 +82,80 @@ def matmul(x: torch.Tensor, w: QTensor, threads: int | None = None, terms: int =
                                 xf.shape[0], out.data_ptr(), terms, nth):
         return None
     return out.reshape(*x.shape[:-1], rows)
+
+
+def _bytes(w: QTensor) -> torch.Tensor:
+    raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
+    return raw if raw.dtype == torch.uint8 else raw.view(torch.uint8)
+
+
+def _row_bytes(w: QTensor) -> int:
+    qk, ts = GGML_QUANT_SIZES[GGMLQuantizationType(int(w.qtype))]
+    return (w.shape[-1] // qk) * ts
+
+
+def _expert_spec(gate: QTensor, up: QTensor, down: QTensor, small, min_rows):
+    """The per-matrix arguments of strata_pp_swiglu / strata_pp_moe, or None if a shape does not fit."""
+    ffn, hidden = gate.shape[-2:]
+    if tuple(up.shape[-2:]) != (ffn, hidden) or tuple(down.shape[-2:]) != (hidden, ffn) or hidden % 32 or ffn % 32:
+        return None
+    for q in (gate, up, down):
+        qk = GGML_QUANT_SIZES[GGMLQuantizationType(int(q.qtype))][0]
+        if q.shape[-1] % qk or q.raw.device.type != "cpu":
+            return None
+    types = (ctypes.c_int * 3)(*(int(q.qtype) for q in (gate, up, down)))
+    wrow = (ctypes.c_int64 * 3)(*(_row_bytes(q) for q in (gate, up, down)))
+    fns = (ctypes.c_void_p * 3)(*small) if small is not None else None
+    mins = (ctypes.c_int * 3)(*min_rows) if min_rows is not None else None
+    return types, wrow, fns, mins, hidden, ffn
+
+
+def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, threads: int | None = None, terms: int = 3,
+           small=None, min_rows=None) -> torch.Tensor | None:
+    """One expert, down(silu(gate x) * up x), in one C call: x (n, hidden) -> float32 (n, hidden); None
+    where it does not apply. `small` (3 qmm.c kernel pointers or None) with `min_rows` (3 ints): a
+    matrix multiplied by fewer rows takes its decode kernel."""
+    lib = _lib()
+    spec = _expert_spec(gate, up, down, small, min_rows) if lib is not None and x.device.type == "cpu" else None
+    if spec is None or x.dim() != 2 or x.shape[1] != spec[4] or not x.shape[0]:
+        return None
+    types, wrow, fns, mins, hidden, ffn = spec
+    xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], hidden, dtype=torch.float32)
+    nth = int(threads) if threads and threads > 0 else torch.get_num_threads()
+    raws = [_bytes(q) for q in (gate, up, down)]
+    if not lib.strata_pp_swiglu(types, wrow, fns, mins, *(r.data_ptr() for r in raws), xf.data_ptr(), x.shape[0],
+                                hidden, ffn, out.data_ptr(), terms, nth):
+        return None
+    return out
+
+
+def moe(x: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor, token: torch.Tensor, weight: torch.Tensor,
+        stacked: tuple[QTensor, QTensor, QTensor], out: torch.Tensor, threads: int | None = None, terms: int = 3,
+        small=None, min_rows=None) -> bool:
+    """A layer's routed experts over a prompt in one C call: the used experts `expert` (ids into the
+    stacked `[E, out, in]` gate, up, down), each taking `counts` consecutive (token, weight) pairs;
+    out (float32, tokens x hidden) += weight * expert(x[token]). False (out untouched) where it does
+    not apply."""
+    lib = _lib()
+    gate, up, down = stacked
+    spec = _expert_spec(gate, up, down, small, min_rows) if lib is not None and x.device.type == "cpu" else None
+    if (spec is None or x.dtype != torch.float32 or out.dtype != torch.float32 or not x.is_contiguous()
+            or not out.is_contiguous() or x.shape[-1] != spec[4] or any(len(q.shape) != 3 for q in stacked)):
+        return False
+    types, wrow, fns, mins, hidden, ffn = spec
+    raws = [_bytes(q) for q in stacked]
+    ids = expert.tolist()
+    ptrs = [(ctypes.c_void_p * len(ids))(*(r.data_ptr() + e * r.stride(0) for e in ids)) for r in raws]
+    counts = counts.to(torch.int64).contiguous()
+    token = token.to(torch.int64).contiguous()
+    weight = weight.to(torch.float32).contiguous()
+    nth = int(threads) if threads and threads > 0 else torch.get_num_threads()
+    rc = lib.strata_pp_moe(types, wrow, fns, mins, *ptrs, counts.data_ptr(), len(ids), token.data_ptr(),
+                           weight.data_ptr(), x.data_ptr(), hidden, ffn, out.data_ptr(), terms, nth)
+    if rc < 0:  # out already holds some experts' rows: no other path may add them again
+        raise MemoryError("out of memory in the prompt's expert products")
+    return rc == 1
 
 
 def dequant_row(w: torch.Tensor, qtype, n: int) -> torch.Tensor | None:
