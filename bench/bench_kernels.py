@@ -6,7 +6,8 @@
     .venv/bin/python bench/bench_kernels.py --compare-numba    # the tool choice: C vs numba on Q4_K
     .venv/bin/python bench/bench_kernels.py --prompt-crossover --threads 1   # prefill: PROMPT_MIN_ROWS
     .venv/bin/python bench/bench_kernels.py --fused-ab --types Q4_K IQ2_XS --threads 1
-                                                  # q8x2 in one pass vs ggml's vec_dot run twice
+                                                  # q8x2 in one pass (each kernel set: AVX-512 VNNI,
+                                                  # AVX-VNNI, AVX2) vs ggml's vec_dot run twice
     .venv/bin/python bench/bench_kernels.py --compare-ggml --types Q4_0 Q4_K IQ2_XS --threads 1 2
                                                   # the kept library: ggml (ggml-python) on the same blocks
 
@@ -288,13 +289,16 @@ def prompt_crossover(types, threads):
 
 
 def fused_ab(types, threads_list, n_experts):
-    """q8x2 in one pass (qmm.c's fused kernels) against ggml's vec_dot run twice, B=1: the two
-    alternate in rounds of calls so load changes hit both; medians over the rounds."""
+    """q8x2 in one pass (qmm.c's fused kernels, each kernel set this CPU runs: AVX-512 VNNI,
+    AVX-VNNI, AVX2) against ggml's vec_dot run twice, B=1: all alternate in rounds of calls so
+    load changes hit each; medians over the rounds. Speed-ups are two passes / one pass."""
     lib = _build.load()
     kernels.set_activations("q8x2")
-    print(f"{'type':<8} {'shape':<17} {'thr':>3} | {'two-pass ms':>11} {'one-pass ms':>11} {'speedup':>7}")
+    isas = [n for n, bit in sorted(_build.KERNEL_ISAS.items(), key=lambda kv: -kv[1]) if lib.strata_fused_isas() >> bit & 1]
+    print(f"{'type':<8} {'shape':<17} {'thr':>3} | {'two-pass ms':>11} | " +
+          " | ".join(f"{isa + ' ms':>14} {'speedup':>7}" for isa in isas))
     for name in types:
-        if name not in kernels.ggml_types() or not lib.strata_fused_types(int(T[name])):
+        if name not in kernels.ggml_types() or not isas or not lib.strata_fused_types(int(T[name])):
             print(f"{name:<8} no one-pass kernel on this CPU")
             continue
         for label, shape in SHAPES.items():
@@ -307,15 +311,21 @@ def fused_ab(types, threads_list, n_experts):
                 def call():
                     kernels.qmatmul_fast(x, ws[next(it) % n_experts], threads=threads, out=out)
 
-                times = {0: [], 1: []}
-                for _ in range(15):
-                    for on in (0, 1):
-                        lib.strata_set_fused(on)
-                        times[on].append(timed(call, 40, budget_s=0.2)[0])
-                lib.strata_set_fused(1)
-                two, one = statistics.median(times[0]), statistics.median(times[1])
-                print(f"{name:<8} {label:<17} {threads:>3} | {two * 1e3:11.3f} {one * 1e3:11.3f} {two / one:6.2f}x",
-                      flush=True)
+                times = {k: [] for k in ("two", *isas)}
+                try:
+                    for _ in range(15):
+                        lib.strata_set_fused(0)
+                        times["two"].append(timed(call, 40, budget_s=0.2)[0])
+                        lib.strata_set_fused(1)
+                        for isa in isas:
+                            lib.strata_set_fused_isa(_build.KERNEL_ISAS[isa])
+                            times[isa].append(timed(call, 40, budget_s=0.2)[0])
+                finally:
+                    lib.strata_set_fused(1)
+                    lib.strata_set_fused_isa(-1)
+                med = {k: statistics.median(v) for k, v in times.items()}
+                print(f"{name:<8} {label:<17} {threads:>3} | {med['two'] * 1e3:11.3f} | " +
+                      " | ".join(f"{med[isa] * 1e3:14.3f} {med['two'] / med[isa]:6.2f}x" for isa in isas), flush=True)
 
 
 def main(argv=None):

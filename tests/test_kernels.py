@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -299,42 +304,110 @@ def test_one_token_moe_in_one_call_equals_expert_by_expert(types, act_mode, monk
     assert rel_err(one_call, by_expert) < 1e-5
 
 
+ONE_PASS_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_1", "Q8_0", "IQ2_XXS", "IQ2_XS", "IQ3_XXS",
+                  "IQ4_XS", "MXFP4", "IQ4_NL", "Q4_0", "Q5_0", "IQ1_S", "IQ1_M", "IQ2_S", "IQ3_S"]
+
+
+@contextlib.contextmanager
+def kernel_isa(lib, isa: str):
+    """Run the one-pass kernels of `isa` (_build.KERNEL_ISAS), skipping where the CPU lacks it."""
+    if not lib.strata_fused_isas() >> _build.KERNEL_ISAS[isa] & 1:
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    assert lib.strata_set_fused_isa(_build.KERNEL_ISAS[isa]) == _build.KERNEL_ISAS[isa]
+    try:
+        yield
+    finally:
+        lib.strata_set_fused_isa(-1)
+
+
 @needs_kernels
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_1", "Q8_0", "IQ2_XXS", "IQ2_XS",
-                                   "IQ3_XXS", "IQ4_XS", "MXFP4", "IQ4_NL", "Q4_0", "Q5_0", "IQ1_S", "IQ1_M", "IQ2_S",
-                                   "IQ3_S"])
-def test_fused_residual_pass_equals_ggmls_two_passes(qtype):
-    """"q8x2" in one pass (qmm.c's AVX-512 VNNI kernels: each weight block unpacked once for both
-    8-bit activations) against ggml's vec_dot run twice: the same sums up to float order. Q4_1
-    and Q5_1 take exact integer block sums of x where ggml's q8_1 keeps f16 ones, so there they must
-    be closer to the exact product than the two passes."""
+@pytest.mark.parametrize("isa", list(_build.KERNEL_ISAS))
+@pytest.mark.parametrize("qtype", ONE_PASS_TYPES)
+def test_fused_residual_pass_equals_ggmls_two_passes(qtype, isa):
+    """"q8x2" in one pass (qmm.c's kernels: each weight block unpacked once for both 8-bit
+    activations; AVX-512 VNNI, or the 256-bit AVX-VNNI and AVX2 sets that CPUs without it run)
+    against ggml's vec_dot run twice: the same sums up to float order, and the 256-bit sets
+    against the AVX-512 one where the CPU has both. Q4_1 and Q5_1 take exact integer block sums
+    of x where ggml's q8_1 keeps f16 ones, so there they must be closer to the exact product
+    than the two passes."""
     lib = _build.load()
-    if qtype not in kernels.ggml_types() or not lib.strata_fused_types(int(T[qtype])):
-        pytest.skip(f"no fused q8x2 kernel for {qtype} on this CPU (AVX-512 VNNI) or no ggml")
+    if qtype not in kernels.ggml_types():
+        pytest.skip(f"no ggml dot product for {qtype}")
     bs = quant.get(T[qtype]).block_size
+    wide = lib.strata_fused_isas() >> _build.KERNEL_ISAS["avx512vnni"] & 1 and isa != "avx512vnni"
     before = kernels.activations()
     kernels.set_activations("q8x2")
     try:
-        for rows, blocks, seed in ((37, 3, 1), (5, 1, 2), (300, 8, 3), (19, 7, 4)):
-            cols = blocks * bs
-            w = random_qtensor(qtype, (rows, cols), seed=seed, wild_scales=True)
-            for batch in (1, 3):
-                x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch)) * 3
-                ref = x @ w.dequantize().T
-                for threads in (1, 2):
-                    lib.strata_set_fused(0)
-                    two = kernels.qmatmul_fast(x, w, threads=threads)
-                    lib.strata_set_fused(1)
-                    one = kernels.qmatmul_fast(x, w, threads=threads)
-                    if qtype in ("Q4_1", "Q5_1"):
-                        assert rel_err(one, ref) < 1e-4 and rel_err(two, ref) < 2e-3, (rows, cols, batch)
-                        continue
-                    assert rel_err(one, two) < 1e-5, (qtype, rows, cols, batch, threads)
-                    # IQ3_XXS: ggml's two passes are 9.5e-4 from the exact product on the 5x256 case too
-                    assert rel_err(one, ref) < (2e-3 if qtype == "IQ3_XXS" else 3e-4)
+        with kernel_isa(lib, isa):
+            assert lib.strata_fused_types(int(T[qtype]))
+            for rows, blocks, seed in ((37, 3, 1), (5, 1, 2), (300, 8, 3), (19, 7, 4)):
+                cols = blocks * bs
+                w = random_qtensor(qtype, (rows, cols), seed=seed, wild_scales=True)
+                for batch in (1, 3):
+                    x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch)) * 3
+                    ref = x @ w.dequantize().T
+                    for threads in (1, 2):
+                        lib.strata_set_fused(0)
+                        two = kernels.qmatmul_fast(x, w, threads=threads)
+                        lib.strata_set_fused(1)
+                        one = kernels.qmatmul_fast(x, w, threads=threads)
+                        if wide and threads == 1:
+                            lib.strata_set_fused_isa(_build.KERNEL_ISAS["avx512vnni"])
+                            assert rel_err(one, kernels.qmatmul_fast(x, w, threads=1)) < 1e-5, (qtype, rows, cols)
+                            lib.strata_set_fused_isa(_build.KERNEL_ISAS[isa])
+                        if qtype in ("Q4_1", "Q5_1"):
+                            assert rel_err(one, ref) < 1e-4 and rel_err(two, ref) < 2e-3, (rows, cols, batch)
+                            continue
+                        assert rel_err(one, two) < 1e-5, (qtype, rows, cols, batch, threads)
+                        # IQ3_XXS: ggml's two passes are 9.5e-4 from the exact product on the 5x256 case too
+                        assert rel_err(one, ref) < (2e-3 if qtype == "IQ3_XXS" else 3e-4)
     finally:
         lib.strata_set_fused(1)
         kernels.set_activations(before)
+
+
+@needs_kernels
+def test_kernel_isa_env_forces_a_kernel_set(monkeypatch, caplog):
+    """STRATA_KERNEL_ISA picks the one-pass set (load() applies it: checked once in a fresh
+    process); a set the CPU cannot run, or a wrong name, leaves the best one with a warning."""
+    lib = _build.load()
+    runs = [n for n, bit in _build.KERNEL_ISAS.items() if lib.strata_fused_isas() >> bit & 1]
+    if not runs:
+        pytest.skip("no one-pass kernel set on this CPU")
+    best = _build.KERNEL_ISAS[max(runs, key=_build.KERNEL_ISAS.get)]
+    code = ("from strata.kernels import _build; lib = _build.load(); "
+            "print('chosen', {b: n for n, b in _build.KERNEL_ISAS.items()}[lib.strata_fused_isa()])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "STRATA_KERNEL_ISA": runs[0]})
+    assert r.returncode == 0 and f"chosen {runs[0]}" in r.stdout, (r.stdout, r.stderr)
+    try:
+        for value in ("avx9000", *(n for n in _build.KERNEL_ISAS if n not in runs)):
+            lib.strata_set_fused_isa(-1)
+            monkeypatch.setenv("STRATA_KERNEL_ISA", value)
+            caplog.clear()
+            _build._choose_isa(lib)
+            assert lib.strata_fused_isa() == best and f"STRATA_KERNEL_ISA={value}" in caplog.text, value
+        for value in runs:
+            monkeypatch.setenv("STRATA_KERNEL_ISA", value.upper())
+            _build._choose_isa(lib)
+            assert lib.strata_fused_isa() == _build.KERNEL_ISAS[value]
+    finally:
+        lib.strata_set_fused_isa(-1)
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_kernels_build_for_cpus_without_avx512(march):
+    """qmm.c compiles for a CPU without AVX-512 (AVX2 only, or none): the 256-bit kernel sets are
+    compiled under their own target pragmas and use no AVX-512 intrinsic (gcc refuses to inline
+    one there). -O0 and no output: the check costs a few seconds, not a full build."""
+    import platform
+
+    cc = _build._compiler()
+    if cc is None or platform.machine() not in ("x86_64", "AMD64") or "gcc" not in os.path.basename(cc):
+        pytest.skip("needs gcc on x86-64")
+    r = subprocess.run([cc, "-O0", f"-march={march}", "-std=gnu11", "-c", "-o", os.devnull, str(_build.SOURCE)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 @needs_kernels

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmm.c")
 SOURCES = [SOURCE, Path(__file__).with_name("prefill.c")]  # one library: prefill.c runs on qmm.c's thread pool
+HEADERS = [Path(__file__).with_name("qmm_avx2.h")]  # included by qmm.c: part of the cache key
 FLAGS = ["-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno"]
 ABI_VERSION = 10
 
@@ -47,6 +48,9 @@ KERNEL_TYPES = {
     "IQ4_XS": ("iq4_xs", 256, 136),
     "MXFP4": ("mxfp4", 32, 17),
 }
+
+# The one-pass q8x2 kernel sets (qmm.c picks the best the CPU runs; STRATA_KERNEL_ISA forces one).
+KERNEL_ISAS = {"avx2": 1, "avxvnni": 2, "avx512vnni": 3}
 
 # How the kernels treat x (kernels.set_activations): qmm.c's act_mode values.
 ACTIVATIONS = {"float32": 0, "int16": 1, "q8": 2, "q8x2": 3}
@@ -88,7 +92,7 @@ def _cpu_key() -> str:
 
 
 def _build(cc: str) -> Path:
-    src = b"".join(p.read_bytes() for p in SOURCES)
+    src = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
@@ -143,6 +147,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_init_tables.restype = None
     lib.strata_init_tables_iq.argtypes = [p, p, p]
     lib.strata_init_tables_iq.restype = None
+    lib.strata_set_fused_isa.argtypes = [ctypes.c_int]
+    lib.strata_set_fused_isa.restype = ctypes.c_int
+    lib.strata_fused_isas.restype = ctypes.c_int
+    lib.strata_fused_isa.restype = ctypes.c_int
     lib.strata_abi_version.restype = ctypes.c_int
     lib.strata_set_activations.argtypes = [ctypes.c_int]
     lib.strata_set_activations.restype = None
@@ -170,6 +178,20 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_dequant.restype = ctypes.c_int
 
 
+def _choose_isa(lib: ctypes.CDLL) -> None:
+    """STRATA_KERNEL_ISA=avx2|avxvnni|avx512vnni forces that one-pass kernel set (unset or "auto":
+    the best this CPU runs); one the CPU cannot run is refused with a warning."""
+    name = os.environ.get("STRATA_KERNEL_ISA", "auto").strip().lower()
+    if name in ("", "auto"):
+        return
+    if name not in KERNEL_ISAS:
+        log.warning("strata: STRATA_KERNEL_ISA=%s is not one of auto, %s; using auto", name, ", ".join(KERNEL_ISAS))
+    elif lib.strata_set_fused_isa(KERNEL_ISAS[name]) < 0:
+        have = [n for n, bit in KERNEL_ISAS.items() if lib.strata_fused_isas() >> bit & 1]
+        log.warning("strata: STRATA_KERNEL_ISA=%s: this CPU or build cannot run those kernels (it runs: %s); "
+                    "using auto", name, ", ".join(have) or "none")
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (see `error()` for why)."""
     global _lib, _tried, _error
@@ -193,6 +215,7 @@ def load() -> ctypes.CDLL | None:
 
             GGML_TYPES[:] = _ggml.register(lib)
             lib.strata_set_activations(ACTIVATIONS[default_activations()])
+            _choose_isa(lib)
             _lib = lib
         except Exception as e:  # noqa: BLE001 -- any failure means "use the reference path"
             _error = str(e)

@@ -1771,7 +1771,7 @@ static float dot2_iq3_s(int64_t n, const uint8_t *w, const uint8_t *xq, const ui
 }
 
 /* The fused kernel for a ggml type and its activation layout (qblk, qsize), or NULL. */
-static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
+static dot2_fn fused2_512(int type, int64_t qblk, int64_t qsize) {
     if (type == 10 && qblk == 256 && qsize == 292) return dot2_q2_k;
     if (type == 11 && qblk == 256 && qsize == 292) return dot2_q3_k;
     if (type == 12 && qblk == 256 && qsize == 292) return dot2_q4_k;
@@ -1796,12 +1796,107 @@ static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
 }
 #else
 typedef float (*dot2_fn)(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr);
-static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) { (void)type; (void)qblk; (void)qsize; return NULL; }
+static dot2_fn fused2_512(int type, int64_t qblk, int64_t qsize) { (void)type; (void)qblk; (void)qsize; return NULL; }
 static int64_t q4_1_prep_bytes(int64_t n) { (void)n; return 0; }
 static void q4_1_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) { (void)n; (void)xq; (void)xr; (void)out; }
 static int64_t q8_0_prep_bytes(int64_t n) { (void)n; return 0; }
 static void q8_0_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) { (void)n; (void)xq; (void)xr; (void)out; }
 #endif
+
+/* ------------------------------------------------------------------ q8x2 in one pass (AVX2 / AVX-VNNI)
+ *
+ * The same kernels in 256-bit registers (qmm_avx2.h), compiled for AVX2 + FMA + F16C and again
+ * with AVX-VNNI whatever -march says, so a CPU without AVX-512 VNNI still takes one pass. Which
+ * set runs is chosen at load from cpuid (the best the CPU and the OS support), or forced with
+ * strata_set_fused_isa (STRATA_KERNEL_ISA=avx2|avxvnni|avx512vnni; tests compare them). GCC only:
+ * other compilers keep the AVX-512 kernels (if -march has them) and ggml's two passes.
+ */
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__)
+#define HAVE_FUSED_256 1
+#include <cpuid.h>
+#include <immintrin.h>
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define V2(name) name##_avx2
+#define VNNI 0
+#include "qmm_avx2.h"
+#undef V2
+#undef VNNI
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+#define V2(name) name##_vnni
+#define VNNI 1
+#include "qmm_avx2.h"
+#undef V2
+#undef VNNI
+#pragma GCC pop_options
+
+/* The kernel sets this CPU and OS run, as bits: 1 << 3 AVX-512 VNNI (if compiled in), 1 << 2
+ * AVX-VNNI, 1 << 1 AVX2. cpuid leaf 1 (FMA, F16C, OSXSAVE), leaf 7 (AVX2, AVX-512 F/BW/VL/VNNI;
+ * sub-leaf 1: AVX-VNNI) and XCR0 (the OS saves ymm state, and zmm for AVX-512). */
+static int fused_isa_mask(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    const int fma = (c >> 12) & 1, f16c = (c >> 29) & 1, osxsave = (c >> 27) & 1;
+    if (!osxsave || !fma || !f16c) return 0;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & 6) != 6 || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((b >> 5) & 1)) return 0;
+    int mask = 1 << 1;
+#if defined(HAVE_FUSED2)
+    if ((lo & 0xE6) == 0xE6 && ((b >> 16) & 1) && ((b >> 30) & 1) && ((b >> 31) & 1) && ((c >> 11) & 1)) mask |= 1 << 3;
+#endif
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1)) mask |= 1 << 2;
+    return mask;
+}
+#else
+static int fused_isa_mask(void) {
+#if defined(HAVE_FUSED2)
+    return 1 << 3;
+#else
+    return 0;
+#endif
+}
+#endif
+
+static int fused_isa = -1; /* -1: not chosen yet; 0: none */
+
+static int best_fused_isa(void) {
+    const int mask = fused_isa_mask();
+    return mask & 8 ? 3 : mask & 4 ? 2 : mask & 2 ? 1 : 0;
+}
+
+/* Force kernel set `isa` (1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI; -1: the best this CPU runs);
+ * returns the set now in use, or -1 (nothing changed) if this CPU or build cannot run it. */
+int strata_set_fused_isa(int isa) {
+    if (isa < 0) isa = best_fused_isa();
+    else if (isa > 3 || !(fused_isa_mask() >> isa & 1)) return -1;
+    fused_isa = isa;
+    return fused_isa;
+}
+
+/* The kernel sets this CPU and build run (the bits of fused_isa_mask). */
+int strata_fused_isas(void) { return fused_isa_mask(); }
+
+/* The kernel set in use (0: none). */
+int strata_fused_isa(void) {
+    if (fused_isa < 0) fused_isa = best_fused_isa();
+    return fused_isa;
+}
+
+static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
+    if (fused_isa < 0) fused_isa = best_fused_isa();
+#if defined(HAVE_FUSED_256)
+    if (fused_isa == 2) return fused2_for_vnni(type, qblk, qsize);
+    if (fused_isa == 1) return fused2_for_avx2(type, qblk, qsize);
+#endif
+    return fused_isa == 3 ? fused2_512(type, qblk, qsize) : NULL;
+}
+
+/* Whether the kernel in use for `type` wants its activations laid out by q8_0_prep / q4_1_prep
+ * (the AVX-512 ones for q8_0 and q8_1 types; the 256-bit ones read ggml's blocks as they are). */
+static int fused2_prep(int type, int64_t qsize) { return fused_isa == 3 && (type == 3 || type == 7 || qsize == 34); }
 
 /* 1 (default): "q8x2" takes the fused kernels above where a type has one; 0: ggml's two passes
  * (tests compare the two). */
@@ -1890,7 +1985,7 @@ int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const
     while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
     if (rows * wrow * B < min_parallel_bytes) nth = 1; /* waking a helper costs more than it saves */
     const dot2_fn dot2 = twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
-    if (dot2 && (type == 3 || type == 7 || k->qsize == 34)) { /* q8_1 and q8_0 types: the row-independent part laid out once */
+    if (dot2 && fused2_prep(type, k->qsize)) { /* q8_1 and q8_0 types: the row-independent part laid out once */
         const int q8_0 = k->qsize == 34;
         const int64_t prow = q8_0 ? q8_0_prep_bytes(cols) : q4_1_prep_bytes(cols);
         uint8_t *prep = malloc((size_t)(B * prow) + 64);

@@ -1,0 +1,382 @@
+/* One-pass q8x2 kernels in 256-bit registers, for CPUs without AVX-512 VNNI (qmm.c's own).
+ *
+ * qmm.c includes this file twice, inside `#pragma GCC target` regions: once for AVX2 + FMA +
+ * F16C (V2 names end in _avx2, VNNI 0) and once adding AVX-VNNI (_vnni, VNNI 1), so both exist
+ * whatever -march the library is built with, and qmm.c picks one at run time from cpuid.
+ *
+ * Every kernel unpacks each 32 weights once into magnitudes (u8) and signs, gives both 8-bit
+ * activations (x's value and its residual, ggml's q8_K / q8_0 / q8_1 blocks, values in
+ * [-127, 127]) the weights' signs (vpsignb), and takes vpmaddubsw (two products per int16 lane,
+ * at most 2 * 128 * 127: no saturation) then vpmaddwd by the 16-value scales. With AVX-VNNI,
+ * vpdpbusd takes four products per int32 lane and vpdpwssd the scales where a lane's sum stays
+ * under 2^15 (|w| <= 63), and unscaled 32-value blocks take vpdpbusd alone. The integer sums are
+ * exact, as in ggml's vec_dot; only the order of the float additions differs from its passes.
+ */
+
+/* 8 x int32 += (mag . sx) per 4 or 2 values times the 16-value scales sc (SC16 below). */
+static inline __attribute__((always_inline)) __m256i V2(dot_sc)(__m256i acc, __m256i mag, __m256i sx, __m256i sc,
+                                                               const int big) {
+#if VNNI
+    if (!big) return _mm256_dpwssd_avx_epi32(acc, _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), mag, sx), sc);
+#endif
+    (void)big;
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(mag, sx), sc));
+}
+
+/* The scales of values 0-15 and 16-31 of a 32-value chunk, as V2(dot_sc) takes them. */
+static inline __attribute__((always_inline)) __m256i V2(sc16)(int s0, int s1, const int big) {
+#if VNNI
+    if (!big) return _mm256_setr_m128i(_mm_set1_epi32(s0 & 0xFFFF), _mm_set1_epi32(s1 & 0xFFFF)); /* high halves 0 */
+#endif
+    (void)big;
+    return _mm256_setr_m128i(_mm_set1_epi16((short)s0), _mm_set1_epi16((short)s1));
+}
+
+/* 8 x int32 sums of 4 products mag . sx (unscaled). */
+static inline __attribute__((always_inline)) __m256i V2(dot_u)(__m256i mag, __m256i sx) {
+#if VNNI
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), mag, sx);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(mag, sx), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __attribute__((always_inline)) float V2(hsum)(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 32 sign bytes (+1 / -1) from 32 sign bits (bit m of byte k: value 8k + m). */
+static inline __attribute__((always_inline)) __m256i V2(signs32)(uint32_t bits) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i s = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread), bit);
+    return _mm256_or_si256(_mm256_cmpeq_epi8(s, bit), _mm256_set1_epi8(1));
+}
+
+/* 32 bytes 0 / 0xFF from 32 bits (bit l: byte l). */
+static inline __attribute__((always_inline)) __m256i V2(bits32)(uint32_t bits) {
+    return _mm256_cmpeq_epi8(_mm256_or_si256(V2(signs32)(bits), _mm256_set1_epi8(1)), _mm256_set1_epi8(-1));
+}
+
+/* 32 nibbles of 16 bytes: values 0-15 the low nibbles, 16-31 the high ones. */
+static inline __attribute__((always_inline)) __m256i V2(nibbles32)(const uint8_t *q) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)q), m4 = _mm_set1_epi8(15);
+    return _mm256_setr_m128i(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+}
+
+/* ------------------------------------------------------------------ 256-value blocks x q8_K */
+
+#ifndef QMM_AVX2_KINDS
+#define QMM_AVX2_KINDS
+enum { K_Q2, K_Q3, K_Q4, K_Q5, K_Q6, K_IQ2XXS, K_IQ2XS, K_IQ2S, K_IQ3XXS, K_IQ3S, K_IQ4XS, K_IQ1S, K_IQ1M };
+enum { B_Q8_0, B_Q4_0, B_Q5_0, B_IQ4NL, B_MXFP4, B_Q4_1, B_Q5_1 };
+#endif
+
+/* The block loop shared by every 256-value type (`kind` is a constant in each caller): chunk j
+ * (values 32j..32j+31) unpacked to magnitudes and signs, both activations' dot products scaled by
+ * the chunk's 16-value scales sc[2j], sc[2j+1]; K-quant mins through the activations' bsums. */
+static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, const uint8_t *w, const uint8_t *xq,
+                                                                const uint8_t *xr, const int kind) {
+    static const int TS[] = {84, 110, 144, 176, 210, 66, 74, 82, 98, 110, 136, 50, 56};
+    const int big = kind == K_IQ4XS, has_mins = kind == K_Q2 || kind == K_Q4 || kind == K_Q5;
+    const int ts = TS[kind];
+    const __m256i m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
+    for (int64_t i = 0; i < n / 256; i++) {
+        const uint8_t *b = w + i * ts, *yq = xq + i * 292, *yr = xr + i * 292;
+        float dq, dr, d, dmin = 0.0f;
+        memcpy(&dq, yq, 4);
+        memcpy(&dr, yr, 4);
+        int sc[16];
+        int16_t mn[16];
+        if (kind == K_Q2) {
+            d = rd_f16(b + 80);
+            dmin = rd_f16(b + 82);
+            for (int k = 0; k < 16; k++) { sc[k] = b[k] & 15; mn[k] = (int16_t)(b[k] >> 4); }
+        } else if (kind == K_Q3) {
+            d = rd_f16(b + 108);
+            const uint32_t a0 = rd_u32(b + 96), a1 = rd_u32(b + 100), t = rd_u32(b + 104);
+            const uint32_t k4 = 0x0F0F0F0Fu, k2 = 0x03030303u;
+            const uint32_t s4[4] = {(a0 & k4) | ((t & k2) << 4), (a1 & k4) | (((t >> 2) & k2) << 4),
+                                    ((a0 >> 4) & k4) | (((t >> 4) & k2) << 4), ((a1 >> 4) & k4) | (((t >> 6) & k2) << 4)};
+            for (int k = 0; k < 16; k++) sc[k] = (int)((s4[k / 4] >> (8 * (k % 4))) & 0xFF) - 32;
+        } else if (kind == K_Q4 || kind == K_Q5) {
+            d = rd_f16(b);
+            dmin = rd_f16(b + 2);
+            const uint8_t *q = b + 4;
+            for (int k = 0; k < 8; k++) {
+                const int s = k < 4 ? q[k] & 63 : (q[k + 4] & 0xF) | ((q[k - 4] >> 6) << 4);
+                const int m = k < 4 ? q[k + 4] & 63 : (q[k + 4] >> 4) | ((q[k] >> 6) << 4);
+                sc[2 * k] = sc[2 * k + 1] = s;
+                mn[2 * k] = mn[2 * k + 1] = (int16_t)m;
+            }
+        } else if (kind == K_Q6) {
+            d = rd_f16(b + 208);
+            for (int k = 0; k < 16; k++) sc[k] = ((const int8_t *)(b + 192))[k];
+        } else if (kind == K_IQ2XXS || kind == K_IQ3XXS) {
+            d = rd_f16(b);
+            const uint8_t *sg = b + (kind == K_IQ2XXS ? 2 + 4 : 66);
+            const int stride = kind == K_IQ2XXS ? 8 : 4;
+            for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * (int)(rd_u32(sg + stride * g) >> 28) + 1;
+        } else if (kind == K_IQ2XS || kind == K_IQ2S) {
+            d = rd_f16(b);
+            const uint8_t *s = b + (kind == K_IQ2XS ? 66 : 74);
+            for (int g = 0; g < 8; g++) { sc[2 * g] = 2 * (s[g] & 15) + 1; sc[2 * g + 1] = 2 * (s[g] >> 4) + 1; }
+        } else if (kind == K_IQ3S) {
+            d = rd_f16(b);
+            for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * ((b[106 + g / 2] >> (4 * (g % 2))) & 15) + 1;
+        } else if (kind == K_IQ4XS) {
+            d = rd_f16(b);
+            const uint16_t sh = rd_u16(b + 2);
+            for (int g = 0; g < 8; g++)
+                sc[2 * g] = sc[2 * g + 1] = (int)(((b[4 + g / 2] >> (4 * (g % 2))) & 15) | (((sh >> (2 * g)) & 3) << 4)) - 32;
+        } else if (kind == K_IQ1S) {
+            d = rd_f16(b);
+            for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * ((rd_u16(b + 34 + 2 * g) >> 12) & 7) + 1;
+        } else { /* K_IQ1M: the f16 scale in the top nibbles of the 4 scale words */
+            const uint16_t s0 = rd_u16(b + 48), s1 = rd_u16(b + 50), s2 = rd_u16(b + 52), s3 = rd_u16(b + 54);
+            d = f16_to_f32((uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000)));
+            for (int k = 0; k < 16; k++) sc[k] = 2 * ((rd_u16(b + 48 + 2 * (k / 4)) >> (3 * (k % 4))) & 7) + 1;
+        }
+        __m256i sq = _mm256_setzero_si256(), sr = _mm256_setzero_si256();
+        #pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            __m256i mag, sgn = _mm256_setzero_si256();
+            int signed_w = 1; /* sgn holds the signs; else the weights are unsigned (mag alone) */
+            if (kind == K_Q2) {
+                mag = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (j / 4))), 2 * (j % 4)), m3);
+                signed_w = 0;
+            } else if (kind == K_Q3) { /* q - 4 where the hmask bit is clear */
+                const __m256i q = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 32 + 32 * (j / 4))), 2 * (j % 4)), m3);
+                const __m256i hbit = _mm256_set1_epi8((char)(1 << j));
+                const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)b), hbit), _mm256_setzero_si256());
+                sgn = _mm256_sub_epi8(q, _mm256_and_si256(clear, _mm256_set1_epi8(4)));
+                mag = _mm256_abs_epi8(sgn);
+            } else if (kind == K_Q4 || kind == K_Q5) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (kind == K_Q5 ? 48 : 16) + 32 * (j / 2)));
+                mag = _mm256_and_si256(_mm256_srli_epi16(raw, 4 * (j % 2)), m4);
+                if (kind == K_Q5) {
+                    const __m256i hbit = _mm256_set1_epi8((char)(1 << j));
+                    const __m256i h = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(b + 16)), hbit), hbit);
+                    mag = _mm256_or_si256(mag, _mm256_and_si256(h, _mm256_set1_epi8(16)));
+                }
+                signed_w = 0;
+            } else if (kind == K_Q6) { /* half h = j / 4, quarter q = j % 4 */
+                const int h = j / 4, q = j % 4;
+                const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (q & 1))), 4 * (q >> 1)), m4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)), 2 * q), m3);
+                sgn = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+                mag = _mm256_abs_epi8(sgn);
+            } else if (kind == K_IQ2XXS) {
+                const uint8_t *g = b + 2 + 8 * j;
+                const uint32_t s = rd_u32(g + 4);
+                uint64_t e[4];
+                for (int k = 0; k < 4; k++) memcpy(&e[k], GRID_IQ2_XXS[g[k]], 8);
+                mag = _mm256_setr_epi64x((long long)e[0], (long long)e[1], (long long)e[2], (long long)e[3]);
+                sgn = V2(signs32)((uint32_t)KSIGNS8[s & 127] | (uint32_t)KSIGNS8[(s >> 7) & 127] << 8 |
+                                  (uint32_t)KSIGNS8[(s >> 14) & 127] << 16 | (uint32_t)KSIGNS8[(s >> 21) & 127] << 24);
+            } else if (kind == K_IQ2XS) {
+                uint64_t e[4];
+                uint32_t s = 0;
+                for (int k = 0; k < 4; k++) {
+                    const uint16_t q = rd_u16(b + 2 + 8 * j + 2 * k);
+                    memcpy(&e[k], GRID_IQ2_XS[q & 511], 8);
+                    s |= (uint32_t)KSIGNS8[q >> 9] << (8 * k);
+                }
+                mag = _mm256_setr_epi64x((long long)e[0], (long long)e[1], (long long)e[2], (long long)e[3]);
+                sgn = V2(signs32)(s);
+            } else if (kind == K_IQ2S) {
+                uint64_t e[4];
+                for (int k = 0; k < 4; k++) memcpy(&e[k], GRID_IQ2_S[b[2 + 4 * j + k] | ((b[66 + j] << (8 - 2 * k)) & 0x300)], 8);
+                mag = _mm256_setr_epi64x((long long)e[0], (long long)e[1], (long long)e[2], (long long)e[3]);
+                sgn = V2(signs32)(rd_u32(b + 34 + 4 * j));
+            } else if (kind == K_IQ3XXS || kind == K_IQ3S) {
+                uint32_t e[8];
+                for (int k = 0; k < 8; k++) {
+                    if (kind == K_IQ3XXS) memcpy(&e[k], GRID_IQ3_XXS[b[2 + 8 * j + k]], 4);
+                    else memcpy(&e[k], GRID_IQ3_S[b[2 + 8 * j + k] | (((b[66 + j] >> k) & 1) << 8)], 4);
+                }
+                mag = _mm256_setr_epi32((int)e[0], (int)e[1], (int)e[2], (int)e[3], (int)e[4], (int)e[5], (int)e[6], (int)e[7]);
+                if (kind == K_IQ3XXS) {
+                    const uint32_t s = rd_u32(b + 66 + 4 * j);
+                    sgn = V2(signs32)((uint32_t)KSIGNS8[s & 127] | (uint32_t)KSIGNS8[(s >> 7) & 127] << 8 |
+                                      (uint32_t)KSIGNS8[(s >> 14) & 127] << 16 | (uint32_t)KSIGNS8[(s >> 21) & 127] << 24);
+                } else {
+                    sgn = V2(signs32)(rd_u32(b + 74 + 4 * j));
+                }
+            } else if (kind == K_IQ4XS) {
+                const __m256i table = _mm256_broadcastsi128_si256((__m128i)IQ4_NL_I8);
+                sgn = _mm256_shuffle_epi8(table, V2(nibbles32)(b + 8 + 16 * j));
+                mag = _mm256_abs_epi8(sgn);
+            } else { /* IQ1_S / IQ1_M: 8 * grid + shift */
+                uint64_t e[4];
+                int8_t dl[4];
+                for (int k = 0; k < 4; k++) {
+                    int idx;
+                    if (kind == K_IQ1S) {
+                        const uint16_t h = rd_u16(b + 34 + 2 * j);
+                        idx = b[2 + 4 * j + k] | (((h >> (3 * k)) & 7) << 8);
+                        dl[k] = h & 0x8000 ? -1 : 1;
+                    } else {
+                        const int nib = (b[32 + 2 * j + k / 2] >> (4 * (k % 2))) & 15;
+                        idx = b[4 * j + k] | ((nib & 7) << 8);
+                        dl[k] = nib & 8 ? -1 : 1;
+                    }
+                    memcpy(&e[k], GRID_IQ1_S8[idx], 8);
+                }
+                sgn = _mm256_add_epi8(_mm256_setr_epi64x((long long)e[0], (long long)e[1], (long long)e[2], (long long)e[3]),
+                                      _mm256_setr_epi64x((long long)(0x0101010101010101ull * (uint8_t)dl[0]),
+                                                         (long long)(0x0101010101010101ull * (uint8_t)dl[1]),
+                                                         (long long)(0x0101010101010101ull * (uint8_t)dl[2]),
+                                                         (long long)(0x0101010101010101ull * (uint8_t)dl[3])));
+                mag = _mm256_abs_epi8(sgn);
+            }
+            __m256i xqv = _mm256_loadu_si256((const __m256i *)(yq + 4 + 32 * j));
+            __m256i xrv = _mm256_loadu_si256((const __m256i *)(yr + 4 + 32 * j));
+            if (signed_w) {
+                xqv = _mm256_sign_epi8(xqv, sgn);
+                xrv = _mm256_sign_epi8(xrv, sgn);
+            }
+            const __m256i s = V2(sc16)(sc[2 * j], sc[2 * j + 1], big);
+            sq = V2(dot_sc)(sq, mag, xqv, s, big);
+            sr = V2(dot_sc)(sr, mag, xrv, s, big);
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq), _mm256_set1_ps(d * dq), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sr), _mm256_set1_ps(d * dr), acc);
+        if (has_mins) {
+            const __m256i m16 = _mm256_loadu_si256((const __m256i *)mn);
+            const __m256i bq = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yq + 260)), m16);
+            const __m256i br = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yr + 260)), m16);
+            mins += dmin * (dq * V2(hsum)(_mm256_cvtepi32_ps(bq)) + dr * V2(hsum)(_mm256_cvtepi32_ps(br)));
+        }
+    }
+    const float f = kind == K_IQ2XXS || kind == K_IQ2XS || kind == K_IQ2S || kind == K_IQ1S || kind == K_IQ1M ? 0.125f
+                    : kind == K_IQ3XXS ? 0.25f : 1.0f;
+    return f * V2(hsum)(acc) - mins;
+}
+
+#define V2_K256(name, kind) \
+    static float V2(dot2_##name)(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) { \
+        return V2(dot2_k256)(n, w, xq, xr, kind); \
+    }
+V2_K256(q2_k, K_Q2)
+V2_K256(q3_k, K_Q3)
+V2_K256(q4_k, K_Q4)
+V2_K256(q5_k, K_Q5)
+V2_K256(q6_k, K_Q6)
+V2_K256(iq2_xxs, K_IQ2XXS)
+V2_K256(iq2_xs, K_IQ2XS)
+V2_K256(iq2_s, K_IQ2S)
+V2_K256(iq3_xxs, K_IQ3XXS)
+V2_K256(iq3_s, K_IQ3S)
+V2_K256(iq4_xs, K_IQ4XS)
+V2_K256(iq1_s, K_IQ1S)
+V2_K256(iq1_m, K_IQ1M)
+#undef V2_K256
+
+/* ------------------------------------------------------------------ 32-value blocks x q8_0 / q8_1 */
+
+/* Q8_0 {f16 d; i8 qs[32]}, Q4_0 / IQ4_NL {f16 d; u8 qs[16]} and Q5_0 {f16 d; u32 qh; u8 qs[16]}
+ * (signed values through a table), MXFP4 {u8 e8m0; u8 qs[16]} against q8_0 {f16 d; i8 qs[32]};
+ * Q4_1 {f16 d, m; u8 qs[16]} and Q5_1 {f16 d, m; u32 qh; u8 qs[16]} (unsigned) against q8_1
+ * {f16 d, s; i8 qs[32]}, their m times x's exact block sum d * sum(q) (ggml takes q8_1's f16 s). */
+static inline __attribute__((always_inline)) float V2(dot2_b32)(int64_t n, const uint8_t *w, const uint8_t *xq,
+                                                               const uint8_t *xr, const int kind) {
+    static const int TS[] = {34, 18, 22, 18, 17, 20, 24};
+    const int ts = TS[kind], minmax = kind == B_Q4_1 || kind == B_Q5_1, xs = minmax ? 36 : 34, xh = minmax ? 4 : 2;
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / 32; i++) {
+        const uint8_t *b = w + i * ts, *yq = xq + i * xs, *yr = xr + i * xs;
+        __m256i mag, sgn = _mm256_setzero_si256();
+        float dw, mw = 0.0f;
+        if (kind == B_Q8_0) {
+            sgn = _mm256_loadu_si256((const __m256i *)(b + 2));
+            dw = rd_f16(b);
+        } else if (kind == B_MXFP4) {
+            sgn = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256((__m128i)E2M1_I8), V2(nibbles32)(b + 1));
+            dw = e8m0_half(b[0]);
+        } else if (kind == B_Q4_0 || kind == B_IQ4NL) {
+            const v16i8 t = kind == B_Q4_0 ? (v16i8){-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7} : IQ4_NL_I8;
+            sgn = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256((__m128i)t), V2(nibbles32)(b + 2));
+            dw = rd_f16(b);
+        } else if (kind == B_Q5_0) {
+            sgn = _mm256_sub_epi8(_mm256_or_si256(V2(nibbles32)(b + 6), _mm256_and_si256(V2(bits32)(rd_u32(b + 2)), _mm256_set1_epi8(16))),
+                                  _mm256_set1_epi8(16));
+            dw = rd_f16(b);
+        } else { /* Q4_1 / Q5_1 */
+            mag = V2(nibbles32)(b + (kind == B_Q5_1 ? 8 : 4));
+            if (kind == B_Q5_1) mag = _mm256_or_si256(mag, _mm256_and_si256(V2(bits32)(rd_u32(b + 4)), _mm256_set1_epi8(16)));
+            dw = rd_f16(b);
+            mw = rd_f16(b + 2);
+        }
+        const __m256i xqv = _mm256_loadu_si256((const __m256i *)(yq + xh)), xrv = _mm256_loadu_si256((const __m256i *)(yr + xh));
+        const float dxq = rd_f16(yq), dxr = rd_f16(yr);
+        __m256 t;
+        if (minmax) {
+            const __m256i pq = V2(dot_u)(mag, xqv), pr = V2(dot_u)(mag, xrv);
+            const __m256i cq = V2(dot_u)(ones, xqv), cr = V2(dot_u)(ones, xrv); /* exact sums of x */
+            t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pq), _mm256_set1_ps(dw * dxq), _mm256_mul_ps(_mm256_cvtepi32_ps(pr), _mm256_set1_ps(dw * dxr)));
+            t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cq), _mm256_set1_ps(mw * dxq), t);
+            t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cr), _mm256_set1_ps(mw * dxr), t);
+        } else {
+            mag = _mm256_abs_epi8(sgn);
+            const __m256i pq = V2(dot_u)(mag, _mm256_sign_epi8(xqv, sgn)), pr = V2(dot_u)(mag, _mm256_sign_epi8(xrv, sgn));
+            t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pq), _mm256_set1_ps(dw * dxq), _mm256_mul_ps(_mm256_cvtepi32_ps(pr), _mm256_set1_ps(dw * dxr)));
+        }
+        acc = _mm256_add_ps(acc, t);
+    }
+    return V2(hsum)(acc);
+}
+
+#define V2_B32(name, kind) \
+    static float V2(dot2_##name)(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) { \
+        return V2(dot2_b32)(n, w, xq, xr, kind); \
+    }
+V2_B32(q8_0, B_Q8_0)
+V2_B32(q4_0, B_Q4_0)
+V2_B32(q5_0, B_Q5_0)
+V2_B32(iq4_nl, B_IQ4NL)
+V2_B32(mxfp4, B_MXFP4)
+V2_B32(q4_1, B_Q4_1)
+V2_B32(q5_1, B_Q5_1)
+#undef V2_B32
+
+/* The kernel for a ggml type and its activation layout, or NULL (qmm.c's fused2_for). */
+static dot2_fn V2(fused2_for)(int type, int64_t qblk, int64_t qsize) {
+    if (qblk == 256 && qsize == 292) {
+        switch (type) {
+        case 10: return V2(dot2_q2_k);
+        case 11: return V2(dot2_q3_k);
+        case 12: return V2(dot2_q4_k);
+        case 13: return V2(dot2_q5_k);
+        case 14: return V2(dot2_q6_k);
+        case 16: return V2(dot2_iq2_xxs);
+        case 17: return V2(dot2_iq2_xs);
+        case 18: return V2(dot2_iq3_xxs);
+        case 19: return V2(dot2_iq1_s);
+        case 21: return V2(dot2_iq3_s);
+        case 22: return V2(dot2_iq2_s);
+        case 23: return V2(dot2_iq4_xs);
+        case 29: return V2(dot2_iq1_m);
+        default: return NULL;
+        }
+    }
+    if (qblk == 32 && qsize == 34) {
+        switch (type) {
+        case 2: return V2(dot2_q4_0);
+        case 6: return V2(dot2_q5_0);
+        case 8: return V2(dot2_q8_0);
+        case 20: return V2(dot2_iq4_nl);
+        case 39: return V2(dot2_mxfp4);
+        default: return NULL;
+        }
+    }
+    if (qblk == 32 && qsize == 36 && (type == 3 || type == 7)) return type == 3 ? V2(dot2_q4_1) : V2(dot2_q5_1);
+    return NULL;
+}
