@@ -65,3 +65,80 @@ def test_group_declines_what_it_cannot_take():
     assert decode_ops.try_qmatmul_group(torch.randn(100, 256), (w,), (None,)) is None  # a prompt
     assert decode_ops.try_qmatmul_group(torch.randn(1, 256, dtype=torch.bfloat16), (w,), (None,)) is None
     assert decode_ops.try_rope(torch.randn(1, 1, 2, 8), torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), 6, True) is None
+
+
+def _decode_block(qk_norm: bool, bias: bool, seed: int = 0):
+    """A llama-style block of quantized weights (hidden 256, 8 query heads of 32, 2 kv heads,
+    partial rotary), built without a file; q/k norms and q/k/v biases optional."""
+    from torch import nn
+
+    from strata.models.cache import KVCache  # noqa: F401
+    from strata.models.layers import Attention, DenseFFN, RMSNorm
+    from strata.models.transformer import Block
+
+    g = torch.Generator().manual_seed(seed)
+    hidden, hq, hkv, d, f = 256, 8, 2, 32, 512
+    attn = Attention.__new__(Attention)
+    nn.Module.__init__(attn)
+    attn.n_heads, attn.n_kv, attn.head_dim, attn.gated = hq, hkv, d, False
+    b = (lambda n: torch.randn(n, generator=g)) if bias else (lambda n: None)
+    attn.wq = Linear(random_qtensor("Q4_K", (hq * d, hidden), seed=seed + 1), b(hq * d))
+    attn.wk = Linear(random_qtensor("Q6_K", (hkv * d, hidden), seed=seed + 2), b(hkv * d))
+    attn.wv = Linear(random_qtensor("Q8_0", (hkv * d, hidden), seed=seed + 3), b(hkv * d))
+    attn.wo = Linear(random_qtensor("Q4_K", (hidden, hq * d), seed=seed + 4))
+    norm = (lambda n: RMSNorm(1 + 0.3 * torch.randn(n, generator=g), 1e-6))
+    attn.q_norm, attn.k_norm = (norm(d), norm(d)) if qk_norm else (None, None)
+    attn.rope = Rope(RopeConfig(dim=16, interleaved=not qk_norm))
+    ffn = DenseFFN.__new__(DenseFFN)
+    nn.Module.__init__(ffn)
+    ffn.gate = Linear(random_qtensor("Q4_K", (f, hidden), seed=seed + 5))
+    ffn.up = Linear(random_qtensor("Q5_K", (f, hidden), seed=seed + 6))
+    ffn.down = Linear(random_qtensor("Q4_1", (hidden, f), seed=seed + 7))
+    return Block(norm(hidden), attn, norm(hidden), ffn)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qk_norm,bias", [(False, False), (True, True)])
+def test_decode_layer_halves_in_one_call_each_match_torch(qk_norm, bias, monkeypatch):
+    """A decode token's x + attn(norm(x)) and h + ffn(norm(h)) in one C call each
+    (strata_attn_decode / strata_ffn_decode: norms, q/k/v, q/k norms, rope, the KV write, GQA
+    attention over the cache, output projection, SwiGLU, residuals) against the torch modules, over
+    a prompt and 6 decode positions (keys and values written where the torch path writes them)."""
+    from strata.models.cache import KVCache, StepInfo
+    from strata.models.layers import no_tap
+
+    block = _decode_block(qk_norm, bias)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randn(1, 5, 256, generator=g)
+    caches = {}
+    calls = {"attn": 0, "ffn": 0}
+    attn_c, ffn_c = decode_ops.try_attention_block, decode_ops.try_ffn_block
+
+    def count(name, fn):
+        def wrapped(*a):
+            y = fn(*a)
+            calls[name] += y is not None
+            return y
+        return wrapped
+
+    monkeypatch.setattr(decode_ops, "try_attention_block", count("attn", attn_c))
+    monkeypatch.setattr(decode_ops, "try_ffn_block", count("ffn", ffn_c))
+    outs = {}
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(decode_ops, "try_attention_block", lambda *a: None)
+            monkeypatch.setattr(decode_ops, "try_ffn_block", lambda *a: None)
+        cache = caches[fast] = KVCache()
+        step = StepInfo(torch.tensor([0]), torch.tensor([5]), 5)
+        block(prompt, cache, step, block.attn.rope.cos_sin(step.positions), no_tap)  # prefill: torch both times
+        ys = []
+        for pos in range(5, 11):
+            x = torch.randn(1, 1, 256, generator=torch.Generator().manual_seed(pos))
+            step = StepInfo(torch.tensor([pos]), torch.tensor([1]), 1)
+            ys.append(block(x, cache, step, block.attn.rope.cos_sin(step.positions), no_tap) - x)  # what the block adds
+        outs[fast] = torch.cat(ys, 1)
+    assert calls == {"attn": 6, "ffn": 6}
+    fast, ref = outs[True], outs[False]
+    assert float((fast - ref).abs().max()) < 2e-5 * float(ref.abs().max())
+    torch.testing.assert_close(caches[True].k[:, :, :11], caches[False].k[:, :, :11], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(caches[True].v[:, :, :11], caches[False].v[:, :, :11], rtol=1e-4, atol=1e-5)

@@ -166,6 +166,18 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_qmm_many.restype = ctypes.c_int
     lib.strata_pool_jobs.argtypes = []
     lib.strata_pool_jobs.restype = i64
+    f32, c_int = ctypes.c_float, ctypes.c_int
+    lib.strata_attn_decode.argtypes = [p, i64, p, f32, p, p, p, p, i64, i64, i64, p, p, f32, p, p, i64, c_int,
+                                       p, p, i64, i64, p, p, p, c_int]
+    lib.strata_attn_decode.restype = c_int
+    lib.strata_ffn_decode.argtypes = [p, i64, p, f32, p, p, i64, p, p, p, c_int]
+    lib.strata_ffn_decode.restype = c_int
+    lib.strata_pool_tiles.argtypes = [p]
+    lib.strata_pool_tiles.restype = None
+    lib.strata_set_spin_us.argtypes = [i64]
+    lib.strata_set_spin_us.restype = None
+    lib.strata_set_min_warm.argtypes = [i64]
+    lib.strata_set_min_warm.restype = None
     lib.strata_set_min_parallel.argtypes = [i64]
     lib.strata_set_min_parallel.restype = None
     lib.strata_set_fused.argtypes = [ctypes.c_int]

@@ -69,3 +69,95 @@ def try_qmatmul_group(x: torch.Tensor, weights: tuple[QTensor, ...],
                          out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
     parts = out.split(rows, dim=-1)
     return list(parts) if rows_x == 1 else [t.contiguous() for t in parts]
+
+
+def _linear_plan(lin):
+    """The kernel plan of a Linear's quantized weight on the CPU (with its own C kernel), or None."""
+    w = getattr(lin, "weight", None)
+    if not isinstance(w, QTensor) or w.raw.device.type != "cpu":
+        return None
+    p = kernels._plan(w)
+    return p if p is not None and p.fnptr is not None else None
+
+
+def _vec(t) -> bool:
+    return t is not None and t.dtype is torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+def try_attention_block(x: torch.Tensor, norm, attn, cache, step, rope_cs) -> torch.Tensor | None:
+    """x + attn(norm(x)) for one decode token in one C call (strata_attn_decode: norm, q/k/v, q/k
+    norms, rope, the KV write, attention, output projection, residual), or None where it does not
+    apply (not one float32 token of one row on the CPU, a gated or biased output, another cache,
+    a weight without an own kernel). The caller checks the module types."""
+    lib = _build.load()
+    if lib is None or not _ok(x) or x.shape[0] != 1 or x.shape[1] != 1 or attn.gated:
+        return None
+    hidden = x.shape[-1]
+    plans = [_linear_plan(lin) for lin in (attn.wq, attn.wk, attn.wv, attn.wo)]
+    if any(p is None for p in plans) or attn.wo.bias is not None:
+        return None
+    pq, pk, pv, po = plans
+    hq, hkv, d = attn.n_heads, attn.n_kv, attn.head_dim
+    if (pq.rows, pk.rows, pv.rows, po.rows, po.cols) != (hq * d, hkv * d, hkv * d, hidden, hq * d) or hq % hkv:
+        return None
+    if pq.cols != hidden or pk.cols != hidden or pv.cols != hidden:
+        return None
+    biases = (attn.wq.bias, attn.wk.bias, attn.wv.bias)
+    if any(b is not None and not (_vec(b) and b.numel() == r) for b, r in zip(biases, (pq.rows, pk.rows, pv.rows))):
+        return None
+    qn, kn = attn.q_norm, attn.k_norm
+    if (qn is None) != (kn is None) or (qn is not None and not (_vec(qn.weight) and _vec(kn.weight)
+                                                              and qn.weight.numel() == d and kn.weight.numel() == d)):
+        return None
+    if not _vec(norm.weight) or norm.weight.numel() != hidden:
+        return None
+    cos, sin = rope_cs
+    rot = attn.rope.cfg.dim
+    if not (_vec(cos) and _vec(sin)) or cos.numel() != rot // 2 or sin.numel() != rot // 2 or rot > d:
+        return None
+    if cache.k is not None and (cache.k.dtype is not torch.float32 or cache.k.device.type != "cpu"
+                                or cache.k.shape[0] != 1 or cache.k.shape[1] != hkv or cache.k.shape[3] != d):
+        return None
+    if step.start.numel() != 1 or int(step.n_new[0]) != 1:
+        return None
+    pos = int(step.start[0])
+    like = x.new_empty(1, 1, 1, d)  # what _reserve reads: dtype, device and head_dim
+    cache._reserve(1, hkv, pos + 1, like, like)
+    kc, vc = cache.k, cache.v
+    if not (kc.is_contiguous() and vc.is_contiguous()):
+        return None
+    out = torch.empty_like(x)
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    ok = lib.strata_attn_decode(
+        x.data_ptr(), hidden, norm.weight.data_ptr(), ctypes.c_float(norm.eps),
+        (vp * 3)(pq.fnptr, pk.fnptr, pv.fnptr), (vp * 3)(pq.ptr, pk.ptr, pv.ptr), (i64 * 3)(pq.rows, pk.rows, pv.rows),
+        (vp * 3)(*(0 if b is None else b.data_ptr() for b in biases)), hq, hkv, d,
+        qn.weight.data_ptr() if qn is not None else None, kn.weight.data_ptr() if kn is not None else None,
+        ctypes.c_float(qn.eps if qn is not None else 0.0), cos.data_ptr(), sin.data_ptr(), rot,
+        int(attn.rope.cfg.interleaved), kc.data_ptr(), vc.data_ptr(), kc.shape[2], pos, po.fnptr, po.ptr,
+        out.data_ptr(), torch.get_num_threads())
+    return out if ok else None
+
+
+def try_ffn_block(h: torch.Tensor, norm, ffn) -> torch.Tensor | None:
+    """h + ffn(norm(h)) of a dense SwiGLU FFN for one decode token in one C call (strata_ffn_decode),
+    or None where it does not apply (as `try_attention_block`)."""
+    lib = _build.load()
+    if lib is None or not _ok(h) or h.numel() != h.shape[-1]:
+        return None
+    hidden = h.shape[-1]
+    plans = [_linear_plan(lin) for lin in (ffn.gate, ffn.up, ffn.down)]
+    if any(p is None for p in plans) or any(lin.bias is not None for lin in (ffn.gate, ffn.up, ffn.down)):
+        return None
+    pg, pu, pd = plans
+    f = pg.rows
+    if (pg.cols, pu.rows, pu.cols, pd.rows, pd.cols) != (hidden, f, hidden, hidden, f):
+        return None
+    if not _vec(norm.weight) or norm.weight.numel() != hidden:
+        return None
+    out = torch.empty_like(h)
+    vp = ctypes.c_void_p
+    ok = lib.strata_ffn_decode(h.data_ptr(), hidden, norm.weight.data_ptr(), ctypes.c_float(norm.eps),
+                               (vp * 2)(pg.fnptr, pu.fnptr), (vp * 2)(pg.ptr, pu.ptr), f, pd.fnptr, pd.ptr,
+                               out.data_ptr(), torch.get_num_threads())
+    return out if ok else None

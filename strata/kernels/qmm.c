@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <time.h>
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -405,7 +406,7 @@ typedef struct {
 } job_t;
 
 #define MAX_HELPERS 63
-#define SPIN_ROUNDS 2000 /* a few microseconds of polling before a helper sleeps */
+#define SPIN_ROUNDS 2000 /* the caller: ~40 us of polling for a helper's last tile, then sched_yield */
 
 static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -418,6 +419,30 @@ static job_t pool_job;
 static int pool_size;
 static _Atomic int64_t pool_jobs; /* pool_run calls so far (a test counts a decode layer's) */
 int64_t strata_pool_jobs(void) { return atomic_load(&pool_jobs); }
+static _Atomic int64_t pool_helper_tiles, pool_caller_tiles; /* who ran the shared jobs' tiles */
+/* out[0]: tiles of shared jobs run by helpers, out[1]: by the calling thread (bench/decode_profile). */
+void strata_pool_tiles(int64_t *out) {
+    out[0] = atomic_load(&pool_helper_tiles);
+    out[1] = atomic_load(&pool_caller_tiles);
+}
+
+/* How long an idle helper polls for the next job before it sleeps (a wake-up costs a futex call
+ * and, on a busy machine, a wait for the scheduler). The gaps between a decode step's products
+ * (Python, torch's small ops) are 20-100 us on a small model; a poll window past them keeps the
+ * helper awake through a layer, so even small products can be shared (`pool_awake`). */
+static int64_t spin_ns = 40000;
+void strata_set_spin_us(int64_t us) { spin_ns = us * 1000; }
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Whether nth - 1 helpers exist and none is asleep (a racy read: only a hint for small products). */
+static inline int pool_awake(int nth) {
+    return nth > 1 && pool_size >= nth - 1 && atomic_load_explicit(&pool_sleepers, memory_order_relaxed) == 0;
+}
 
 static inline uint32_t st_epoch(uint64_t s) { return (uint32_t)(s >> 32); }
 static inline int64_t st_next(uint64_t s) { return (int64_t)((s >> 16) & 0xFFFF); }
@@ -446,17 +471,23 @@ static void *pool_helper(void *arg) {
         uint64_t s = atomic_load_explicit(&pool_state, memory_order_acquire);
         if (st_epoch(s) != seen) {
             seen = st_epoch(s);
-            if (index < atomic_load_explicit(&pool_wanted, memory_order_relaxed)) pool_work();
+            if (index < atomic_load_explicit(&pool_wanted, memory_order_relaxed))
+                atomic_fetch_add_explicit(&pool_helper_tiles, pool_work(), memory_order_relaxed);
             continue;
         }
-        int spun = 0;
-        while (spun < SPIN_ROUNDS && st_epoch(atomic_load_explicit(&pool_state, memory_order_acquire)) == seen) {
+        const int64_t t0 = now_ns();
+        int changed = 0;
+        for (int spun = 1;; spun++) {
+            if (st_epoch(atomic_load_explicit(&pool_state, memory_order_acquire)) != seen) {
+                changed = 1;
+                break;
+            }
 #if defined(__x86_64__) || defined(__i386__)
             __builtin_ia32_pause();
 #endif
-            spun++;
+            if (spun % 64 == 0 && now_ns() - t0 > spin_ns) break;
         }
-        if (spun < SPIN_ROUNDS) continue;
+        if (changed) continue;
         pthread_mutex_lock(&wake_mu);
         atomic_fetch_add(&pool_sleepers, 1);
         while (st_epoch(atomic_load(&pool_state)) == seen) pthread_cond_wait(&wake_cv, &wake_mu);
@@ -499,7 +530,7 @@ static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_
         pthread_cond_broadcast(&wake_cv);
         pthread_mutex_unlock(&wake_mu);
     }
-    pool_work();
+    atomic_fetch_add_explicit(&pool_caller_tiles, pool_work(), memory_order_relaxed);
     /* A helper may hold a claimed tile while descheduled: poll briefly, then yield the core to it. */
     for (int spun = 0; atomic_load_explicit(&pool_done, memory_order_acquire) < n_tiles; spun++) {
         if (spun < SPIN_ROUNDS) {
@@ -1951,6 +1982,12 @@ static int unquant8(const uint8_t *q, int64_t qblk, int64_t qsize, float *y, int
  * thread (a wake-up, then the caller's wait) cost more than the helper's share of the work. */
 static int64_t min_parallel_bytes = 256 * 1024;
 void strata_set_min_parallel(int64_t bytes) { min_parallel_bytes = bytes; }
+/* ... unless the helpers are awake (polling after the last job): then from this many bytes on. */
+static int64_t min_warm_bytes = 32 * 1024;
+void strata_set_min_warm(int64_t bytes) { min_warm_bytes = bytes; }
+static inline int parallel_threads(int64_t bytes, int nth) {
+    return bytes >= min_parallel_bytes || (bytes >= min_warm_bytes && pool_awake(nth)) ? nth : 1;
+}
 
 /* Y = X W^T through ggml's kernels for ggml type `type` (wrow bytes per weight row); 0 if none. */
 int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const float *X, int64_t B, float *Y,
@@ -1983,7 +2020,7 @@ int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const
     }
     int64_t tile_rows = ROW_TILE;
     while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
-    if (rows * wrow * B < min_parallel_bytes) nth = 1; /* waking a helper costs more than it saves */
+    nth = parallel_threads(rows * wrow * B, nth); /* waking a helper costs more than it saves */
     const dot2_fn dot2 = twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
     if (dot2 && fused2_prep(type, k->qsize)) { /* q8_1 and q8_0 types: the row-independent part laid out once */
         const int q8_0 = k->qsize == 34;
@@ -2166,7 +2203,7 @@ int strata_qmm_many(int n, const int *types, const void *const *W, const int64_t
             if (total <= 0xFFFF) break;
             tile_rows *= 2;
         }
-        if (bytes * B < min_parallel_bytes) nth = 1;
+        nth = parallel_threads(bytes * B, nth);
         const many_args args = {it, n, B, tile_rows};
         pool_run(tile_many, &args, total, nth < 1 ? 1 : nth);
     }
@@ -2585,6 +2622,98 @@ void strata_gdn_step(float *S, const float *q, const float *k, const float *v, c
                      const float *beta, float *out, int64_t bh, int64_t dk, int64_t dv, int nth) {
     const gdn_args a = {S, q, k, v, decay, beta, out, dk, dv};
     pool_run(gdn_head, &a, bh, nth < 1 ? 1 : nth);
+}
+
+/* ------------------------------------------------------------------ a decode token's layer halves
+ *
+ * Between a decode layer's products the Python of a llama-style layer (norms, views, rope, the KV
+ * write, attention, residual adds: ~25 torch calls and their wrappers) ran on the calling thread
+ * alone: ~0.27 ms per SmolLM2 layer, a third of its step, while the helpers slept. These take one
+ * token (B = T = 1, float32) through x + attention(norm(x)) and h + ffn(norm(h)) in one call each,
+ * the products through the same kernels (strata_qmm_group / the type's strata_qmm_*). */
+
+/* y = w * (x * 1/sqrt(mean(x^2) + eps)), torch's order of operations (a float sum of squares). */
+__attribute__((optimize("fp-contract=off")))
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * r);
+}
+
+/* out = x + W_o attn(rope(norm_q q), rope(norm_k k), v) of one token, with q/k/v = group(norm(x)),
+ * k and v written at cache position pos (kc, vc: [n_kv, cap, head_dim]) and all pos + 1 keys
+ * attended (scaled dot products, softmax, GQA: query head h reads kv head h / (n_heads / n_kv)).
+ * qn_w / kn_w: per-head RMS norms of q and k (NULL: none). 0 (nothing written) when no memory. */
+__attribute__((optimize("fp-contract=off")))
+int strata_attn_decode(const float *x, int64_t hidden, const float *norm_w, float eps, void *const *fns,
+                       const void *const *W, const int64_t *rows, const float *const *bias, int64_t n_heads,
+                       int64_t n_kv, int64_t head_dim, const float *qn_w, const float *kn_w, float qk_eps,
+                       const float *cs, const float *sn, int64_t rot, int interleaved, float *kc, float *vc,
+                       int64_t cap, int64_t pos, void *o_fn, const void *o_W, float *out, int nth) {
+    const int64_t D = head_dim, nq = n_heads * D, nk = n_kv * D, S = pos + 1;
+    float *buf = malloc(sizeof(float) * (size_t)(hidden + 2 * nq + 2 * nk + S + hidden) + 64);
+    if (!buf) return 0;
+    float *xn = buf, *qkv = xn + hidden, *q = qkv, *k = q + nq, *v = k + nk, *att = v + nk, *p = att + nq,
+          *o = p + S;
+    rms_norm(x, norm_w, hidden, eps, xn);
+    strata_qmm_group(3, fns, W, rows, hidden, xn, 1, bias, qkv, NULL, nth);
+    if (qn_w)
+        for (int64_t h = 0; h < n_heads; h++) rms_norm(q + h * D, qn_w, D, qk_eps, q + h * D);
+    if (kn_w)
+        for (int64_t h = 0; h < n_kv; h++) rms_norm(k + h * D, kn_w, D, qk_eps, k + h * D);
+    strata_rope(q, cs, sn, 1, n_heads, D, rot, interleaved, q);
+    strata_rope(k, cs, sn, 1, n_kv, D, rot, interleaved, k);
+    for (int64_t h = 0; h < n_kv; h++) {
+        memcpy(kc + (h * cap + pos) * D, k + h * D, sizeof(float) * (size_t)D);
+        memcpy(vc + (h * cap + pos) * D, v + h * D, sizeof(float) * (size_t)D);
+    }
+    const float scale = 1.0f / sqrtf((float)D);
+    const int64_t grp = n_heads / n_kv;
+    for (int64_t h = 0; h < n_heads; h++) {
+        const float *qh = q + h * D;
+        const float *kh = kc + (h / grp) * cap * D, *vh = vc + (h / grp) * cap * D;
+        float m = -INFINITY;
+        for (int64_t s = 0; s < S; s++) {
+            float d = 0.0f;
+            for (int64_t i = 0; i < D; i++) d += qh[i] * kh[s * D + i];
+            p[s] = d * scale;
+            if (p[s] > m) m = p[s];
+        }
+        float sum = 0.0f;
+        for (int64_t s = 0; s < S; s++) {
+            p[s] = expf(p[s] - m);
+            sum += p[s];
+        }
+        float *ah = att + h * D;
+        for (int64_t i = 0; i < D; i++) ah[i] = 0.0f;
+        for (int64_t s = 0; s < S; s++) {
+            const float ps = p[s] / sum;
+            for (int64_t i = 0; i < D; i++) ah[i] += ps * vh[s * D + i];
+        }
+    }
+    ((qmm_fn)o_fn)((const uint8_t *)o_W, hidden, nq, att, 1, o, nth);
+    for (int64_t i = 0; i < hidden; i++) out[i] = x[i] + o[i];
+    free(buf);
+    return 1;
+}
+
+/* out = h + W_down(silu(W_gate n) * W_up n), n = norm(h), of one token; 0 (nothing written) when
+ * no memory. */
+int strata_ffn_decode(const float *h, int64_t hidden, const float *norm_w, float eps, void *const *fns,
+                      const void *const *W, int64_t ffn, void *down_fn, const void *down_W, float *out, int nth) {
+    float *buf = malloc(sizeof(float) * (size_t)(2 * hidden + 2 * ffn) + 64);
+    if (!buf) return 0;
+    float *n = buf, *gu = n + hidden, *y = gu + 2 * ffn;
+    const int64_t rows[2] = {ffn, ffn};
+    const float *const bias[2] = {NULL, NULL};
+    rms_norm(h, norm_w, hidden, eps, n);
+    strata_qmm_group(2, fns, W, rows, hidden, n, 1, bias, gu, NULL, nth);
+    for (int64_t i = 0; i < ffn; i++) gu[i] = silu(gu[i]) * gu[ffn + i];
+    ((qmm_fn)down_fn)((const uint8_t *)down_W, hidden, ffn, gu, 1, y, nth);
+    for (int64_t i = 0; i < hidden; i++) out[i] = h[i] + y[i];
+    free(buf);
+    return 1;
 }
 
 /* ------------------------------------------------------------------ float16 weights

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.kernels import decode_ops
 from strata.kernels.threads import one_thread_if_small
 from strata.models.cache import KVCache, ModelCache, StepInfo
-from strata.models.layers import Attention, RMSNorm, Tap, no_tap
+from strata.models.layers import Attention, DenseFFN, RMSNorm, Tap, no_tap
 from strata.models.linear import Linear
 from strata.models.rope import Rope
 from strata.models.seams import Seams
@@ -72,8 +73,16 @@ class Block(nn.Module):
                    RMSNorm(w.dense(f"{prefix}.ffn_norm.weight", (hidden,)), eps), ffn)
 
     def forward(self, x, cache: KVCache, step: StepInfo, rope_cs, tap: Tap) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), cache, step, rope_cs, tap)
+        h = None
+        if tap is no_tap and type(self.attn) is Attention and type(cache) is KVCache and type(self.attn_norm) is RMSNorm:
+            h = decode_ops.try_attention_block(x, self.attn_norm, self.attn, cache, step, rope_cs)  # a decode token: one C call
+        if h is None:
+            h = x + self.attn(self.attn_norm(x), cache, step, rope_cs, tap)
         tap("ffn_inp", h)
+        if tap is no_tap and type(self.ffn) is DenseFFN and type(self.ffn_norm) is RMSNorm:
+            y = decode_ops.try_ffn_block(h, self.ffn_norm, self.ffn)
+            if y is not None:
+                return y
         normed = self.ffn_norm(h)
         if isinstance(self.ffn, MoE):
             out = self.ffn(normed, None if step.all_real else step.token_mask, tap)
