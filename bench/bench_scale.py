@@ -25,9 +25,13 @@ ids) on each file after Strata, and prints its decode and prefill beside Strata'
 cold file: the bench drops the file's page-cache pages (posix_fadvise, this file only) first.
 
 `--skewed-model FILE --skew S` adds a run of a second file, the same synth written with
-`--router-skew S` (the skew is only a label here). The bench never writes to a model file, so with
-about 80 GB of disk only one of the two 45.7 GiB files fits at a time: run each in its own
-invocation when disk is short, deleting the first file between them.
+`--router-skew S` (the skew is only a label here). Otherwise the bench never writes to a model file.
+
+`--write-in-turn 0,0.3` (with `--like`, `--layers`, `--quant`) is for a disk that holds one full-size
+file at a time: for each skew in turn the bench deletes `--model`, writes it again with `strata synth
+--like L --layers N --quant Q --router-skew S` (the same seeded weights: only the routers' row scales
+differ), measures the disk on it and runs it; the last one stays. One invocation prints the columns side
+by side, each with its own disk bandwidth.
 """
 
 from __future__ import annotations
@@ -201,6 +205,18 @@ def _agree(a: list[int], b: list[int]) -> str:
     return f"{n}/{min(len(a), len(b))}"
 
 
+def write_synth(path: Path, like: str, layers: int, quant: str, skew: float) -> str:
+    """`strata synth` (a subprocess, as a user runs it) writes `path` afresh; returns its report."""
+    if path.exists():
+        path.unlink()
+    cmd = [sys.executable, "-m", "strata.cli", "synth", str(path), "--like", like, "--layers", str(layers),
+           "--quant", quant, "--router-skew", f"{skew:g}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"strata synth failed (rc {proc.returncode}): {proc.stderr[-3000:]}")
+    return " ".join(line.strip() for line in proc.stdout.splitlines() if line.startswith(("wrote", "  router skew")))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -210,27 +226,42 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skewed-model", help="also run this file: the same synth written with --router-skew")
     ap.add_argument("--skew", type=float, default=0.0, help="the --router-skew the skewed file (or, without --skewed-model, --model) was written with")
+    ap.add_argument("--write-in-turn", metavar="S,S,...",
+                    help="write --model with strata synth for each of these --router-skew values in turn and run each")
+    ap.add_argument("--like", default="qwen4exp", help="with --write-in-turn: strata synth --like")
+    ap.add_argument("--layers", type=int, default=48, help="with --write-in-turn: strata synth --layers")
+    ap.add_argument("--quant", default="IQ2_XS", help="with --write-in-turn: strata synth --quant")
     ap.add_argument("--llama-cpp", action="store_true",
                     help="also run llama.cpp (llama-cpp-python, mmap, same threads) on each file")
     args = ap.parse_args(argv)
     path = Path(args.model)
     budget = parse_size(args.ram_memory, "--ram-memory")
-    print(f"# {path.name}: {format_size(path.stat().st_size)}; load average {os.getloadavg()[0]:.2f} "
-          f"(shared machine: 2 cores, other engineers' jobs running)")
-    disk = disk_bandwidth(path)
+    in_turn = [float(v) for v in args.write_in_turn.split(",")] if args.write_in_turn else None
+    if in_turn and args.skewed_model:
+        raise SystemExit("--write-in-turn writes --model for each skew: leave out --skewed-model")
+    print(f"# load average {os.getloadavg()[0]:.2f} (shared machine: 2 cores, other engineers' jobs running)")
     mem = memory_bandwidth()
     print("# each engine starts from a cold file: its page-cache pages are dropped before the run "
           "(posix_fadvise DONTNEED, this file only)")
-    print(f"# disk {disk / 1e9:.2f} GB/s (2 MiB O_DIRECT random reads, 8 in flight); memory {mem / 1e9:.1f} GB/s "
-          f"(512 MiB copy)")
+    print(f"# memory {mem / 1e9:.1f} GB/s (512 MiB copy); disk: 2 MiB O_DIRECT random reads of the file, 8 in flight")
+    if in_turn:
+        print(f"# one file on disk at a time: {path.name} is written by strata synth --like {args.like} --layers "
+              f"{args.layers} --quant {args.quant} --router-skew S for each S in turn, then run")
     rows = []
     # without --skewed-model, --skew labels --model itself (a file written with --router-skew, run alone
     # when disk holds one full-size file at a time)
-    runs = [(path, 0.0 if args.skewed_model else args.skew)] + \
+    runs = [(path, s) for s in in_turn] if in_turn else [(path, 0.0 if args.skewed_model else args.skew)] + \
         ([(Path(args.skewed_model), args.skew)] if args.skewed_model else [])
     for model, skew in runs:
+        if in_turn:
+            t0 = time.perf_counter()
+            report = write_synth(model, args.like, args.layers, args.quant, skew)
+            print(f"# {report} (bench: {time.perf_counter() - t0:.0f} s)", flush=True)
+        disk = disk_bandwidth(model)
+        print(f"# {model.name} (router skew {skew:g}): {format_size(model.stat().st_size)}; disk {disk / 1e9:.2f} GB/s; "
+              f"load average {os.getloadavg()[0]:.2f}", flush=True)
         r = run(model, args.ram_memory, args.threads, args.prompt_tokens, args.tokens)
-        r["skew"] = skew
+        r["skew"], r["disk"], r["load_avg"] = skew, disk, os.getloadavg()[0]
         if args.llama_cpp:
             r["llama"] = run_llama_cpp(model, args.threads, args.prompt_tokens, args.tokens)
             print(f"# llama.cpp on {model.name}: {json.dumps({k: v for k, v in r['llama'].items() if k != 'tokens'})}",
@@ -239,16 +270,18 @@ def main(argv=None) -> int:
         print(f"# run {model.name} (router skew {skew:g}): {r['summary']}", flush=True)
     dense = rows[0]["memory"]["dense"]
     table = [("router skew", lambda r: f"{r['skew']:g}"),
+             ("disk GB/s (measured on the file before its run)", lambda r: f"{r['disk'] / 1e9:.2f}"),
+             ("load average at the end of the run", lambda r: f"{r['load_avg']:.1f}"),
              ("load s", lambda r: f"{r['load_s']:.1f}"),
              ("time to first token s", lambda r: f"{r['ttft_s']:.1f}"),
              ("  limit: (dense + prefill reads) / disk s",
-              lambda r: f"{(dense + r['prefill_bytes']) / disk:.1f}"),
+              lambda r: f"{(dense + r['prefill_bytes']) / r['disk']:.1f}"),
              (f"prefill tok/s ({args.prompt_tokens} tokens)", lambda r: f"{r['prefill_tok_s']:.2f}"),
              (f"decode tok/s ({args.tokens} tokens)", lambda r: f"{r['decode_tok_s']:.3f}"),
              ("  disk limit: disk bw / bytes read per token",
-              lambda r: f"{disk / max(r['decode_bytes_per_token'], 1):.3f}"),
-             ("  decode / disk limit", lambda r: f"{r['decode_tok_s'] * r['decode_bytes_per_token'] / disk:.0%}"),
-             ("  limit with dense weights at memory bw", lambda r: f"{1 / (r['decode_bytes_per_token'] / disk + dense / mem):.3f}"),
+              lambda r: f"{r['disk'] / max(r['decode_bytes_per_token'], 1):.3f}"),
+             ("  decode / disk limit", lambda r: f"{r['decode_tok_s'] * r['decode_bytes_per_token'] / r['disk']:.0%}"),
+             ("  limit with dense weights at memory bw", lambda r: f"{1 / (r['decode_bytes_per_token'] / r['disk'] + dense / mem):.3f}"),
              ("disk MiB read per decoded token", lambda r: f"{r['decode_bytes_per_token'] / 2**20:.0f}"),
              ("RAM-cache hit rate (decode)", lambda r: f"{r['decode_hit_rate']:.1%}"),
              ("  uses served by a read ahead", lambda r: f"{r['decode_ahead_rate']:.1%}"),
