@@ -33,6 +33,7 @@ Without a C compiler, or with STRATA_KERNELS=0, everything takes the reference p
 from __future__ import annotations
 
 import ctypes
+import threading
 import weakref
 from typing import Callable, NamedTuple
 
@@ -287,6 +288,29 @@ def dequantize_ggml(w: QTensor, dtype: torch.dtype = torch.bfloat16, threads: in
 # 1 thread (bench/bench_kernels.py --prompt-amx): the AMX product ~0.4 ms flat, the 8-bit kernel
 # 0.06-0.12 ms a row.
 PROMPT_AMX_MIN_ROWS = 6
+
+_prompt_state = threading.local()
+
+
+class prompt_batches:
+    """`with kernels.prompt_batches():` marks a prompt's forward (`runtime.generate.prefill`), on this
+    thread: its quantized products of PROMPT_AMX_MIN_ROWS to FAST_BATCH_MAX rows take the AMX product
+    (`try_qmatmul_prompt`, 2-5x less CPU at 8-32 rows) before the decode kernels. Outside it a batch of
+    that size (a verify pass, a decode batch) keeps the decode kernels, whose rows each equal a
+    one-token step."""
+
+    def __enter__(self):
+        _prompt_state.depth = getattr(_prompt_state, "depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc):
+        _prompt_state.depth -= 1
+        return False
+
+
+def in_prompt() -> bool:
+    """Whether this thread is inside `prompt_batches()`."""
+    return getattr(_prompt_state, "depth", 0) > 0
 
 
 def try_qmatmul_prompt(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torch.Tensor | None:

@@ -135,10 +135,13 @@ class Linear(_StoredWeight):
             # dequantized at placement: `device_budget.dense_forms`)
             y = _device_qmatmul(x, w)
             return y if self.bias is None else y + self.bias
-        y = kernels.try_qmatmul(x, w)  # None: prefill, another device, no kernel, or kernels off
+        prompt = kernels.in_prompt()  # a prompt's forward: the AMX product from its fewest rows
+        y = kernels.try_qmatmul_prompt(x, w) if prompt else None
+        if y is None:
+            y = kernels.try_qmatmul(x, w)  # None: prefill, another device, no kernel, or kernels off
         if y is not None:
             return y if self.bias is None else y + self.bias
-        y = kernels.try_qmatmul_prompt(x, w)  # prefill on the CPU: the AMX product (prefill.c)
+        y = None if prompt else kernels.try_qmatmul_prompt(x, w)  # prefill on the CPU: the AMX product (prefill.c)
         if y is not None:
             return y if self.bias is None else y + self.bias
         if w.shape[0] * w.shape[1] * 4 <= SCRATCH_BYTES:  # else ggml dequantizes, one matmul
@@ -189,7 +192,7 @@ class Linear(_StoredWeight):
 def linear_group(x: torch.Tensor, linears: tuple[Linear, ...]) -> list[torch.Tensor]:
     """Each Linear applied to the same x (q/k/v, gate/up): quantized ones of a decode step in one
     C call (`decode_ops.try_qmatmul_group`), else one by one."""
-    if all(type(lin) is Linear and isinstance(lin.weight, QTensor) for lin in linears):
+    if not kernels.in_prompt() and all(type(lin) is Linear and isinstance(lin.weight, QTensor) for lin in linears):
         ys = decode_ops.try_qmatmul_group(x, tuple(lin.weight for lin in linears), tuple(lin.bias for lin in linears))
         if ys is not None:
             return ys

@@ -22,6 +22,7 @@ from typing import Iterator
 
 import torch
 
+from strata import kernels
 from strata.models.cache import ModelCache
 from strata.runtime.sampling import SamplingParams
 from strata.runtime.speculative import DraftStats, accept, draft
@@ -36,7 +37,13 @@ def prefill(model, prompts: list[list[int]], cache: ModelCache, chunk: int = 819
 
     With a draft `head` (and its `head_cache`), the head also reads the pairs (h_p, x_{p+1}) the
     prompts hold, and this returns (logits, pending): pending[b] (1, 1, hidden) is row b's hidden
-    state at its last position, which the head reads once the next token is chosen."""
+    state at its last position, which the head reads once the next token is chosen.
+    The products of a prompt take the prefill kernels from their fewest rows (`kernels.prompt_batches`)."""
+    with kernels.prompt_batches():
+        return _prefill(model, prompts, cache, chunk, head, head_cache)
+
+
+def _prefill(model, prompts, cache, chunk, head, head_cache):
     lengths = torch.tensor([len(p) for p in prompts])
     width = int(lengths.max())
     tokens = torch.zeros(len(prompts), width, dtype=torch.long)
