@@ -14,7 +14,8 @@ batch is at most FAST_BATCH_MAX rows, else the reference runs. Activations (`set
   per product to ggml's 8-bit blocks (q8_0 / q8_1 / q8_K) and ggml's integer dot products run
   on this package's thread pool, twice: over x's 8-bit value and over its 8-bit residual (x
   minus that value), the same weight bytes read once; error ~3e-5 of max |y| (llama.cpp's own
-  single pass: ~1e-2). On AVX-512 VNNI CPUs Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K,
+  single pass: ~1e-2). On AVX2 CPUs (AVX-512 VNNI / AVX-VNNI / AVX2 kernel sets, the best chosen
+  from cpuid, STRATA_KERNEL_ISA forces one) Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K,
   IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS and MXFP4 take qmm.c's
   one-pass kernels instead
   (each weight block unpacked once for both activations: 1.2-2.0x faster than the two passes,

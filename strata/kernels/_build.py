@@ -4,6 +4,9 @@ The library is cached under $STRATA_CACHE (default ~/.cache/strata)/kernels, key
 the source, the compiler and the flags, so a source edit or a new CPU (-march=native) rebuilds
 it. Compiling takes about 5 s of CPU with gcc 12 (once; later loads take milliseconds). No compiler, a failed build or STRATA_KERNELS=0
 means no fast kernels: `load()` returns None and callers use the torch reference path.
+qmm.c's one-pass q8x2 kernels come in AVX-512 VNNI, AVX-VNNI and AVX2 sets (the 256-bit ones
+build whatever -march says); the library picks the best the CPU runs from cpuid, and
+STRATA_KERNEL_ISA=avx2|avxvnni|avx512vnni forces one (tests and bench_kernels --fused-ab compare them).
 """
 
 from __future__ import annotations

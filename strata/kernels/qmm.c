@@ -1929,6 +1929,17 @@ static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
  * (the AVX-512 ones for q8_0 and q8_1 types; the 256-bit ones read ggml's blocks as they are). */
 static int fused2_prep(int type, int64_t qsize) { return fused_isa == 3 && (type == 3 || type == 7 || qsize == 34); }
 
+/* q8_1 blocks {f16 d, s; i8 q[32]} with s replaced by sum(q) as an int16 (|sum| <= 4064): the
+ * 256-bit Q4_1 / Q5_1 kernels take x's exact block sums from there, not from the f16 d * sum. */
+static void q8_1_exact_sums(uint8_t *q, int64_t n_blocks) {
+    for (int64_t i = 0; i < n_blocks; i++) {
+        int s = 0;
+        for (int l = 0; l < 32; l++) s += ((const int8_t *)(q + 36 * i + 4))[l];
+        const int16_t v = (int16_t)s;
+        memcpy(q + 36 * i + 2, &v, 2);
+    }
+}
+
 /* 1 (default): "q8x2" takes the fused kernels above where a type has one; 0: ggml's two passes
  * (tests compare the two). */
 static int fused2_on = 1;
@@ -2022,6 +2033,7 @@ int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const
     while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
     nth = parallel_threads(rows * wrow * B, nth); /* waking a helper costs more than it saves */
     const dot2_fn dot2 = twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
+    if (dot2 && !fused2_prep(type, k->qsize) && k->qsize == 36) q8_1_exact_sums(xq, 2 * B * xrow / 36);
     if (dot2 && fused2_prep(type, k->qsize)) { /* q8_1 and q8_0 types: the row-independent part laid out once */
         const int q8_0 = k->qsize == 34;
         const int64_t prow = q8_0 ? q8_0_prep_bytes(cols) : q4_1_prep_bytes(cols);

@@ -85,19 +85,19 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
     const int big = kind == K_IQ4XS, has_mins = kind == K_Q2 || kind == K_Q4 || kind == K_Q5;
     const int ts = TS[kind];
     const __m256i m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(15);
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / 256; i++) {
         const uint8_t *b = w + i * ts, *yq = xq + i * 292, *yr = xr + i * 292;
         float dq, dr, d, dmin = 0.0f;
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
         int sc[16];
-        int16_t mn[16];
+        __m256i m16 = _mm256_setzero_si256(); /* K-quant mins per 16 values, int16 */
         if (kind == K_Q2) {
             d = rd_f16(b + 80);
             dmin = rd_f16(b + 82);
-            for (int k = 0; k < 16; k++) { sc[k] = b[k] & 15; mn[k] = (int16_t)(b[k] >> 4); }
+            for (int k = 0; k < 16; k++) sc[k] = b[k] & 15;
+            m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)b), 4), _mm_set1_epi8(15)));
         } else if (kind == K_Q3) {
             d = rd_f16(b + 108);
             const uint32_t a0 = rd_u32(b + 96), a1 = rd_u32(b + 100), t = rd_u32(b + 104);
@@ -108,13 +108,15 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
         } else if (kind == K_Q4 || kind == K_Q5) {
             d = rd_f16(b);
             dmin = rd_f16(b + 2);
-            const uint8_t *q = b + 4;
-            for (int k = 0; k < 8; k++) {
-                const int s = k < 4 ? q[k] & 63 : (q[k + 4] & 0xF) | ((q[k - 4] >> 6) << 4);
-                const int m = k < 4 ? q[k + 4] & 63 : (q[k + 4] >> 4) | ((q[k] >> 6) << 4);
-                sc[2 * k] = sc[2 * k + 1] = s;
-                mn[2 * k] = mn[2 * k + 1] = (int16_t)m;
-            }
+            /* 8 six-bit scales and mins from 12 bytes, four at a time in u32 lanes */
+            const uint32_t u0 = rd_u32(b + 4), u1 = rd_u32(b + 8), u2 = rd_u32(b + 12);
+            const uint64_t s8 = (uint64_t)(u0 & 0x3F3F3F3Fu) |
+                                (uint64_t)((u2 & 0x0F0F0F0Fu) | (((u0 >> 6) & 0x03030303u) << 4)) << 32;
+            const uint64_t n8 = (uint64_t)(u1 & 0x3F3F3F3Fu) |
+                                (uint64_t)(((u2 >> 4) & 0x0F0F0F0Fu) | (((u1 >> 6) & 0x03030303u) << 4)) << 32;
+            for (int k = 0; k < 8; k++) sc[2 * k] = sc[2 * k + 1] = (int)((s8 >> (8 * k)) & 0xFF);
+            m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)n8),
+                                                        _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
         } else if (kind == K_Q6) {
             d = rd_f16(b + 208);
             for (int k = 0; k < 16; k++) sc[k] = ((const int8_t *)(b + 192))[k];
@@ -215,25 +217,18 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
                 mag = _mm256_abs_epi8(sgn);
             } else { /* IQ1_S / IQ1_M: 8 * grid + shift */
                 uint64_t e[4];
-                int8_t dl[4];
-                for (int k = 0; k < 4; k++) {
-                    int idx;
-                    if (kind == K_IQ1S) {
-                        const uint16_t h = rd_u16(b + 34 + 2 * j);
-                        idx = b[2 + 4 * j + k] | (((h >> (3 * k)) & 7) << 8);
-                        dl[k] = h & 0x8000 ? -1 : 1;
-                    } else {
-                        const int nib = (b[32 + 2 * j + k / 2] >> (4 * (k % 2))) & 15;
-                        idx = b[4 * j + k] | ((nib & 7) << 8);
-                        dl[k] = nib & 8 ? -1 : 1;
-                    }
-                    memcpy(&e[k], GRID_IQ1_S8[idx], 8);
+                __m256i delta;
+                if (kind == K_IQ1S) {
+                    const uint16_t h = rd_u16(b + 34 + 2 * j);
+                    for (int k = 0; k < 4; k++) memcpy(&e[k], GRID_IQ1_S8[b[2 + 4 * j + k] | (((h >> (3 * k)) & 7) << 8)], 8);
+                    delta = _mm256_set1_epi8(h & 0x8000 ? -1 : 1);
+                } else { /* nibble k of qh's two bytes: index bits 8-10, and bit 3 the shift's sign */
+                    const uint32_t h = rd_u16(b + 32 + 2 * j);
+                    for (int k = 0; k < 4; k++) memcpy(&e[k], GRID_IQ1_S8[b[4 * j + k] | (((h >> (4 * k)) & 7) << 8)], 8);
+                    const uint32_t neg = ((h >> 3) & 1) | ((h >> 7) & 1) << 8 | ((h >> 11) & 1) << 16 | ((h >> 15) & 1) << 24;
+                    delta = V2(signs32)(neg * 0xFFu); /* byte k all ones: entry k's 8 values -1 */
                 }
-                sgn = _mm256_add_epi8(_mm256_setr_epi64x((long long)e[0], (long long)e[1], (long long)e[2], (long long)e[3]),
-                                      _mm256_setr_epi64x((long long)(0x0101010101010101ull * (uint8_t)dl[0]),
-                                                         (long long)(0x0101010101010101ull * (uint8_t)dl[1]),
-                                                         (long long)(0x0101010101010101ull * (uint8_t)dl[2]),
-                                                         (long long)(0x0101010101010101ull * (uint8_t)dl[3])));
+                sgn = _mm256_add_epi8(_mm256_setr_epi64x((long long)e[0], (long long)e[1], (long long)e[2], (long long)e[3]), delta);
                 mag = _mm256_abs_epi8(sgn);
             }
             __m256i xqv = _mm256_loadu_si256((const __m256i *)(yq + 4 + 32 * j));
@@ -249,15 +244,15 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq), _mm256_set1_ps(d * dq), acc);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sr), _mm256_set1_ps(d * dr), acc);
         if (has_mins) {
-            const __m256i m16 = _mm256_loadu_si256((const __m256i *)mn);
             const __m256i bq = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yq + 260)), m16);
             const __m256i br = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yr + 260)), m16);
-            mins += dmin * (dq * V2(hsum)(_mm256_cvtepi32_ps(bq)) + dr * V2(hsum)(_mm256_cvtepi32_ps(br)));
+            accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bq), _mm256_set1_ps(dmin * dq), accm);
+            accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(br), _mm256_set1_ps(dmin * dr), accm);
         }
     }
     const float f = kind == K_IQ2XXS || kind == K_IQ2XS || kind == K_IQ2S || kind == K_IQ1S || kind == K_IQ1M ? 0.125f
                     : kind == K_IQ3XXS ? 0.25f : 1.0f;
-    return f * V2(hsum)(acc) - mins;
+    return f * V2(hsum)(acc) - (has_mins ? V2(hsum)(accm) : 0.0f);
 }
 
 #define V2_K256(name, kind) \
@@ -284,13 +279,14 @@ V2_K256(iq1_m, K_IQ1M)
 /* Q8_0 {f16 d; i8 qs[32]}, Q4_0 / IQ4_NL {f16 d; u8 qs[16]} and Q5_0 {f16 d; u32 qh; u8 qs[16]}
  * (signed values through a table), MXFP4 {u8 e8m0; u8 qs[16]} against q8_0 {f16 d; i8 qs[32]};
  * Q4_1 {f16 d, m; u8 qs[16]} and Q5_1 {f16 d, m; u32 qh; u8 qs[16]} (unsigned) against q8_1
- * {f16 d, s; i8 qs[32]}, their m times x's exact block sum d * sum(q) (ggml takes q8_1's f16 s). */
+ * {f16 d, s; i8 qs[32]}, their m times x's exact block sum d * sum(q) (ggml takes q8_1's f16 s;
+ * qmm.c puts sum(q) as an int16 in s before these run). */
 static inline __attribute__((always_inline)) float V2(dot2_b32)(int64_t n, const uint8_t *w, const uint8_t *xq,
                                                                const uint8_t *xr, const int kind) {
     static const int TS[] = {34, 18, 22, 18, 17, 20, 24};
     const int ts = TS[kind], minmax = kind == B_Q4_1 || kind == B_Q5_1, xs = minmax ? 36 : 34, xh = minmax ? 4 : 2;
-    const __m256i ones = _mm256_set1_epi8(1);
     __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
     for (int64_t i = 0; i < n / 32; i++) {
         const uint8_t *b = w + i * ts, *yq = xq + i * xs, *yr = xr + i * xs;
         __m256i mag, sgn = _mm256_setzero_si256();
@@ -318,12 +314,13 @@ static inline __attribute__((always_inline)) float V2(dot2_b32)(int64_t n, const
         const __m256i xqv = _mm256_loadu_si256((const __m256i *)(yq + xh)), xrv = _mm256_loadu_si256((const __m256i *)(yr + xh));
         const float dxq = rd_f16(yq), dxr = rd_f16(yr);
         __m256 t;
-        if (minmax) {
+        if (minmax) { /* the blocks' s fields hold exact int16 sums of q here (q8_1_exact_sums) */
             const __m256i pq = V2(dot_u)(mag, xqv), pr = V2(dot_u)(mag, xrv);
-            const __m256i cq = V2(dot_u)(ones, xqv), cr = V2(dot_u)(ones, xrv); /* exact sums of x */
+            int16_t cq, cr;
+            memcpy(&cq, yq + 2, 2);
+            memcpy(&cr, yr + 2, 2);
             t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pq), _mm256_set1_ps(dw * dxq), _mm256_mul_ps(_mm256_cvtepi32_ps(pr), _mm256_set1_ps(dw * dxr)));
-            t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cq), _mm256_set1_ps(mw * dxq), t);
-            t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cr), _mm256_set1_ps(mw * dxr), t);
+            mins += mw * (dxq * (float)cq + dxr * (float)cr);
         } else {
             mag = _mm256_abs_epi8(sgn);
             const __m256i pq = V2(dot_u)(mag, _mm256_sign_epi8(xqv, sgn)), pr = V2(dot_u)(mag, _mm256_sign_epi8(xrv, sgn));
@@ -331,7 +328,7 @@ static inline __attribute__((always_inline)) float V2(dot2_b32)(int64_t n, const
         }
         acc = _mm256_add_ps(acc, t);
     }
-    return V2(hsum)(acc);
+    return V2(hsum)(acc) + mins;
 }
 
 #define V2_B32(name, kind) \
