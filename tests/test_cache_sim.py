@@ -71,6 +71,22 @@ def test_adaptive_ranks_a_key_in_a_burst_above_a_one_off_of_the_same_cell():
     assert adaptive.victim(set()) == one_off
 
 
+def test_a_step_scores_the_resident_set_once_however_many_misses_it_places():
+    """Ranks change only when a layer runs, so placing a batched step's misses scores the residents
+    once (not once per miss, which made a wide step's placement cost misses x residents)."""
+    adaptive = make_policy("adaptive", 40, 1000)
+    for i in range(40):
+        adaptive.access([i])
+        adaptive.place([i], {i})
+    sizes, ranks = [], adaptive.ranks
+    adaptive.ranks = lambda keys: sizes.append(len(keys)) or ranks(keys)
+    misses = list(range(100, 110))
+    adaptive.access(misses)
+    admitted, rejected = adaptive.place(misses, set(misses))
+    assert len(admitted) + len(rejected) == 10 and len(admitted) > 0
+    assert sizes.count(40) == 1 and max(sizes[1:]) == 1
+
+
 def test_static_never_changes_after_filling():
     static = make_policy("static", 2, 1000, ranking=[5, 6, 7])
     assert static.preload == [5, 6]

@@ -7,7 +7,7 @@ plan        a home tier for every tensor and the expert cache's slot count
 plan_cli    `strata plan`
 store       experts' homes: RAM (loaded once) or disk (pread on demand into a RAM cache)
 device_cache  fixed slots of one expert each, a copy stream, regions under policies
-policy      replacement and admission: adaptive (LRFU), lru, lfu, static
+policy      replacement and admission: adaptive (a learned reuse estimate), lru, lfu, static
 executor    hits on the device, misses on a CPU pool, at once; the backend `Experts` calls
 prefetch    the next layer's router on the current hidden state names experts to copy in
 placement   non-expert blocks on CUDA (--gpu-layers)

@@ -25,7 +25,7 @@ that one layer used keys (and how many of the step's tokens each served); `place
 - `static`: a fixed hot set (a ranking from a trace, or the first experts seen); never evicts.
 
 Measured with bench/bench_cache_policy.py on public vLLM routing logs (Mixtral-8x7B-Instruct,
-Qwen1.5-MoE-A2.7B-Chat) and the demo's trace; the tables are in bench/routing_logs.md.
+Qwen1.5-MoE-A2.7B-Chat, OLMoE-1B-7B) and the demo's trace; the tables are in bench/routing_logs.md.
 Rejected there: LRFU with a fixed half-life (the previous default: at LRU's level on
 Mixtral), a table with aged instead of lifetime frequency, following whichever of LFU and
 the table has hit more lately (no better, three times slower), admitting every miss, a
@@ -157,11 +157,30 @@ class Packed(Policy):
         """Per resident key, lower = evicted first."""
         raise NotImplementedError
 
+    def place(self, misses, protected, force=False, confidence=None):
+        self.cached, self.fresh = None, {}  # ranks change only when a layer runs: score each key once a step
+        try:
+            return super().place(misses, protected, force, confidence)
+        finally:
+            self.cached, self.fresh = None, {}
+
+    def rank_of(self, key: int) -> float:
+        """One key's rank, from this step's scores where it has one."""
+        if getattr(self, "cached", None) is not None and key in self.index:
+            return float(self.cached[self.index[key]])
+        fresh = getattr(self, "fresh", {})
+        if key not in fresh:
+            fresh[key] = float(self.ranks(np.array([key], dtype=np.int64))[0])
+        return fresh[key]
+
     def victim(self, protected):
         if not self.index:
             return None
         resident = self.keys[:len(self.index)]
-        ranks = np.asarray(self.ranks(resident), dtype=np.float64).copy()
+        if getattr(self, "cached", None) is None:
+            self.cached = np.empty(self.capacity)
+            self.cached[:len(resident)] = self.ranks(resident)
+        ranks = self.cached[:len(resident)].copy()
         for k in protected:
             if k in self.index:
                 ranks[self.index[k]] = np.inf
@@ -172,6 +191,8 @@ class Packed(Policy):
         super()._insert(key)
         self.index[key] = len(self.index)
         self.keys[self.index[key]] = key
+        if getattr(self, "cached", None) is not None:
+            self.cached[self.index[key]] = self.rank_of(key)
 
     def _remove(self, key):
         super()._remove(key)
@@ -179,6 +200,8 @@ class Packed(Policy):
         if i != last:  # move the last resident key into the hole
             moved = int(self.keys[last])
             self.keys[i], self.index[moved] = moved, i
+            if getattr(self, "cached", None) is not None:
+                self.cached[i] = self.cached[last]
 
 
 class Scored(Packed):
@@ -240,6 +263,7 @@ class Adaptive(Packed):
         self.weights = np.zeros(len(BURST_HALF_LIVES) + 4)  # the calibration: starts as the table itself
         self.weights[0] = 1.0
         self.inputs: dict[int, np.ndarray] = {}  # layer -> its keys' calibration inputs after its last run
+        self.observed = None  # the table's use rates, running maximum over share (cached between runs)
 
     def _cells(self, keys: np.ndarray):
         layer = keys // self.n_experts
@@ -253,9 +277,14 @@ class Adaptive(Packed):
     def table(self, keys: np.ndarray, seen=None, used=None) -> np.ndarray:
         """Per key: the cell's use rate, shrunk towards the layer's mean by PRIOR pseudo-runs; the
         observed part taken as the running maximum over the rarer cells at the same lag."""
-        seen, used = (self.seen, self.used) if seen is None else (seen, used)
+        if seen is None:
+            seen, used = self.seen, self.used
+            if self.observed is None:  # the table changes only when a layer runs
+                self.observed = np.maximum.accumulate(used / (seen + PRIOR), axis=1)
+            observed = self.observed
+        else:
+            observed = np.maximum.accumulate(used / (seen + PRIOR), axis=1)
         lag, freq, mean, _ = self._cells(keys)
-        observed = np.maximum.accumulate(used / (seen + PRIOR), axis=1)
         return observed[lag, freq] + PRIOR / (seen[lag, freq] + PRIOR) * mean
 
     def inputs_of(self, keys: np.ndarray) -> np.ndarray:
@@ -298,6 +327,7 @@ class Adaptive(Packed):
         np.add.at(self.routed, used, served / served.sum())
         self.last[used] = self.runs[layer]
         if self.runs[layer] - waiting[0][0] >= self.horizon:  # the oldest observation's horizon has passed
+            self.observed = None
             run, lag, freq = waiting.popleft()
             np.add.at(self.seen, (lag, freq), 1)
             np.add.at(self.used, (lag[self.last[every] > run], freq[self.last[every] > run]), 1)
@@ -312,10 +342,7 @@ class Adaptive(Packed):
         return self.estimate(resident) + TIE * share + 1e-12 * self.last[resident]
 
     def admit(self, key, victim):
-        if self.admit_all:
-            return True
-        new, old = self.ranks(np.array([key, victim]))
-        return bool(new > old)
+        return self.admit_all or self.rank_of(key) > self.rank_of(victim)
 
 
 class Static(Policy):
