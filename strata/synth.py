@@ -7,7 +7,10 @@ for qwen3-next-80b, qwen4exp for qwen4exp): the real hidden size, heads, experts
 width, fewer layers, optionally a smaller vocabulary (--vocab) or fewer experts (--experts, for
 small test files), and a small byte-level BPE tokenizer (tokenizer.ggml.model "gpt2") so
 llama.cpp accepts it (llama-cpp-python 0.3.36 runs all three; its qwen3next needs the key and
-value head widths equal, as the real model has). qwen4exp files'
+value head widths equal, as the real model has; and at least one attention layer: with --layers
+1 to 3 every layer is Gated DeltaNet, Strata runs the file, and llama.cpp aborts at its first
+decode with GGML_ASSERT(buffer), its hybrid memory's KV cache having no layer to allocate a
+buffer for; `main` says so). qwen4exp files'
 n-gram table (`per_layer_token_embd`, layer 1) is small unless --ngram-rows asks for more
 (the real one has 320,001,536 rows of 160 values), and they have no MTP block.
 
@@ -615,6 +618,12 @@ def write(path, like_name: str = "qwen3-30b-a3b", layers: int = 4, quant_name: s
     return path
 
 
+def attention_free(like_name: str, layers: int) -> bool:
+    """Whether a hybrid model (qwen3next, qwen4exp) cut to `layers` has no attention layer."""
+    recurrent = getattr(LIKE[like_name], "recurrent", None)
+    return bool(recurrent) and all(recurrent[:layers])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="strata synth", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="the .gguf file to write")
@@ -651,4 +660,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  router skew {args.router_skew}: hottest expert takes {r['hottest_share']:.2%} of routings "
               f"(uniform {1 / (args.experts or LIKE[args.like].n_experts):.2%}), the top 30% of experts take "
               f"{r['top30_share']:.1%} (layer 0's router over 4096 random hidden states)")
+    if attention_free(args.like, args.layers):
+        print(f"  note: {args.layers} layers hold no attention layer (every 4th is one): Strata runs the file; "
+              f"llama.cpp 0.3.36 aborts on it (GGML_ASSERT(buffer): its KV cache has no layer). "
+              f"Use --layers 4 or more to compare with llama.cpp")
     return 0

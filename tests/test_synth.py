@@ -259,3 +259,19 @@ def test_synth_file_matches_llama_cpp(tmp_path, monkeypatch, like):
     spread = (theirs.max() - theirs.min()).item()
     assert err < 1e-3 * spread, f"{like}: max |logit difference| {err:.2e}, spread {spread:.2f}"
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_synth_says_when_a_hybrid_file_has_no_attention_layer_for_llama_cpp(tmp_path, capsys):
+    """llama.cpp 0.3.36 aborts (GGML_ASSERT(buffer)) on a qwen3next file whose layers are all Gated
+    DeltaNet: its KV cache has no layer. The file is valid and Strata runs it; synth says so."""
+    assert synth.attention_free("qwen3-next-80b", 3) and not synth.attention_free("qwen3-next-80b", 4)
+    assert synth.attention_free("qwen4exp", 1) and not synth.attention_free("qwen3-30b-a3b", 1)
+    path = tmp_path / "next3.gguf"
+    assert cli_main(["synth", "--like", "qwen3-next-80b", "--layers", "3", "--vocab", "512", "--experts", "4",
+                     "--quant", "Q4_0", str(path)]) == 0
+    assert "llama.cpp 0.3.36 aborts" in capsys.readouterr().out
+    engine = strata.load(path, cpu_threads=1)
+    assert len(engine.generate([1, 2, 3], 2, stop_at_eos=False)) == 2
+    assert cli_main(["synth", "--like", "qwen3-next-80b", "--layers", "4", "--vocab", "512", "--experts", "4",
+                     "--quant", "Q4_0", str(tmp_path / "next4.gguf")]) == 0
+    assert "aborts" not in capsys.readouterr().out
