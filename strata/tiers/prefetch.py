@@ -69,10 +69,10 @@ def _real_rows(x: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
     x is gathered without a read back (a boolean index on the device waits for its count)."""
     flat = x.reshape(-1, x.shape[-1])
     mask = token_mask.reshape(-1)
+    if bool(mask.all()):  # host bookkeeping: every position is real (decode): no gather
+        return flat
     if x.device.type == "cpu":
         return flat[mask.to(x.device)]
-    if bool(mask.all()):  # host bookkeeping: every position is real (decode)
-        return flat
     return flat.index_select(0, to_device(mask.nonzero().reshape(-1), x.device))
 
 
