@@ -398,20 +398,66 @@ def test_kernel_isa_env_forces_a_kernel_set(monkeypatch, caplog):
         lib.strata_set_fused_isa(-1)
 
 
-@pytest.mark.parametrize("march", ["haswell", "x86-64"])
-def test_kernels_build_for_cpus_without_avx512(march):
-    """The C kernels compile for a CPU without AVX-512 (AVX2 only, or none): the 256-bit sets are
-    compiled under their own target pragmas and use no AVX-512 intrinsic (gcc refuses to inline
-    one there). -O0 and no output: the check costs a few seconds, not a full build."""
+def _gcc_on_x86() -> str:
     import platform
 
     cc = _build._compiler()
     if cc is None or platform.machine() not in ("x86_64", "AMD64") or "gcc" not in os.path.basename(cc):
         pytest.skip("needs gcc on x86-64")
+    return cc
+
+
+def test_kernels_build_for_cpus_without_avx():
+    """The C kernels compile for a CPU without even AVX2 (-march=x86-64): the 256-bit sets are
+    compiled under their own target pragmas (gcc refuses to inline an intrinsic the target lacks).
+    -O0 and no output: a few seconds, not a full build."""
+    cc = _gcc_on_x86()
     for source in _build.SOURCES:
-        r = subprocess.run([cc, "-O0", f"-march={march}", "-std=gnu11", "-c", "-o", os.devnull, str(source)],
+        r = subprocess.run([cc, "-O0", "-march=x86-64", "-std=gnu11", "-c", "-o", os.devnull, str(source)],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, (source.name, r.stderr[-3000:])
+
+
+HASWELL_RUN = """
+import sys, torch
+from strata.kernels import _build
+_build.FLAGS[:] = ["-O1" if f.startswith("-O") else "-march=haswell" if f.startswith("-march") else f for f in _build.FLAGS]
+lib = _build.load()
+sys.path.insert(0, sys.argv[1])
+from test_kernels import random_qtensor, rel_err  # loads the library too: after the flags above
+from strata import kernels
+assert lib is not None, _build.error()
+print("isas", lib.strata_fused_isas(), "in use", lib.strata_fused_isa())
+kernels.set_activations("q8x2")
+for name in ("Q4_K", "IQ2_XS", "IQ1_M", "Q4_0"):
+    w = random_qtensor(name, (37, 768), seed=1, wild_scales=True)
+    x = torch.randn(3, 768) * 3
+    lib.strata_set_fused(0)
+    two = kernels.qmatmul_fast(x, w, threads=2)
+    lib.strata_set_fused(1)
+    one = kernels.qmatmul_fast(x, w, threads=2)
+    print(name, lib.strata_fused_types(int(w.qtype)), rel_err(one, two), rel_err(one, x @ w.dequantize().T))
+"""
+
+
+@needs_kernels
+def test_a_build_without_avx512_takes_the_256_bit_kernels(tmp_path):
+    """The library built for a CPU without AVX-512 (-march=haswell, -O1 to keep it short, in a
+    fresh process) runs here: it offers only the 256-bit sets, takes the best this CPU has, and
+    its one pass agrees with ggml's two passes and the exact product."""
+    _gcc_on_x86()
+    lib = _build.load()
+    here = lib.strata_fused_isas() & 6  # AVX-VNNI and AVX2 bits: what a haswell build can offer here
+    if not here or not kernels.ggml_types():
+        pytest.skip("this CPU runs no 256-bit kernel set, or no ggml")
+    r = subprocess.run([sys.executable, "-c", HASWELL_RUN, os.path.dirname(__file__)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "STRATA_CACHE": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.split("\n")
+    assert lines[0] == f"isas {here} in use {2 if here & 4 else 1}", r.stdout
+    for line in lines[1:5]:
+        name, has, vs_two, vs_exact = line.split()
+        assert has == "1" and float(vs_two) < 2e-6 and float(vs_exact) < 3e-4, line
 
 
 @needs_kernels
