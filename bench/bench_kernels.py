@@ -5,6 +5,9 @@
     .venv/bin/python bench/bench_kernels.py --batches          # fast vs reference crossover (FAST_BATCH_MAX)
     .venv/bin/python bench/bench_kernels.py --compare-numba    # the tool choice: C vs numba on Q4_K
     .venv/bin/python bench/bench_kernels.py --prompt-crossover --threads 1   # prefill: PROMPT_MIN_ROWS
+    .venv/bin/python bench/bench_kernels.py --prompt-amx --types Q4_K IQ2_XS --threads 1
+                                                  # prefill: the AMX product (prefill.c) vs the 8-bit
+                                                  # kernel vs ggml-dequantized float32 matmul, by rows
     .venv/bin/python bench/bench_kernels.py --fused-ab --types Q4_K IQ2_XS --threads 1
                                                   # q8x2 in one pass (each kernel set: AVX-512 VNNI,
                                                   # AVX-VNNI, AVX2) vs ggml's vec_dot run twice
@@ -288,6 +291,36 @@ def prompt_crossover(types, threads):
               f"~{(deq + 1e-4) / row:4.0f} rows (in use: {kernels.PROMPT_MIN_ROWS.get(name, 32)})", flush=True)
 
 
+def prompt_amx(types, threads):
+    """ms per 768x2048 product by rows of x: prefill.c's AMX product (3 terms: "q8x2", 1: "q8"), the
+    8-bit decode kernel, and ggml's float32 dequantization + one matmul (the path before it);
+    PROMPT_AMX_MIN_ROWS comes from where the first beats the second."""
+    from strata.kernels import prompt
+
+    torch.set_num_threads(threads)
+    if not prompt.available():
+        print("no AMX-BF16 here")
+        return
+    print(f"768x2048, {threads} thread(s), ms per product: amx3 / amx1 / 8-bit kernel / ggml f32 + matmul")
+    for name in types:
+        if not prompt.has_type(T[name]):
+            continue
+        ws = experts(T[name], (768, 2048), 4)
+        it = iter(range(10**9))
+        cells = []
+        for rows in (1, 4, 6, 8, 16, 32, 64):
+            x = torch.randn(rows, 2048)
+            a3, _ = timed(lambda: prompt.matmul(x, ws[next(it) % 4], threads, 3), 50, 0.5)
+            a1, _ = timed(lambda: prompt.matmul(x, ws[next(it) % 4], threads, 1), 50, 0.5)
+            k8, _ = timed(lambda: kernels.try_qmatmul(x, ws[next(it) % 4], threads), 50, 0.5)
+            f32 = float("nan")
+            if kernels.dequantize_ggml(ws[0], torch.float32) is not None:
+                f32, _ = timed(lambda: x @ kernels.dequantize_ggml(ws[next(it) % 4], torch.float32, threads).T, 20, 0.5)
+            cells.append(f"{rows}: {a3 * 1e3:.2f}/{a1 * 1e3:.2f}/{k8 * 1e3:.2f}/{f32 * 1e3:.2f}")
+        own = "own" if prompt.has_type(T[name], own_only=True) else "ggml"
+        print(f"  {name:<8} ({own} dequantizer) " + "  ".join(cells), flush=True)
+
+
 def fused_ab(types, threads_list, n_experts):
     """q8x2 in one pass (qmm.c's fused kernels, each kernel set this CPU runs: AVX-512 VNNI,
     AVX-VNNI, AVX2) against ggml's vec_dot run twice, B=1: all alternate in rounds of calls so
@@ -339,6 +372,7 @@ def main(argv=None):
     ap.add_argument("--compare-ggml", action="store_true", help="only strata vs ggml (ggml-python) mat-vec")
     ap.add_argument("--prompt-crossover", action="store_true", help="only the batched vs 8-bit kernel crossover")
     ap.add_argument("--fused-ab", action="store_true", help="only q8x2 one pass vs ggml's two passes")
+    ap.add_argument("--prompt-amx", action="store_true", help="only the AMX prompt product vs the others, by rows")
     args = ap.parse_args(argv)
     if not kernels.available():
         print(f"kernels unavailable: {_build.error()}")
@@ -349,6 +383,9 @@ def main(argv=None):
         return 0
     if args.prompt_crossover:
         prompt_crossover([t for t in args.types if t in kernels.ggml_types()], args.threads[0])
+        return 0
+    if args.prompt_amx:
+        prompt_amx(args.types, args.threads[0])
         return 0
     if args.fused_ab:
         fused_ab(args.types, args.threads, args.experts)
