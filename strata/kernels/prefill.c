@@ -206,6 +206,149 @@ static void deq_iq2_xxs(const void *w, float *y, int64_t n) {
     }
 }
 
+static void deq_q4_1(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    const __m128i m4 = _mm_set1_epi8(15);
+    for (int64_t i = 0; i < n; i += 32, b += 20, y += 32) {
+        const __m512 d = _mm512_set1_ps(h2f(b)), m = _mm512_set1_ps(h2f(b + 2));
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, m4)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), m4)));
+        _mm512_storeu_ps(y, _mm512_add_ps(_mm512_mul_ps(lo, d), m));
+        _mm512_storeu_ps(y + 16, _mm512_add_ps(_mm512_mul_ps(hi, d), m));
+    }
+}
+
+/* the 16 fifth bits of a Q5 block half (bits `from`..from+15 of h) as 0 or 16 per byte */
+static inline __m128i fifth_bits(uint32_t h, int from) {
+    const __mmask16 k = (__mmask16)(h >> from);
+    return _mm_maskz_mov_epi8(k, _mm_set1_epi8(16));
+}
+
+static inline void deq_q5(const uint8_t *qs, uint32_t h, float d, float m, int with_min, float *y) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i lo = _mm_or_si128(_mm_and_si128(q, m4), fifth_bits(h, 0));
+    const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q, 4), m4), fifth_bits(h, 16));
+    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+    const __m512 dv = _mm512_set1_ps(d);
+    if (with_min) {
+        _mm512_storeu_ps(y, _mm512_add_ps(_mm512_mul_ps(a, dv), _mm512_set1_ps(m)));
+        _mm512_storeu_ps(y + 16, _mm512_add_ps(_mm512_mul_ps(c, dv), _mm512_set1_ps(m)));
+    } else {
+        const __m512 off = _mm512_set1_ps(16.0f);
+        _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_sub_ps(a, off), dv));
+        _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_sub_ps(c, off), dv));
+    }
+}
+
+static void deq_q5_0(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    for (int64_t i = 0; i < n; i += 32, b += 22, y += 32) {
+        uint32_t h;
+        memcpy(&h, b + 2, 4);
+        deq_q5(b + 6, h, h2f(b), 0.0f, 0, y);
+    }
+}
+
+static void deq_q5_1(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    for (int64_t i = 0; i < n; i += 32, b += 24, y += 32) {
+        uint32_t h;
+        memcpy(&h, b + 4, 4);
+        deq_q5(b + 8, h, h2f(b), h2f(b + 2), 1, y);
+    }
+}
+
+static void deq_q2_k(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    const __m128i m2 = _mm_set1_epi8(3);
+    for (int64_t i = 0; i < n; i += 256, b += 84, y += 256) {
+        const uint8_t *sc = b, *qs = b + 16;
+        const float d = h2f(b + 80), dmin = h2f(b + 82);
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int k = 0; k < 2; k++) { /* 16 values of one sub-block */
+                    const int sub = h * 8 + s * 2 + k;
+                    const __m128i q = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qs + h * 32 + 16 * k)), 2 * s), m2);
+                    fms16(y + h * 128 + s * 32 + 16 * k, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)),
+                          d * (float)(sc[sub] & 0xF), dmin * (float)(sc[sub] >> 4));
+                }
+    }
+}
+
+static void deq_q3_k(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    const __m128i m2 = _mm_set1_epi8(3);
+    for (int64_t i = 0; i < n; i += 256, b += 110, y += 256) {
+        const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
+        const float d = h2f(b + 108);
+        float dl[16];
+        for (int k = 0; k < 16; k++) {
+            const int lo = k < 8 ? (sc[k] & 0xF) : (sc[k - 8] >> 4);
+            const int hi = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
+            dl[k] = d * (float)((int8_t)(lo | (hi << 4)) - 32);
+        }
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int k = 0; k < 2; k++) {
+                    const __m128i ql = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qs + h * 32 + 16 * k)), 2 * s), m2);
+                    const __m128i hb = _mm_loadu_si128((const __m128i *)(hm + 16 * k));
+                    /* the value is ql - 4 where the high bit is clear */
+                    const __mmask16 clear = _mm_testn_epi8_mask(hb, _mm_set1_epi8((char)(1 << (h * 4 + s))));
+                    const __m512i v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(ql),
+                                                       _mm512_maskz_mov_epi32(clear, _mm512_set1_epi32(4)));
+                    _mm512_storeu_ps(y + h * 128 + s * 32 + 16 * k,
+                                     _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(dl[h * 8 + s * 2 + k])));
+                }
+    }
+}
+
+/* 32 table values of 16 packed nibbles (low nibbles first, then high), times d */
+static inline void lut32(const uint8_t *q, __m128i table, float d, float *y) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)q), m4 = _mm_set1_epi8(15);
+    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(raw, m4));
+    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+    const __m512 dv = _mm512_set1_ps(d);
+    _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), dv));
+    _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), dv));
+}
+
+static inline __m128i iq4_table(void) {
+    return _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+}
+
+static void deq_iq4_nl(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    for (int64_t i = 0; i < n; i += 32, b += 18, y += 32) lut32(b + 2, iq4_table(), h2f(b), y);
+}
+
+static void deq_iq4_xs(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    for (int64_t i = 0; i < n; i += 256, b += 136, y += 256) {
+        const float d = h2f(b);
+        uint16_t sh;
+        memcpy(&sh, b + 2, 2);
+        const uint8_t *sl = b + 4, *qs = b + 8;
+        for (int j = 0; j < 8; j++) {
+            const int lo = (sl[j / 2] >> (4 * (j & 1))) & 0xF, hi = (sh >> (2 * j)) & 3;
+            lut32(qs + 16 * j, iq4_table(), d * (float)((int8_t)(lo | (hi << 4)) - 32), y + 32 * j);
+        }
+    }
+}
+
+static void deq_mxfp4(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    const __m128i e2m1 = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12); /* doubled */
+    for (int64_t i = 0; i < n; i += 32, b += 17, y += 32) {
+        const uint8_t e = b[0];
+        uint32_t bits = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23); /* 2^(e - 128): half the scale */
+        float d;
+        memcpy(&d, &bits, 4);
+        lut32(b + 1, e2m1, d, y);
+    }
+}
+
 static pp_to_float OWN[PP_MAX_TYPES];
 
 void strata_pp_init_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8_t *ksigns) {
@@ -214,12 +357,20 @@ void strata_pp_init_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const ui
     for (int i = 0; i < 128; i++)
         for (int j = 0; j < 8; j++) SIGNS[i][j] = (ksigns[i] >> j) & 1 ? -1.0f : 1.0f;
     OWN[2] = deq_q4_0;
+    OWN[3] = deq_q4_1;
+    OWN[6] = deq_q5_0;
+    OWN[7] = deq_q5_1;
     OWN[8] = deq_q8_0;
+    OWN[10] = deq_q2_k;
+    OWN[11] = deq_q3_k;
     OWN[12] = deq_q4_k;
     OWN[13] = deq_q5_k;
     OWN[14] = deq_q6_k;
     OWN[16] = deq_iq2_xxs;
     OWN[17] = deq_iq2_xs;
+    OWN[20] = deq_iq4_nl;
+    OWN[23] = deq_iq4_xs;
+    OWN[39] = deq_mxfp4;
 }
 
 /* ------------------------------------------------------------------ bf16 splitting */
