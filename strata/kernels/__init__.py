@@ -19,11 +19,13 @@ batch is at most FAST_BATCH_MAX rows, else the reference runs. Activations (`set
   IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS and MXFP4 take qmm.c's
   one-pass kernels instead
   (each weight block unpacked once for both activations: 1.2-2.0x faster than the two passes,
-  `bench_kernels.py --fused-ab`). Prompt-sized batches dequantize W by ggml to float32 for one
-  matmul.
+  `bench_kernels.py --fused-ab`). Prompt-sized batches take prefill.c's AMX products where the
+  CPU has AMX-BF16 (`try_qmatmul_prompt`, `strata.kernels.prompt`: x and W each split into two
+  bfloat16 parts, float32 accumulation, ~5e-6 of max |y|; a prompt's experts one C call per layer),
+  else W dequantized by ggml to float32 for one matmul.
   Adds IQ1_S, IQ1_M, IQ2_S and IQ3_S. Without ggml, as "int16".
 - "q8": one pass, as llama.cpp computes (relative error ~1e-2), 10-60 % less kernel time than
-  "q8x2" (IQ2 types gain most); prompt batches take bfloat16 products (AMX).
+  "q8x2" (IQ2 types gain most); prompt batches take one bfloat16 product (AMX).
 - "int16": for Q4_K, Q5_K, Q6_K, Q8_0, IQ2_XXS, IQ2_XS, IQ4_NL, IQ4_XS and MXFP4 (AVX2 builds)
   x is quantized to int16 per row (vpmaddwd), relative error ~3e-5; others as "float32".
 - "float32" (`--exact-activations`): x stays float32; differs from the reference only in
