@@ -370,6 +370,42 @@ def test_fused_residual_pass_equals_ggmls_two_passes(qtype, isa):
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", list(_build.KERNEL_ISAS))
+@pytest.mark.parametrize("types", [("Q8_0", "Q4_1", "MXFP4"), ("Q5_0", "Q5_1", "IQ4_NL"), ("Q4_0", "IQ1_M", "Q4_K")])
+def test_one_token_moe_in_one_call_with_each_kernel_set(types, isa, monkeypatch):
+    """A decode token's experts in one call (strata_moe_token: its products share one parallel
+    region, strata_qmm_many, with x laid out once per activation layout) against the products one
+    by one (strata_qmm_ext), in "q8x2" with each one-pass kernel set: the 32-value types' kernels
+    want x in their own layouts, which both paths must build alike."""
+    lib = _build.load()
+    if not all(t in kernels.ggml_types() for t in types):
+        pytest.skip("ggml lacks one of the types")
+    E, hidden, ffn = 4, 512, 256
+    gate, up = (random_qtensor(types[i], (E, ffn, hidden), seed=20 + i) for i in (0, 1))
+    down = random_qtensor(types[2], (E, hidden, ffn), seed=22)
+    x = torch.randn(1, hidden)
+    ids, weights = torch.tensor([[3, 0]]), torch.tensor([[0.6, 0.4]])
+
+    def expert(e):
+        return gate[e], up[e], down[e]
+
+    before = kernels.activations()
+    kernels.set_activations("q8x2")
+    try:
+        with kernel_isa(lib, isa):
+            one_call = kernels.run_experts_fast(x, ids, weights, expert)
+            with monkeypatch.context() as m:
+                m.setattr(kernels, "_moe_token", lambda *a: False)
+                by_expert = kernels.run_experts_fast(x, ids, weights, expert)
+        kernels.set_activations("float32")
+        exact = kernels.run_experts_fast(x, ids, weights, expert)
+    finally:
+        kernels.set_activations(before)
+    assert rel_err(one_call, by_expert) < 1e-5, (types, isa)
+    assert rel_err(one_call, exact) < 1e-3, (types, isa)
+
+
+@needs_kernels
 def test_kernel_isa_env_forces_a_kernel_set(monkeypatch, caplog):
     """STRATA_KERNEL_ISA picks the one-pass set (load() applies it: checked once in a fresh
     process); a set the CPU cannot run, or a wrong name, leaves the best one with a warning."""

@@ -1925,19 +1925,46 @@ static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     return fused_isa == 3 ? fused2_512(type, qblk, qsize) : NULL;
 }
 
-/* Whether the kernel in use for `type` wants its activations laid out by q8_0_prep / q4_1_prep
- * (the AVX-512 ones for q8_0 and q8_1 types; the 256-bit ones read ggml's blocks as they are). */
-static int fused2_prep(int type, int64_t qsize) { return fused_isa == 3 && (type == 3 || type == 7 || qsize == 34); }
+/* The 256-bit kernels' layout of the q8_0 / q8_1 activations of one row (the part every weight
+ * row shares, built once per product): x's and its residual's int8 values (32 per block each),
+ * their block scales as float, and for q8_1 x's exact d * sum(q) over each block (both
+ * activations; ggml's q8_1 keeps an f16 one). */
+static int64_t prep256_bytes(int64_t n) { const int64_t nb = n / 32; return nb * 64 + nb * 4 * 3; }
 
-/* q8_1 blocks {f16 d, s; i8 q[32]} with s replaced by sum(q) as an int16 (|sum| <= 4064): the
- * 256-bit Q4_1 / Q5_1 kernels take x's exact block sums from there, not from the f16 d * sum. */
-static void q8_1_exact_sums(uint8_t *q, int64_t n_blocks) {
-    for (int64_t i = 0; i < n_blocks; i++) {
-        int s = 0;
-        for (int l = 0; l < 32; l++) s += ((const int8_t *)(q + 36 * i + 4))[l];
-        const int16_t v = (int16_t)s;
-        memcpy(q + 36 * i + 2, &v, 2);
+static void prep256(int64_t n, const uint8_t *xq, const uint8_t *xr, int64_t qsize, uint8_t *out) {
+    const int64_t nb = n / 32, head = qsize == 36 ? 4 : 2;
+    uint8_t *vq = out, *vr = out + nb * 32;
+    float *dq = (float *)(out + nb * 64), *dr = dq + nb, *cs = dr + nb;
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *q = xq + i * qsize, *r = xr + i * qsize;
+        memcpy(vq + 32 * i, q + head, 32);
+        memcpy(vr + 32 * i, r + head, 32);
+        dq[i] = rd_f16(q);
+        dr[i] = rd_f16(r);
+        int sq = 0, sr = 0;
+        for (int l = 0; l < 32; l++) {
+            sq += ((const int8_t *)(q + head))[l];
+            sr += ((const int8_t *)(r + head))[l];
+        }
+        cs[i] = dq[i] * (float)sq + dr[i] * (float)sr;
     }
+}
+
+/* How the kernel in use for `type` wants its activations: 0 ggml's blocks as they are, 1
+ * q8_0_prep, 2 q4_1_prep (the AVX-512 kernels of q8_0 and q8_1 types), 3 prep256. */
+static int fused2_prep(int type, int64_t qsize) {
+    if (!(type == 3 || type == 7 || qsize == 34)) return 0;
+    return fused_isa != 3 ? 3 : qsize == 34 ? 1 : 2;
+}
+
+static int64_t fused2_prep_bytes(int kind, int64_t cols) {
+    return kind == 1 ? q8_0_prep_bytes(cols) : kind == 2 ? q4_1_prep_bytes(cols) : kind == 3 ? prep256_bytes(cols) : 0;
+}
+
+static void fused2_prep_row(int kind, int64_t cols, const uint8_t *xq, const uint8_t *xr, int64_t qsize, uint8_t *out) {
+    if (kind == 1) q8_0_prep(cols, xq, xr, out);
+    else if (kind == 2) q4_1_prep(cols, xq, xr, out);
+    else if (kind == 3) prep256(cols, xq, xr, qsize, out);
 }
 
 /* 1 (default): "q8x2" takes the fused kernels above where a type has one; 0: ggml's two passes
@@ -2033,10 +2060,9 @@ int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const
     while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
     nth = parallel_threads(rows * wrow * B, nth); /* waking a helper costs more than it saves */
     const dot2_fn dot2 = twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
-    if (dot2 && !fused2_prep(type, k->qsize) && k->qsize == 36) q8_1_exact_sums(xq, 2 * B * xrow / 36);
-    if (dot2 && fused2_prep(type, k->qsize)) { /* q8_1 and q8_0 types: the row-independent part laid out once */
-        const int q8_0 = k->qsize == 34;
-        const int64_t prow = q8_0 ? q8_0_prep_bytes(cols) : q4_1_prep_bytes(cols);
+    const int prep_kind = dot2 ? fused2_prep(type, k->qsize) : 0;
+    if (prep_kind) { /* q8_1 and q8_0 types: the row-independent part laid out once */
+        const int64_t prow = fused2_prep_bytes(prep_kind, cols);
         uint8_t *prep = malloc((size_t)(B * prow) + 64);
         if (!prep) {
             free(xq);
@@ -2044,7 +2070,7 @@ int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const
             return 0;
         }
         for (int64_t b = 0; b < B; b++)
-            (q8_0 ? q8_0_prep : q4_1_prep)(cols, xq + b * xrow, xr + b * xrow, prep + b * prow);
+            fused2_prep_row(prep_kind, cols, xq + b * xrow, xr + b * xrow, k->qsize, prep + b * prow);
         const fused_args f = {W, rows, cols, B, tile_rows, wrow, prow, prep, prep, Y, dot2};
         pool_run(tile_fused, &f, (rows + tile_rows - 1) / tile_rows, nth < 1 ? 1 : nth);
         free(prep);
@@ -2122,14 +2148,14 @@ typedef struct {
     const float *X;
     int64_t cols;
     ggml_from_float_fn quant;
-    int prep; /* 0 blocks as they are, 1 q8_0_prep, 2 q4_1_prep */
+    int prep; /* fused2_prep's kinds: 0 blocks as they are, 1 q8_0_prep, 2 q4_1_prep, 3 prep256 */
     uint8_t *buf, *xq, *xr;
     int64_t xrow;
 } many_act;
 
 static int prepare_act(many_act *p, const ext_kernel *k, int64_t B, int twice) {
     const int64_t cols = p->cols, brow = cols / k->qblk * k->qsize;
-    const int64_t prow = p->prep == 1 ? q8_0_prep_bytes(cols) : p->prep == 2 ? q4_1_prep_bytes(cols) : 0;
+    const int64_t prow = fused2_prep_bytes(p->prep, cols);
     uint8_t *blocks = malloc((size_t)((twice ? 2 : 1) * B * brow + B * prow) + 64);
     float *tmp = twice ? malloc(sizeof(float) * (size_t)cols) : NULL;
     if (!blocks || (twice && !tmp)) {
@@ -2155,7 +2181,7 @@ static int prepare_act(many_act *p, const ext_kernel *k, int64_t B, int twice) {
     if (p->prep) {
         uint8_t *prep = blocks + (twice ? 2 : 1) * B * brow;
         for (int64_t b = 0; b < B; b++)
-            (p->prep == 1 ? q8_0_prep : q4_1_prep)(cols, xq + b * brow, xr + b * brow, prep + b * prow);
+            fused2_prep_row(p->prep, cols, xq + b * brow, xr + b * brow, k->qsize, prep + b * prow);
         p->xq = p->xr = prep;
         p->xrow = prow;
     } else {
@@ -2182,7 +2208,7 @@ int strata_qmm_many(int n, const int *types, const void *const *W, const int64_t
         if (type < 0 || type >= MAX_EXT || !EXT[type].dot || cols[j] % EXT[type].qblk || cols[j] > 0x7FFFFFFF) return 0;
         const ext_kernel *k = &EXT[type];
         const dot2_fn dot2 = twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
-        const int prep = dot2 && k->qsize == 34 ? 1 : dot2 && (type == 3 || type == 7) ? 2 : 0;
+        const int prep = dot2 ? fused2_prep(type, k->qsize) : 0;
         int a = 0;
         while (a < n_act && !(acts[a].X == X[j] && acts[a].cols == cols[j] && acts[a].quant == k->quant &&
                               acts[a].prep == prep))

@@ -277,18 +277,21 @@ V2_K256(iq1_m, K_IQ1M)
 /* ------------------------------------------------------------------ 32-value blocks x q8_0 / q8_1 */
 
 /* Q8_0 {f16 d; i8 qs[32]}, Q4_0 / IQ4_NL {f16 d; u8 qs[16]} and Q5_0 {f16 d; u32 qh; u8 qs[16]}
- * (signed values through a table), MXFP4 {u8 e8m0; u8 qs[16]} against q8_0 {f16 d; i8 qs[32]};
- * Q4_1 {f16 d, m; u8 qs[16]} and Q5_1 {f16 d, m; u32 qh; u8 qs[16]} (unsigned) against q8_1
- * {f16 d, s; i8 qs[32]}, their m times x's exact block sum d * sum(q) (ggml takes q8_1's f16 s;
- * qmm.c puts sum(q) as an int16 in s before these run). */
-static inline __attribute__((always_inline)) float V2(dot2_b32)(int64_t n, const uint8_t *w, const uint8_t *xq,
-                                                               const uint8_t *xr, const int kind) {
+ * (signed values through a table), MXFP4 {u8 e8m0; u8 qs[16]} against q8_0 blocks; Q4_1 {f16 d,
+ * m; u8 qs[16]} and Q5_1 {f16 d, m; u32 qh; u8 qs[16]} (unsigned) against q8_1 blocks, their m
+ * times x's exact block sums (ggml takes q8_1's f16 s). The activations come laid out by qmm.c's
+ * prep256 (`prep`: int8 values of x, of its residual, float block scales, x's block sums). */
+static inline __attribute__((always_inline)) float V2(dot2_b32)(int64_t n, const uint8_t *w, const uint8_t *prep,
+                                                               const int kind) {
     static const int TS[] = {34, 18, 22, 18, 17, 20, 24};
-    const int ts = TS[kind], minmax = kind == B_Q4_1 || kind == B_Q5_1, xs = minmax ? 36 : 34, xh = minmax ? 4 : 2;
+    const int64_t nb = n / 32;
+    const int ts = TS[kind], minmax = kind == B_Q4_1 || kind == B_Q5_1;
+    const uint8_t *vq = prep, *vr = prep + nb * 32;
+    const float *dxs = (const float *)(prep + nb * 64), *dys = dxs + nb, *cs = dys + nb;
     __m256 acc = _mm256_setzero_ps();
     float mins = 0.0f;
-    for (int64_t i = 0; i < n / 32; i++) {
-        const uint8_t *b = w + i * ts, *yq = xq + i * xs, *yr = xr + i * xs;
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + i * ts;
         __m256i mag, sgn = _mm256_setzero_si256();
         float dw, mw = 0.0f;
         if (kind == B_Q8_0) {
@@ -311,16 +314,13 @@ static inline __attribute__((always_inline)) float V2(dot2_b32)(int64_t n, const
             dw = rd_f16(b);
             mw = rd_f16(b + 2);
         }
-        const __m256i xqv = _mm256_loadu_si256((const __m256i *)(yq + xh)), xrv = _mm256_loadu_si256((const __m256i *)(yr + xh));
-        const float dxq = rd_f16(yq), dxr = rd_f16(yr);
+        const __m256i xqv = _mm256_loadu_si256((const __m256i *)(vq + 32 * i)), xrv = _mm256_loadu_si256((const __m256i *)(vr + 32 * i));
+        const float dxq = dxs[i], dxr = dys[i];
         __m256 t;
-        if (minmax) { /* the blocks' s fields hold exact int16 sums of q here (q8_1_exact_sums) */
+        if (minmax) {
             const __m256i pq = V2(dot_u)(mag, xqv), pr = V2(dot_u)(mag, xrv);
-            int16_t cq, cr;
-            memcpy(&cq, yq + 2, 2);
-            memcpy(&cr, yr + 2, 2);
             t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pq), _mm256_set1_ps(dw * dxq), _mm256_mul_ps(_mm256_cvtepi32_ps(pr), _mm256_set1_ps(dw * dxr)));
-            mins += mw * (dxq * (float)cq + dxr * (float)cr);
+            mins += mw * cs[i];
         } else {
             mag = _mm256_abs_epi8(sgn);
             const __m256i pq = V2(dot_u)(mag, _mm256_sign_epi8(xqv, sgn)), pr = V2(dot_u)(mag, _mm256_sign_epi8(xrv, sgn));
@@ -332,8 +332,9 @@ static inline __attribute__((always_inline)) float V2(dot2_b32)(int64_t n, const
 }
 
 #define V2_B32(name, kind) \
-    static float V2(dot2_##name)(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) { \
-        return V2(dot2_b32)(n, w, xq, xr, kind); \
+    static float V2(dot2_##name)(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) { \
+        (void)unused; \
+        return V2(dot2_b32)(n, w, prep, kind); \
     }
 V2_B32(q8_0, B_Q8_0)
 V2_B32(q4_0, B_Q4_0)
