@@ -243,3 +243,49 @@ def test_prompt_experts_match_reference(types, threads, monkeypatch):
     scale = float(ref.abs().max())
     for y in (got, tiered):
         assert float((y.double() - ref).abs().max()) < 2e-4 * scale
+
+
+def test_prefill_logits_match_transformers(tmp_path, monkeypatch):
+    """A tiny Qwen3-MoE (transformers' class, randomised norms) stored as Q8_0 / Q4_0 experts: its
+    prefill logits through the AMX products ("q8x2", a 100-token prompt: the dense products and the
+    layers' experts) against transformers given the same weights through gguf-py's quantize and
+    dequantize."""
+    import copy
+
+    import gguf.quants
+    import strata
+    from reference import hf_logits, randomise, save_hf
+    from test_models import VOCAB, qwen3moe
+
+    from strata.gguf.convert import convert_hf_to_gguf
+
+    torch.manual_seed(0)
+    model = randomise(qwen3moe().eval())
+    save_hf(model, tmp_path / "hf")
+    convert_hf_to_gguf(tmp_path / "hf", tmp_path / "q.gguf", dense_type=T.Q8_0, expert_type=T.Q4_0)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.ndim < 2 or "norm" in name or name.endswith("mlp.gate.weight"):
+                continue
+            qtype = T.Q4_0 if "experts" in name else T.Q8_0
+            p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.detach().numpy(), qtype), qtype)))
+    ids = [(5 * i + 1) % VOCAB for i in range(100)]
+    want = hf_logits(ref, ids)
+    calls = {"matmul": 0, "moe": 0}
+    for name in calls:
+        real = getattr(prompt, name)
+        monkeypatch.setattr(prompt, name, lambda *a, _r=real, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1) or _r(*a, **k))
+    before = kernels.activations()
+    kernels.set_activations("q8x2")
+    try:
+        engine = strata.load(tmp_path / "q.gguf", cpu_threads=1, draft="off")
+        got = engine.logits(ids)
+        engine.close()
+    finally:
+        kernels.set_activations(before)
+    assert calls["matmul"] >= 12 and calls["moe"] == 3, calls  # 3 layers: q, k, v, o; each layer's experts
+    dist = (got - want).abs().max().item()
+    print(f"prefill max logit distance from transformers: {dist:.2e} (max |logit| {want.abs().max().item():.2f})")
+    assert dist < 5e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
