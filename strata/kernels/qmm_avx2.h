@@ -82,7 +82,9 @@ enum { B_Q8_0, B_Q4_0, B_Q5_0, B_IQ4NL, B_MXFP4, B_Q4_1, B_Q5_1 };
 static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, const uint8_t *w, const uint8_t *xq,
                                                                 const uint8_t *xr, const int kind) {
     static const int TS[] = {84, 110, 144, 176, 210, 66, 74, 82, 98, 110, 136, 50, 56};
-    const int big = kind == K_IQ4XS, has_mins = kind == K_Q2 || kind == K_Q4 || kind == K_Q5;
+    /* mins through the bsums: Q2_K, Q4_K, Q5_K's own, and Q3_K's / Q6_K's offsets (4 and 32 times the
+     * sub-block scale), so that their weights stay unsigned (no vpsignb) */
+    const int big = kind == K_IQ4XS, has_mins = kind <= K_Q6;
     const int ts = TS[kind];
     const __m256i m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(15);
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
@@ -105,6 +107,8 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
             const uint32_t s4[4] = {(a0 & k4) | ((t & k2) << 4), (a1 & k4) | (((t >> 2) & k2) << 4),
                                     ((a0 >> 4) & k4) | (((t >> 4) & k2) << 4), ((a1 >> 4) & k4) | (((t >> 6) & k2) << 4)};
             for (int k = 0; k < 16; k++) sc[k] = (int)((s4[k / 4] >> (8 * (k % 4))) & 0xFF) - 32;
+            m16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_setr_epi32((int)s4[0], (int)s4[1], (int)s4[2], (int)s4[3]), _mm_set1_epi8(32)));
+            dmin = 4.0f * d;
         } else if (kind == K_Q4 || kind == K_Q5) {
             d = rd_f16(b);
             dmin = rd_f16(b + 2);
@@ -120,6 +124,8 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
         } else if (kind == K_Q6) {
             d = rd_f16(b + 208);
             for (int k = 0; k < 16; k++) sc[k] = ((const int8_t *)(b + 192))[k];
+            m16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+            dmin = 32.0f * d;
         } else if (kind == K_IQ2XXS || kind == K_IQ3XXS) {
             d = rd_f16(b);
             const uint8_t *sg = b + (kind == K_IQ2XXS ? 2 + 4 : 66);
@@ -153,12 +159,12 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
             if (kind == K_Q2) {
                 mag = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (j / 4))), 2 * (j % 4)), m3);
                 signed_w = 0;
-            } else if (kind == K_Q3) { /* q - 4 where the hmask bit is clear */
+            } else if (kind == K_Q3) { /* q + 4 where the hmask bit is set (the 4 off through the mins) */
                 const __m256i q = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 32 + 32 * (j / 4))), 2 * (j % 4)), m3);
                 const __m256i hbit = _mm256_set1_epi8((char)(1 << j));
-                const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)b), hbit), _mm256_setzero_si256());
-                sgn = _mm256_sub_epi8(q, _mm256_and_si256(clear, _mm256_set1_epi8(4)));
-                mag = _mm256_abs_epi8(sgn);
+                const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)b), hbit), hbit);
+                mag = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(4)));
+                signed_w = 0;
             } else if (kind == K_Q4 || kind == K_Q5) {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (kind == K_Q5 ? 48 : 16) + 32 * (j / 2)));
                 mag = _mm256_and_si256(_mm256_srli_epi16(raw, 4 * (j % 2)), m4);
@@ -172,8 +178,8 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
                 const int h = j / 4, q = j % 4;
                 const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (q & 1))), 4 * (q >> 1)), m4);
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)), 2 * q), m3);
-                sgn = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-                mag = _mm256_abs_epi8(sgn);
+                mag = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)); /* 0..63; the 32 off through the mins */
+                signed_w = 0;
             } else if (kind == K_IQ2XXS) {
                 const uint8_t *g = b + 2 + 8 * j;
                 const uint32_t s = rd_u32(g + 4);
