@@ -457,7 +457,7 @@ def test_kernels_build_for_cpus_without_avx():
 HASWELL_RUN = """
 import sys, torch
 from strata.kernels import _build
-_build.FLAGS[:] = ["-O1" if f.startswith("-O") else "-march=haswell" if f.startswith("-march") else f for f in _build.FLAGS]
+_build.FLAGS[:] = ["-O0" if f.startswith("-O") else "-march=haswell" if f.startswith("-march") else f for f in _build.FLAGS]
 lib = _build.load()
 sys.path.insert(0, sys.argv[1])
 from test_kernels import random_qtensor, rel_err  # loads the library too: after the flags above
@@ -478,7 +478,7 @@ for name in ("Q4_K", "IQ2_XS", "IQ1_M", "Q4_0"):
 
 @needs_kernels
 def test_a_build_without_avx512_takes_the_256_bit_kernels(tmp_path):
-    """The library built for a CPU without AVX-512 (-march=haswell, -O1 to keep it short, in a
+    """The library built for a CPU without AVX-512 (-march=haswell, -O0 to keep it short, in a
     fresh process) runs here: it offers only the 256-bit sets, takes the best this CPU has, and
     its one pass agrees with ggml's two passes and the exact product."""
     _gcc_on_x86()
