@@ -28,6 +28,8 @@ def _lib() -> ctypes.CDLL | None:
     lib = _build.load()
     if lib is None:
         return None
+    if _ready is None and not hasattr(lib, "strata_pp_available"):  # a library built without prefill.c
+        _ready = False
     if _ready is None:
         p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.strata_pp_init_tables.argtypes = [p, p, p]
