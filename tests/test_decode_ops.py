@@ -164,3 +164,47 @@ def test_decode_embedding_rows_by_ggml_equal_the_torch_decode(qtype, monkeypatch
 
     monkeypatch.setattr(quant, "dequantize", no_torch_decode)
     assert torch.equal(emb(ids), ref)
+
+
+@needs_kernels
+@pytest.mark.parametrize("normalize", [True, False])
+def test_decode_moe_half_in_one_call_matches_torch(normalize, monkeypatch):
+    """A decode token's h + moe(norm(h)) in one C call (strata_moe_decode: norm, float32 router,
+    softmax top-k, the resident stacked experts) against MoE's torch path, at 6 tokens."""
+    from functools import partial
+
+    from torch import nn
+
+    from strata.models.cache import KVCache, StepInfo
+    from strata.models.layers import Experts, ResidentExperts, no_tap, softmax_topk
+    from strata.models.transformer import MoE
+
+    block = _decode_block(True, False, seed=3)
+    g = torch.Generator().manual_seed(4)
+    gate, up = (random_qtensor(t, (16, 256, 256), seed=20 + i) for i, t in enumerate(("Q4_K", "Q4_K")))
+    down = random_qtensor("Q6_K", (16, 256, 256), seed=22)
+    experts = Experts.__new__(Experts)
+    nn.Module.__init__(experts)
+    experts.layer, experts.n_experts, experts.backend = 0, 16, ResidentExperts(gate, up, down)
+    block.ffn = MoE(torch.randn(16, 256, generator=g) / 16, experts, partial(softmax_topk, k=4, normalize=normalize))
+    calls = [0]
+    moe_c = decode_ops.try_moe_block
+
+    def counted(*a):
+        y = moe_c(*a)
+        calls[0] += y is not None
+        return y
+
+    outs = {}
+    for fast in (True, False):
+        monkeypatch.setattr(decode_ops, "try_moe_block", counted if fast else (lambda *a: None))
+        cache = KVCache()
+        ys = []
+        for pos in range(6):
+            x = torch.randn(1, 1, 256, generator=torch.Generator().manual_seed(pos))
+            step = StepInfo(torch.tensor([pos]), torch.tensor([1]), 1)
+            ys.append(block(x, cache, step, block.attn.rope.cos_sin(step.positions), no_tap) - x)
+        outs[fast] = torch.cat(ys, 1)
+    assert calls[0] == 6
+    fast, ref = outs[True], outs[False]
+    assert float((fast - ref).abs().max()) < 2e-5 * float(ref.abs().max())

@@ -161,3 +161,33 @@ def try_ffn_block(h: torch.Tensor, norm, ffn) -> torch.Tensor | None:
                                (vp * 2)(pg.fnptr, pu.fnptr), (vp * 2)(pg.ptr, pu.ptr), f, pd.fnptr, pd.ptr,
                                out.data_ptr(), torch.get_num_threads())
     return out if ok else None
+
+
+def try_moe_block(h: torch.Tensor, norm, moe, k: int, normalize: bool) -> torch.Tensor | None:
+    """h + moe(norm(h)) for one decode token in one C call (strata_moe_decode: norm, the float32
+    router, softmax top-k, the resident stacked experts), or None where it does not apply (not one
+    float32 token on the CPU, a router or experts elsewhere, a type without an own kernel). The
+    caller checks the module types and that the router's rule is `softmax_topk(k, normalize)`."""
+    lib = _build.load()
+    if lib is None or not _ok(h) or h.numel() != h.shape[-1]:
+        return None
+    hidden = h.shape[-1]
+    router = moe.router
+    if not _vec(router) or router.dim() != 2 or router.shape[1] != hidden or not _vec(norm.weight):
+        return None
+    backend = moe.experts.backend
+    stacked = (backend.gate, backend.up, backend.down)
+    plans = [kernels._stacked_plan(q) for q in stacked]
+    if plans[0] is None or plans[1] is None or plans[2] is None:
+        return None
+    (g0, gs), (u0, us), (d0, ds) = plans
+    ffn, n_exp = g0.rows, router.shape[0]
+    if (g0.cols, u0.rows, u0.cols, d0.rows, d0.cols) != (hidden, ffn, hidden, hidden, ffn) \
+            or any(q.shape[0] != n_exp for q in stacked) or not 0 < k <= n_exp:
+        return None
+    out = torch.empty_like(h)
+    ids, weights = (ctypes.c_int64 * k)(), (ctypes.c_float * k)()
+    ok = lib.strata_moe_decode(h.data_ptr(), hidden, norm.weight.data_ptr(), ctypes.c_float(norm.eps), router.data_ptr(),
+                               n_exp, k, int(normalize), g0.ptr, gs, u0.ptr, us, d0.ptr, ds, g0.fnptr, u0.fnptr, d0.fnptr,
+                               ffn, ids, weights, out.data_ptr(), torch.get_num_threads())
+    return out if ok else None

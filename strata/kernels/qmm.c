@@ -2754,6 +2754,65 @@ int strata_ffn_decode(const float *h, int64_t hidden, const float *norm_w, float
     return 1;
 }
 
+/* out = h + sum_j w_j expert_j(n), n = norm(h), of one token: router logits R n (R: [n_exp, hidden]
+ * float32), softmax, the k largest (ties to the lower index) in descending order, renormalised to
+ * sum 1 when `normalize`, then strata_moe_token's products over the stacked experts (expert e's
+ * matrices at gate + e * gs, ...). ids_out / w_out receive the choice. 0 (nothing written) when no
+ * memory. */
+__attribute__((optimize("fp-contract=off")))
+int strata_moe_decode(const float *h, int64_t hidden, const float *norm_w, float eps, const float *router,
+                      int64_t n_exp, int k, int normalize, const uint8_t *gate, int64_t gs, const uint8_t *up,
+                      int64_t us, const uint8_t *down, int64_t ds, void *gate_fn, void *up_fn, void *down_fn,
+                      int64_t ffn, int64_t *ids_out, float *w_out, float *out, int nth) {
+    if (k <= 0 || k > n_exp || 2 * k > MANY_MAX) return 0;
+    float *buf = malloc(sizeof(float) * (size_t)(2 * hidden + n_exp) + 64);
+    if (!buf) return 0;
+    float *n = buf, *y = n + hidden, *p = y + hidden;
+    rms_norm(h, norm_w, hidden, eps, n);
+    float m = -INFINITY;
+    for (int64_t e = 0; e < n_exp; e++) {
+        float d = 0.0f;
+        for (int64_t i = 0; i < hidden; i++) d += router[e * hidden + i] * n[i];
+        p[e] = d;
+        if (d > m) m = d;
+    }
+    float sum = 0.0f;
+    for (int64_t e = 0; e < n_exp; e++) {
+        p[e] = expf(p[e] - m);
+        sum += p[e];
+    }
+    for (int64_t e = 0; e < n_exp; e++) p[e] = p[e] / sum;
+    const void *G[MANY_MAX], *U[MANY_MAX], *Dn[MANY_MAX];
+    float wsum = 0.0f;
+    for (int j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < n_exp; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= ids_out[i] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        ids_out[j] = best;
+        w_out[j] = p[best];
+        wsum += p[best];
+        G[j] = gate + best * gs;
+        U[j] = up + best * us;
+        Dn[j] = down + best * ds;
+    }
+    if (normalize)
+        for (int j = 0; j < k; j++) w_out[j] = w_out[j] / wsum;
+    float *scratch = malloc(sizeof(float) * (size_t)(3 * ffn + hidden) + 64);
+    if (!scratch) {
+        free(buf);
+        return 0;
+    }
+    for (int64_t i = 0; i < hidden; i++) y[i] = 0.0f;
+    strata_moe_token(G, U, Dn, w_out, k, gate_fn, up_fn, down_fn, hidden, ffn, n, y, scratch, nth);
+    for (int64_t i = 0; i < hidden; i++) out[i] = h[i] + y[i];
+    free(scratch);
+    free(buf);
+    return 1;
+}
+
 /* ------------------------------------------------------------------ float16 weights
  *
  * Y (B x rows, float32) = X (B x cols, float32) W^T for a float16 W (strata/kernels/f16.py): each

@@ -6,6 +6,8 @@ the engine keeps that layout, so HF checkpoints get the same permutation at load
 
 from __future__ import annotations
 
+from functools import partial
+
 from dataclasses import replace
 
 from strata.formats.llama import Config
@@ -35,7 +37,7 @@ class Model(DecoderLM):
             k = c.n_experts_used
             ffn = MoE(w.dense(f"{p}.ffn_gate_inp.weight", (c.n_experts, c.hidden_size)),
                       Experts(w, p, c.n_experts, c.hidden_size, c.ffn_size, layer=i, provider=seams.experts),
-                      route=lambda logits: softmax_topk(logits, k, normalize=True))
+                      route=partial(softmax_topk, k=k, normalize=True))
         else:
             ffn = DenseFFN(w, p, c.hidden_size, c.ffn_size)
         return Block.from_weights(w, p, c.hidden_size, c.rms_eps, attn, ffn)

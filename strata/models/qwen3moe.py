@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from strata.formats.qwen3moe import Config
 from strata.models.layers import Attention, DenseFFN, Experts, softmax_topk
 from strata.models.rope import Rope
@@ -28,5 +30,5 @@ class Model(DecoderLM):
             k, norm = c.n_experts_used, c.norm_topk_prob
             ffn = MoE(w.dense(f"{p}.ffn_gate_inp.weight", (c.n_experts, c.hidden_size)),
                       Experts(w, p, c.n_experts, c.hidden_size, c.expert_ffn_size, layer=i, provider=seams.experts),
-                      route=lambda logits: softmax_topk(logits, k, normalize=norm))
+                      route=partial(softmax_topk, k=k, normalize=norm))
         return Block.from_weights(w, p, c.hidden_size, c.rms_eps, attn, ffn)

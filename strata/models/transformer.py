@@ -6,6 +6,8 @@ cache bookkeeping and padding rules live here once.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,7 +15,7 @@ from torch import nn
 from strata.kernels import decode_ops
 from strata.kernels.threads import one_thread_if_small
 from strata.models.cache import KVCache, ModelCache, StepInfo
-from strata.models.layers import Attention, DenseFFN, RMSNorm, Tap, no_tap
+from strata.models.layers import Attention, DenseFFN, Experts, RMSNorm, ResidentExperts, Tap, no_tap, softmax_topk
 from strata.models.linear import Linear
 from strata.models.rope import Rope
 from strata.models.seams import Seams
@@ -59,6 +61,15 @@ class MoE(nn.Module):
         return out
 
 
+def _c_routable(moe: MoE) -> bool:
+    """Whether a decode token's MoE half can run in one C call (`decode_ops.try_moe_block`): resident
+    experts, no shared expert, and the plain softmax top-k router (`partial(softmax_topk, k=, normalize=)`)."""
+    r = moe.route
+    return (moe.shared is None and isinstance(r, partial) and r.func is softmax_topk and not r.args
+            and set(r.keywords) == {"k", "normalize"} and type(moe.experts) is Experts
+            and type(moe.experts.backend) is ResidentExperts)
+
+
 class Block(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x))."""
 
@@ -79,8 +90,13 @@ class Block(nn.Module):
         if h is None:
             h = x + self.attn(self.attn_norm(x), cache, step, rope_cs, tap)
         tap("ffn_inp", h)
-        if tap is no_tap and type(self.ffn) is DenseFFN and type(self.ffn_norm) is RMSNorm:
-            y = decode_ops.try_ffn_block(h, self.ffn_norm, self.ffn)
+        if tap is no_tap and type(self.ffn_norm) is RMSNorm:
+            y = None
+            if type(self.ffn) is DenseFFN:
+                y = decode_ops.try_ffn_block(h, self.ffn_norm, self.ffn)
+            elif type(self.ffn) is MoE and _c_routable(self.ffn) and int(step.n_new[0]) == 1:
+                r = self.ffn.route
+                y = decode_ops.try_moe_block(h, self.ffn_norm, self.ffn, r.keywords["k"], r.keywords["normalize"])
             if y is not None:
                 return y
         normed = self.ffn_norm(h)
