@@ -1950,11 +1950,12 @@ static void prep256(int64_t n, const uint8_t *xq, const uint8_t *xr, int64_t qsi
     }
 }
 
-/* How the kernel in use for `type` wants its activations: 0 ggml's blocks as they are, 1
- * q8_0_prep, 2 q4_1_prep (the AVX-512 kernels of q8_0 and q8_1 types), 3 prep256. */
-static int fused2_prep(int type, int64_t qsize) {
-    if (!(type == 3 || type == 7 || qsize == 34)) return 0;
-    return fused_isa != 3 ? 3 : qsize == 34 ? 1 : 2;
+/* How kernel `dot2` (fused2_for's choice for `type`) wants its activations: 0 ggml's blocks as
+ * they are, 1 q8_0_prep, 2 q4_1_prep (the AVX-512 kernels of q8_0 and q8_1 types), 3 prep256.
+ * Decided from the kernel itself, so a set switched meanwhile cannot pair one with another's layout. */
+static int fused2_prep(int type, int64_t qblk, int64_t qsize, dot2_fn dot2) {
+    if (!dot2 || !(type == 3 || type == 7 || qsize == 34)) return 0;
+    return dot2 != fused2_512(type, qblk, qsize) ? 3 : qsize == 34 ? 1 : 2;
 }
 
 static int64_t fused2_prep_bytes(int kind, int64_t cols) {
@@ -2060,7 +2061,7 @@ int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const
     while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
     nth = parallel_threads(rows * wrow * B, nth); /* waking a helper costs more than it saves */
     const dot2_fn dot2 = twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
-    const int prep_kind = dot2 ? fused2_prep(type, k->qsize) : 0;
+    const int prep_kind = fused2_prep(type, k->qblk, k->qsize, dot2);
     if (prep_kind) { /* q8_1 and q8_0 types: the row-independent part laid out once */
         const int64_t prow = fused2_prep_bytes(prep_kind, cols);
         uint8_t *prep = malloc((size_t)(B * prow) + 64);
@@ -2208,7 +2209,7 @@ int strata_qmm_many(int n, const int *types, const void *const *W, const int64_t
         if (type < 0 || type >= MAX_EXT || !EXT[type].dot || cols[j] % EXT[type].qblk || cols[j] > 0x7FFFFFFF) return 0;
         const ext_kernel *k = &EXT[type];
         const dot2_fn dot2 = twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
-        const int prep = dot2 ? fused2_prep(type, k->qsize) : 0;
+        const int prep = fused2_prep(type, k->qblk, k->qsize, dot2);
         int a = 0;
         while (a < n_act && !(acts[a].X == X[j] && acts[a].cols == cols[j] && acts[a].quant == k->quant &&
                               acts[a].prep == prep))
