@@ -167,16 +167,17 @@ def test_decode_embedding_rows_by_ggml_equal_the_torch_decode(qtype, monkeypatch
 
 
 @needs_kernels
-@pytest.mark.parametrize("normalize", [True, False])
-def test_decode_moe_half_in_one_call_matches_torch(normalize, monkeypatch):
+@pytest.mark.parametrize("normalize,shared", [(True, None), (False, "gated"), (True, "plain")])
+def test_decode_moe_half_in_one_call_matches_torch(normalize, shared, monkeypatch):
     """A decode token's h + moe(norm(h)) in one C call (strata_moe_decode: norm, float32 router,
-    softmax top-k, the resident stacked experts) against MoE's torch path, at 6 tokens."""
+    softmax top-k, the resident stacked experts, a shared expert with or without its sigmoid gate)
+    against MoE's torch path, at 6 tokens."""
     from functools import partial
 
     from torch import nn
 
     from strata.models.cache import KVCache, StepInfo
-    from strata.models.layers import Experts, ResidentExperts, no_tap, softmax_topk
+    from strata.models.layers import Experts, ResidentExperts, SharedExpert, no_tap, softmax_topk
     from strata.models.transformer import MoE
 
     block = _decode_block(True, False, seed=3)
@@ -186,7 +187,14 @@ def test_decode_moe_half_in_one_call_matches_torch(normalize, monkeypatch):
     experts = Experts.__new__(Experts)
     nn.Module.__init__(experts)
     experts.layer, experts.n_experts, experts.backend = 0, 16, ResidentExperts(gate, up, down)
-    block.ffn = MoE(torch.randn(16, 256, generator=g) / 16, experts, partial(softmax_topk, k=4, normalize=normalize))
+    shexp = None
+    if shared:
+        shexp = SharedExpert.__new__(SharedExpert)
+        nn.Module.__init__(shexp)
+        shexp.ffn = _decode_block(False, False, seed=9).ffn
+        shexp.gate = torch.randn(1, 256, generator=g) / 16 if shared == "gated" else None
+    block.ffn = MoE(torch.randn(16, 256, generator=g) / 16, experts, partial(softmax_topk, k=4, normalize=normalize),
+                    shexp)
     calls = [0]
     moe_c = decode_ops.try_moe_block
 

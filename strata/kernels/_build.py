@@ -176,7 +176,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_ffn_decode.argtypes = [p, i64, p, f32, p, p, i64, p, p, p, c_int]
     lib.strata_ffn_decode.restype = c_int
     lib.strata_moe_decode.argtypes = [p, i64, p, f32, p, i64, c_int, c_int, p, i64, p, i64, p, i64, p, p, p,
-                                      i64, p, p, p, c_int]
+                                      i64, p, p, i64, p, p, p, p, c_int]
     lib.strata_moe_decode.restype = c_int
     lib.strata_pool_tiles.argtypes = [p]
     lib.strata_pool_tiles.restype = None

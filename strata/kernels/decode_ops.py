@@ -165,7 +165,7 @@ def try_ffn_block(h: torch.Tensor, norm, ffn) -> torch.Tensor | None:
 
 def try_moe_block(h: torch.Tensor, norm, moe, k: int, normalize: bool) -> torch.Tensor | None:
     """h + moe(norm(h)) for one decode token in one C call (strata_moe_decode: norm, the float32
-    router, softmax top-k, the resident stacked experts), or None where it does not apply (not one
+    router, softmax top-k, the resident stacked experts, a shared expert and its sigmoid gate), or None where it does not apply (not one
     float32 token on the CPU, a router or experts elsewhere, a type without an own kernel). The
     caller checks the module types and that the router's rule is `softmax_topk(k, normalize)`."""
     lib = _build.load()
@@ -185,9 +185,27 @@ def try_moe_block(h: torch.Tensor, norm, moe, k: int, normalize: bool) -> torch.
     if (g0.cols, u0.rows, u0.cols, d0.rows, d0.cols) != (hidden, ffn, hidden, hidden, ffn) \
             or any(q.shape[0] != n_exp for q in stacked) or not 0 < k <= n_exp:
         return None
+    vp = ctypes.c_void_p
+    sh_fns = sh_w = sh_gate = None
+    sh_ffn = 0
+    if moe.shared is not None:  # a SharedExpert (the caller checks the type): its DenseFFN and gate row
+        sffn = moe.shared.ffn
+        sp = [_linear_plan(lin) for lin in (sffn.gate, sffn.up, sffn.down)]
+        if any(p is None for p in sp) or any(lin.bias is not None for lin in (sffn.gate, sffn.up, sffn.down)):
+            return None
+        sg, su, sd = sp
+        sh_ffn = sg.rows
+        if (sg.cols, su.rows, su.cols, sd.rows, sd.cols) != (hidden, sh_ffn, hidden, hidden, sh_ffn):
+            return None
+        gate = moe.shared.gate
+        if gate is not None:
+            if not _vec(gate) or gate.numel() != hidden:
+                return None
+            sh_gate = gate.data_ptr()
+        sh_fns, sh_w = (vp * 3)(sg.fnptr, su.fnptr, sd.fnptr), (vp * 3)(sg.ptr, su.ptr, sd.ptr)
     out = torch.empty_like(h)
     ids, weights = (ctypes.c_int64 * k)(), (ctypes.c_float * k)()
     ok = lib.strata_moe_decode(h.data_ptr(), hidden, norm.weight.data_ptr(), ctypes.c_float(norm.eps), router.data_ptr(),
                                n_exp, k, int(normalize), g0.ptr, gs, u0.ptr, us, d0.ptr, ds, g0.fnptr, u0.fnptr, d0.fnptr,
-                               ffn, ids, weights, out.data_ptr(), torch.get_num_threads())
+                               ffn, sh_fns, sh_w, sh_ffn, sh_gate, ids, weights, out.data_ptr(), torch.get_num_threads())
     return out if ok else None

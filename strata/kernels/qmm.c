@@ -2764,7 +2764,8 @@ __attribute__((optimize("fp-contract=off")))
 int strata_moe_decode(const float *h, int64_t hidden, const float *norm_w, float eps, const float *router,
                       int64_t n_exp, int k, int normalize, const uint8_t *gate, int64_t gs, const uint8_t *up,
                       int64_t us, const uint8_t *down, int64_t ds, void *gate_fn, void *up_fn, void *down_fn,
-                      int64_t ffn, int64_t *ids_out, float *w_out, float *out, int nth) {
+                      int64_t ffn, void *const *sh_fns, const void *const *sh_W, int64_t sh_ffn,
+                      const float *sh_gate, int64_t *ids_out, float *w_out, float *out, int nth) {
     if (k <= 0 || k > n_exp || 2 * k > MANY_MAX) return 0;
     float *buf = malloc(sizeof(float) * (size_t)(2 * hidden + n_exp) + 64);
     if (!buf) return 0;
@@ -2808,6 +2809,28 @@ int strata_moe_decode(const float *h, int64_t hidden, const float *norm_w, float
     }
     for (int64_t i = 0; i < hidden; i++) y[i] = 0.0f;
     strata_moe_token(G, U, Dn, w_out, k, gate_fn, up_fn, down_fn, hidden, ffn, n, y, scratch, nth);
+    if (sh_ffn > 0) { /* the shared expert: y + sigmoid(g . n) * down(silu(gate n) * up n) */
+        float *sh = malloc(sizeof(float) * (size_t)(2 * sh_ffn + hidden) + 64);
+        if (!sh) {
+            free(scratch);
+            free(buf);
+            return 0;
+        }
+        float *s = sh + 2 * sh_ffn;
+        const int64_t rows[2] = {sh_ffn, sh_ffn};
+        const float *const bias[2] = {NULL, NULL};
+        strata_qmm_group(2, sh_fns, sh_W, rows, hidden, n, 1, bias, sh, NULL, nth);
+        for (int64_t i = 0; i < sh_ffn; i++) sh[i] = silu(sh[i]) * sh[sh_ffn + i];
+        ((qmm_fn)sh_fns[2])((const uint8_t *)sh_W[2], hidden, sh_ffn, sh, 1, s, nth);
+        if (sh_gate) {
+            float d = 0.0f;
+            for (int64_t i = 0; i < hidden; i++) d += n[i] * sh_gate[i];
+            const float sg = 1.0f / (1.0f + expf(-d));
+            for (int64_t i = 0; i < hidden; i++) s[i] = sg * s[i];
+        }
+        for (int64_t i = 0; i < hidden; i++) y[i] = y[i] + s[i];
+        free(sh);
+    }
     for (int64_t i = 0; i < hidden; i++) out[i] = h[i] + y[i];
     free(scratch);
     free(buf);

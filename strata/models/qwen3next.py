@@ -12,6 +12,8 @@ The GGUF layout, metadata, config readers and HF names are in `strata.formats.qw
 
 from __future__ import annotations
 
+from functools import partial
+
 from strata.formats.qwen3next import Config
 from strata.models.gated_deltanet import GatedDeltaNet
 from strata.models.layers import Attention, DenseFFN, Experts, RMSNorm, SharedExpert, softmax_topk
@@ -49,6 +51,6 @@ class Model(DecoderLM):
                 shared = SharedExpert(w, p, c.hidden_size, c.shared_ffn_size)
             ffn = MoE(w.dense(f"{p}.ffn_gate_inp.weight", (c.n_experts, c.hidden_size)),
                       Experts(w, p, c.n_experts, c.hidden_size, c.expert_ffn_size, layer=i, provider=seams.experts),
-                      route=lambda logits: softmax_topk(logits, k, normalize=norm), shared=shared)
+                      route=partial(softmax_topk, k=k, normalize=norm), shared=shared)
         return Block(RMSNorm(w.dense(f"{p}.attn_norm.weight", (c.hidden_size,)), c.rms_eps), mixer,
                      RMSNorm(w.dense(f"{p}.post_attention_norm.weight", (c.hidden_size,)), c.rms_eps), ffn)

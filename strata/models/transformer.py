@@ -15,7 +15,8 @@ from torch import nn
 from strata.kernels import decode_ops
 from strata.kernels.threads import one_thread_if_small
 from strata.models.cache import KVCache, ModelCache, StepInfo
-from strata.models.layers import Attention, DenseFFN, Experts, RMSNorm, ResidentExperts, Tap, no_tap, softmax_topk
+from strata.models.layers import (Attention, DenseFFN, Experts, RMSNorm, ResidentExperts, SharedExpert, Tap, no_tap,
+                                  softmax_topk)
 from strata.models.linear import Linear
 from strata.models.rope import Rope
 from strata.models.seams import Seams
@@ -63,9 +64,9 @@ class MoE(nn.Module):
 
 def _c_routable(moe: MoE) -> bool:
     """Whether a decode token's MoE half can run in one C call (`decode_ops.try_moe_block`): resident
-    experts, no shared expert, and the plain softmax top-k router (`partial(softmax_topk, k=, normalize=)`)."""
+    experts, a `SharedExpert` or none, and the plain softmax top-k router (`partial(softmax_topk, k=, normalize=)`)."""
     r = moe.route
-    return (moe.shared is None and isinstance(r, partial) and r.func is softmax_topk and not r.args
+    return ((moe.shared is None or type(moe.shared) is SharedExpert) and isinstance(r, partial) and r.func is softmax_topk and not r.args
             and set(r.keywords) == {"k", "normalize"} and type(moe.experts) is Experts
             and type(moe.experts.backend) is ResidentExperts)
 
