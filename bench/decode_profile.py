@@ -5,12 +5,13 @@ Used by bench_vs_llamacpp.py --profile. Three views of the same decode steps:
   kernels  each quantized matrix product, by ggml type and shape, with its GB/s,
   ops      torch's own operators by self CPU time (what is left between the kernels),
 then the bytes of weights one token reads against a large tensor copy's bandwidth, and the
-quantized products of one decode step replayed alone (`replay_products`), by CPU time, so the
+quantized products (and one-call layer halves) of one decode step replayed alone (`replay_products`), by CPU time, so the
 time outside them (Python, torch operators, attention) is the step's CPU time minus theirs.
 """
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
 from collections import defaultdict
@@ -107,7 +108,48 @@ def _label_kernels():
     stacked_original = kernels._moe_token_stacked
     kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group = labelled, labelled_moe, labelled_group
     kernels._moe_token_stacked = labelled_stacked
+    _label_halves()
     return (*originals, stacked_original)
+
+
+HALVES = ("try_attention_block", "try_ffn_block", "try_moe_block")
+_half_originals: dict[str, object] = {}
+
+
+def _half_label(name: str, args) -> tuple[str, int]:
+    """A C layer half's label (its weights' types; its norm, rope, attention or routing included)
+    and the weight bytes one call reads."""
+    if name == "try_attention_block":
+        lins = [args[2].wq, args[2].wk, args[2].wv, args[2].wo]
+        return "half attention " + "+".join(f"{lin.weight.qtype.name}" for lin in lins), sum(lin.nbytes for lin in lins)
+    if name == "try_ffn_block":
+        lins = [args[2].gate, args[2].up, args[2].down]
+        return "half dense ffn " + "+".join(f"{lin.weight.qtype.name}" for lin in lins), sum(lin.nbytes for lin in lins)
+    moe, k = args[2], args[3]
+    b = moe.experts.backend
+    n = sum(q.nbytes // q.shape[0] for q in (b.gate, b.up, b.down)) * k + moe.router.nbytes
+    if moe.shared is not None:
+        n += sum(lin.nbytes for lin in (moe.shared.ffn.gate, moe.shared.ffn.up, moe.shared.ffn.down))
+    return f"half moe k{k} {b.gate.qtype.name}/{b.up.qtype.name}/{b.down.qtype.name}" + (" +shared" if moe.shared else ""), n
+
+
+def _label_halves():
+    """Label the one-call layer halves (decode_ops.try_*_block) as kernels; `_unlabel_halves` undoes it."""
+    for name in HALVES:
+        inner = _half_originals[name] = getattr(decode_ops, name)
+
+        def labelled(*args, _inner=inner, _name=name):
+            label, nbytes = _half_label(_name, args)
+            KERNEL_BYTES["qmm " + label] = nbytes
+            with record_function("qmm " + label):
+                return _inner(*args)
+
+        setattr(decode_ops, name, labelled)
+
+
+def _unlabel_halves():
+    for name, fn in _half_originals.items():
+        setattr(decode_ops, name, fn)
 
 
 def bytes_per_token(model, k: int) -> dict[str, int]:
@@ -158,6 +200,7 @@ def print_profile(engine, prompt: list[int], steps: int) -> None:
                     walls.append(time.perf_counter() - t)
         finally:
             kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group, kernels._moe_token_stacked = original
+            _unlabel_halves()
             for m in undo:
                 del m.forward
     step_ms = statistics.median(walls) * 1e3
@@ -183,7 +226,8 @@ def print_profile(engine, prompt: list[int], steps: int) -> None:
         kernel_ms += ms
         gbs = nbytes * e.count / (e.cpu_time_total / 1e6) / 1e9
         print(f"  {e.key[4:]:<40} {e.count // steps:5d} {ms:8.3f} {gbs:6.1f}")
-    print(f"  {'all quantized products':<40} {'':>5} {kernel_ms:8.2f} ({100 * kernel_ms / total_ms:.0f}% of the step)")
+    print(f"  {'all quantized products':<40} {'':>5} {kernel_ms:8.2f} ({100 * kernel_ms / total_ms:.0f}% of the step; "
+          "a 'half' is a layer half in one C call, its norms, rope, attention and routing included)")
 
     print(f"\n  {'torch operator (self CPU)':<44} {'calls':>5} {'ms/token':>8}")
     ops = sorted((e for e in events if e.key.startswith("aten::")), key=lambda e: -e.self_cpu_time_total)
@@ -221,6 +265,14 @@ def replay_products(engine, prompt: list[int], repeats: int = 8) -> None:
         calls.append((lambda *a: originals[3](*a, torch.zeros_like(a[0])), (x.clone(), table, stacked, threads)))
         return originals[3](x, table, stacked, threads, out)
 
+    halves = {name: getattr(decode_ops, name) for name in HALVES}
+
+    def rec_half(name):
+        def rec(x, *rest):
+            calls.append((halves[name], (x.clone(), *rest)))
+            return halves[name](x, *rest)
+        return rec
+
     def rec_q(x, w, threads=None):
         calls.append((originals[0], (x.clone(), w, threads)))
         return originals[0](x, w, threads)
@@ -239,11 +291,19 @@ def replay_products(engine, prompt: list[int], repeats: int = 8) -> None:
         token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
         kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group, kernels._moe_token_stacked = (
             rec_q, rec_m, rec_g, rec_s)
+        for name in HALVES:
+            setattr(decode_ops, name, rec_half(name))
         try:
             token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
         finally:
             kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group, kernels._moe_token_stacked = originals
+            for name, fn in halves.items():
+                setattr(decode_ops, name, fn)
         steps, alone = [], []
+        lib = kernels._build.load()
+        tiles = (ctypes.c_int64 * 2)()
+        lib.strata_pool_tiles(tiles)
+        before = list(tiles)
         for _ in range(repeats):
             t = time.process_time()
             token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
@@ -252,6 +312,9 @@ def replay_products(engine, prompt: list[int], repeats: int = 8) -> None:
             for fn, args in calls:
                 fn(*args)
             alone.append(time.process_time() - t)
+    lib.strata_pool_tiles(tiles)
+    helper, caller = tiles[0] - before[0], tiles[1] - before[1]
+    share = f"; helper threads ran {100 * helper / (helper + caller):.0f}% of the shared tiles" if helper + caller else ""
     step, kern = statistics.median(steps) * 1e3, statistics.median(alone) * 1e3
     print(f"\n  replayed: {len(calls)} product calls alone {kern:.2f} ms CPU per token; the whole step "
-          f"{step:.2f} ms CPU; outside the products {step - kern:.2f} ms ({100 * (step - kern) / step:.0f}%)")
+          f"{step:.2f} ms CPU; outside the products {step - kern:.2f} ms ({100 * (step - kern) / step:.0f}%){share}")
