@@ -614,10 +614,10 @@ def _ggml_quantizer(llama_cpp):
     return quantize
 
 
-@pytest.fixture(scope="module")
-def llama_quantized(tmp_path_factory):
+def write_llama_quantized(d, n_layers: int, context_length: int) -> dict:
     """A tiny MoE llama (K-quant-sized rows, randomised norms) in F32, and llama.cpp's Q8_0 and
-    Q4_K_M of it (llama_model_quantize) and an IQ2_XS one (ggml's quantizer, flat imatrix)."""
+    Q4_K_M of it (llama_model_quantize) and an IQ2_XS one (ggml's quantizer, flat imatrix):
+    {name: path}. Skips where llama-cpp-python or its CPU library is missing."""
     llama_cpp = pytest.importorskip("llama_cpp")
     if "IQ2_XS" not in kernels.ggml_types():
         pytest.skip("llama.cpp's CPU library is not loaded by strata.kernels")
@@ -626,9 +626,8 @@ def llama_quantized(tmp_path_factory):
     from strata.formats.hparams import RopeConfig
     from strata.gguf import writer
 
-    d = tmp_path_factory.mktemp("llama-quantized")
-    shape = dict(hidden_size=256, ffn_size=256, n_heads=4, n_kv_heads=2, head_dim=64, n_layers=2,
-                 rope=RopeConfig(dim=64, interleaved=True), context_length=64)
+    shape = dict(hidden_size=256, ffn_size=256, n_heads=4, n_kv_heads=2, head_dim=64, n_layers=n_layers,
+                 rope=RopeConfig(dim=64, interleaved=True), context_length=context_length)
     f32 = tiny.write_tiny_llama(d / "f32.gguf", **shape)
     files = {"F32": f32}
     for name, ftype in (("Q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0), ("Q4_K_M", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M)):
@@ -640,16 +639,20 @@ def llama_quantized(tmp_path_factory):
         files[name] = out
     c = tiny.llama_config(**shape)
     meta = {**llama.gguf_metadata(c), **tiny.byte_tokenizer_metadata()}
-    ggml_quantize = _ggml_quantizer(llama_cpp)
     tensors = [(n, t, T.F32 if t.dim() == 1 else T.Q8_0 if n == "token_embd.weight" else T.IQ2_XS)
                for n, t in tiny.llama_tensors(c).items()]
     mp = pytest.MonkeyPatch()
-    mp.setattr(writer.quant, "quantize_reference", ggml_quantize)
+    mp.setattr(writer.quant, "quantize_reference", _ggml_quantizer(llama_cpp))
     try:
         files["IQ2_XS"] = writer.write_gguf(d / "IQ2_XS.gguf", "llama", meta, tensors)
     finally:
         mp.undo()
     return files
+
+
+@pytest.fixture(scope="module")
+def llama_quantized(tmp_path_factory):
+    return write_llama_quantized(tmp_path_factory.mktemp("llama-quantized"), n_layers=2, context_length=64)
 
 
 TOKENS = [5, 77, 140, 3, 200, 31, 9, 250, 64, 128, 7, 19, 222, 90, 45, 11]

@@ -114,41 +114,10 @@ PROMPT = [(7 * i + 3) % 250 + 2 for i in range(100)]  # > 64 tokens: the prompt 
 
 @pytest.fixture(scope="module")
 def quantized_files(tmp_path_factory):
-    """A tiny MoE llama (randomised norms) in F32 and llama.cpp's Q8_0 and Q4_K_M of it, and an
-    IQ2_XS one written by ggml's own quantizer."""
-    llama_cpp = pytest.importorskip("llama_cpp")
-    if "IQ2_XS" not in kernels.ggml_types():
-        pytest.skip("llama.cpp's CPU library is not loaded by strata.kernels")
-    import tiny
-    from test_kernels import _ggml_quantizer
+    """test_kernels' llama.cpp-quantized tiny MoE llama, one layer, room for PROMPT."""
+    from test_kernels import write_llama_quantized
 
-    from strata.formats import llama
-    from strata.formats.hparams import RopeConfig
-    from strata.gguf import writer
-
-    d = tmp_path_factory.mktemp("prefill-quantized")
-    shape = dict(hidden_size=256, ffn_size=256, n_heads=4, n_kv_heads=2, head_dim=64, n_layers=1,
-                 rope=RopeConfig(dim=64, interleaved=True), context_length=128)
-    f32 = tiny.write_tiny_llama(d / "f32.gguf", **shape)
-    files = {"F32": f32}
-    for name, ftype in (("Q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0), ("Q4_K_M", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M)):
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = ftype
-        params.nthread = 1
-        out = d / f"{name}.gguf"
-        assert llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), params) == 0
-        files[name] = out
-    c = tiny.llama_config(**shape)
-    meta = {**llama.gguf_metadata(c), **tiny.byte_tokenizer_metadata()}
-    tensors = [(n, t, T.F32 if t.dim() == 1 else T.Q8_0 if n == "token_embd.weight" else T.IQ2_XS)
-               for n, t in tiny.llama_tensors(c).items()]
-    mp = pytest.MonkeyPatch()
-    mp.setattr(writer.quant, "quantize_reference", _ggml_quantizer(llama_cpp))
-    try:
-        files["IQ2_XS"] = writer.write_gguf(d / "IQ2_XS.gguf", "llama", meta, tensors)
-    finally:
-        mp.undo()
-    return files
+    return write_llama_quantized(tmp_path_factory.mktemp("prefill-quantized"), n_layers=1, context_length=128)
 
 
 def _prefill_logits(path, mode: str, threads: int = 1) -> tuple[torch.Tensor, dict]:
