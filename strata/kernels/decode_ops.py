@@ -139,6 +139,19 @@ def try_attention_block(x: torch.Tensor, norm, attn, cache, step, rope_cs) -> to
     return out if ok else None
 
 
+def _swiglu_plans(ffn, hidden: int):
+    """The gate, up and down plans of a bias-free SwiGLU FFN over `hidden`, or None where its
+    products have no own kernel or its shapes do not chain."""
+    lins = (ffn.gate, ffn.up, ffn.down)
+    plans = [_linear_plan(lin) for lin in lins]
+    if any(p is None for p in plans) or any(lin.bias is not None for lin in lins):
+        return None
+    g, u, d = plans
+    if (g.cols, u.rows, u.cols, d.rows, d.cols) != (hidden, g.rows, hidden, hidden, g.rows):
+        return None
+    return plans
+
+
 def try_ffn_block(h: torch.Tensor, norm, ffn) -> torch.Tensor | None:
     """h + ffn(norm(h)) of a dense SwiGLU FFN for one decode token in one C call (strata_ffn_decode),
     or None where it does not apply (as `try_attention_block`)."""
@@ -146,15 +159,11 @@ def try_ffn_block(h: torch.Tensor, norm, ffn) -> torch.Tensor | None:
     if lib is None or not _ok(h) or h.numel() != h.shape[-1]:
         return None
     hidden = h.shape[-1]
-    plans = [_linear_plan(lin) for lin in (ffn.gate, ffn.up, ffn.down)]
-    if any(p is None for p in plans) or any(lin.bias is not None for lin in (ffn.gate, ffn.up, ffn.down)):
+    plans = _swiglu_plans(ffn, hidden)
+    if plans is None or not _vec(norm.weight) or norm.weight.numel() != hidden:
         return None
     pg, pu, pd = plans
     f = pg.rows
-    if (pg.cols, pu.rows, pu.cols, pd.rows, pd.cols) != (hidden, f, hidden, hidden, f):
-        return None
-    if not _vec(norm.weight) or norm.weight.numel() != hidden:
-        return None
     out = torch.empty_like(h)
     vp = ctypes.c_void_p
     ok = lib.strata_ffn_decode(h.data_ptr(), hidden, norm.weight.data_ptr(), ctypes.c_float(norm.eps),
@@ -189,14 +198,11 @@ def try_moe_block(h: torch.Tensor, norm, moe, k: int, normalize: bool) -> torch.
     sh_fns = sh_w = sh_gate = None
     sh_ffn = 0
     if moe.shared is not None:  # a SharedExpert (the caller checks the type): its DenseFFN and gate row
-        sffn = moe.shared.ffn
-        sp = [_linear_plan(lin) for lin in (sffn.gate, sffn.up, sffn.down)]
-        if any(p is None for p in sp) or any(lin.bias is not None for lin in (sffn.gate, sffn.up, sffn.down)):
+        sp = _swiglu_plans(moe.shared.ffn, hidden)
+        if sp is None:
             return None
         sg, su, sd = sp
         sh_ffn = sg.rows
-        if (sg.cols, su.rows, su.cols, sd.rows, sd.cols) != (hidden, sh_ffn, hidden, hidden, sh_ffn):
-            return None
         gate = moe.shared.gate
         if gate is not None:
             if not _vec(gate) or gate.numel() != hidden:
