@@ -267,3 +267,12 @@ def test_chunked_and_recurrent_delta_rule_agree():
         out, new_state = chunk_gated_delta_rule(q, k, v, decay, beta, state, chunk)
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(new_state, ref_state, atol=1e-5, rtol=1e-5)
+    # value heads sharing key heads (3 per key head): the chunked form takes q, k per key head
+    v3, decay3, beta3, state3 = (u.repeat_interleave(3, dim=1) for u in (v, decay, beta, state))
+    v3 = v3 + torch.randn(v3.shape, generator=g)
+    decay3, beta3 = decay3 * torch.rand(decay3.shape, generator=g), beta3.flip(-1)
+    ref_out, ref_state = recurrent_gated_delta_rule(q.repeat_interleave(3, dim=1), k.repeat_interleave(3, dim=1),
+                                                    v3, decay3, beta3, state3)
+    out, new_state = chunk_gated_delta_rule(q, k, v3, decay3, beta3, state3, 8)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(new_state, ref_state, atol=1e-5, rtol=1e-5)

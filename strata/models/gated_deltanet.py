@@ -186,7 +186,7 @@ class GatedDeltaNet(nn.Module):
         b, t, _ = x.shape
         cache.ensure(b, self.kernel, self.conv_dim, self.nv, self.dk, self.dv, x.dtype, x.device)
         real = step.token_mask.to(x.device, non_blocking=True)  # (B, T)
-        qkv = F.silu(self._conv(apply_linear(x, self.wqkv), cache, step.n_new.to(x.device, non_blocking=True)))
+        qkv = F.silu(self._conv(apply_linear(x, self.wqkv), cache, step.n_new.to(x.device, non_blocking=True)), inplace=True)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(b, t, self.nk, self.dk)
         k = k.reshape(b, t, self.nk, self.dk)
@@ -214,8 +214,8 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[1]
         full = torch.cat([cache.conv.to(x.dtype), x], dim=1)  # (B, K-1+T, C)
         out = full[:, 0:t] * self.conv_w[:, 0]
-        for j in range(1, self.kernel):
-            out = out + full[:, j:j + t] * self.conv_w[:, j]
+        for j in range(1, self.kernel):  # in place: a prompt's (T, C) temporaries cost more than the taps
+            out.addcmul_(full[:, j:j + t], self.conv_w[:, j])
         # row b's last K-1 real inputs sit at full[b, n_b : n_b + K-1]
         idx = n_new[:, None] + torch.arange(self.kernel - 1, device=x.device)
         cache.conv = full.gather(1, idx[..., None].expand(-1, -1, full.shape[2]))
@@ -233,8 +233,12 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return out.to(x.dtype)
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+def l2norm(x: torch.Tensor, eps: float = 1e-6, scale: float | None = None) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dim (transformers' l2norm). With `scale`, times it, the
+    squares summed by one dot product per row (no x * x temporary: the prefill's form)."""
+    if scale is None:
+        return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+    return x * (torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1) + eps) * scale)
 
 
 def gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, recurrent: bool = False, steps: list | None = None,
@@ -247,16 +251,18 @@ def gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, recurrent: bool =
     a list, receives the state after each of them). With `in_place`, a one-token step may
     write the new state into `state` (a cache's own, which nothing else keeps).
     """
+    scale = q.shape[-1] ** -0.5
+    if q.shape[1] > 1 and not recurrent:  # the chunked form shares each key head's products across its value heads
+        q, k, v, g, beta = (u.transpose(1, 2).float() for u in (q, k, v, g, beta))  # heads first
+        out, state = chunk_gated_delta_rule(l2norm(q, scale=scale), l2norm(k, scale=1.0), v, g, beta, state, chunk)
+        return out.transpose(1, 2), state
     r = v.shape[2] // q.shape[2]
     if r > 1:
         q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
     q, k, v, g, beta = (u.transpose(1, 2).float() for u in (q, k, v, g, beta))  # heads first
     q, k = l2norm(q), l2norm(k)
-    q = q * q.shape[-1] ** -0.5
-    if q.shape[2] == 1 or recurrent:
-        out, state = recurrent_gated_delta_rule(q, k, v, g, beta, state, steps, in_place)
-    else:
-        out, state = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk)
+    q = q * scale
+    out, state = recurrent_gated_delta_rule(q, k, v, g, beta, state, steps, in_place)
     return out.transpose(1, 2), state
 
 
@@ -295,39 +301,57 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state, steps: list | None = Non
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
-    """The same recurrence, `chunk` tokens at a time (inputs as `recurrent_gated_delta_rule`).
+    """The same recurrence, `chunk` tokens at a time: q, k (B, H_k, T, d_k), v (B, H_v, T, d_v),
+    g, beta (B, H_v, T), H_v a multiple of H_k (consecutive value heads share a key head).
 
     Within a chunk, with cumulative log-decay G_i, the delta rule's writes solve the unit lower
     triangular system (I + tril(diag(beta) K K^T * exp(G_i - G_j), -1)) U = [beta V | beta K exp(G)];
-    the state then carries one chunk to the next.
+    the state then carries one chunk to the next. Q K^T is taken once per key head (diag(beta) K K^T
+    per value head, in transformers' order: this sum's rounding reaches the logits on
+    ill-conditioned prompts). Everything is laid out chunk first, so the loop over chunks runs
+    three batched products and one in-place update per chunk on contiguous slices; the solve
+    runs once, in place, on column-major right-hand sides (LAPACK's order: no copies).
     """
-    b, h, t, dk = k.shape
-    dv = v.shape[-1]
+    b, hk, t, dk = k.shape
+    hv, dv = v.shape[1], v.shape[-1]
+    r = hv // hk
     pad = (-t) % chunk
     if pad:  # padded steps have g = beta = 0: no write, no decay
         q, k, v = (F.pad(u, (0, 0, 0, pad)) for u in (q, k, v))
         g, beta = (F.pad(u, (0, pad)) for u in (g, beta))
     n = (t + pad) // chunk
-    q, k, v = (u.reshape(b, h, n, chunk, u.shape[-1]) for u in (q, k, v))
-    g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
 
-    cum = g.cumsum(-1)  # (B, H, N, C)
+    def chunks_first(u):  # (B, H, n*C, ...) -> (n, B, H, C, ...), contiguous
+        u = u.reshape(b, u.shape[1], n, chunk, *u.shape[3:])
+        return u.permute(2, 0, 1, *range(3, u.dim())).contiguous()
+
+    def per_key(u):  # (n, B, H_v, ...) -> (n, B, H_k, r, ...): a key head's value heads
+        return u.reshape(n, b, hk, r, *u.shape[3:])
+
+    q, k, v, g, beta = (chunks_first(u) for u in (q, k, v, g, beta))
+    cum = g.cumsum(-1)  # (n, B, H_v, C)
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    k_beta = k * beta[..., None]
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
+    kt = k.transpose(-1, -2)
     # only the strict lower triangle is read: the solver takes the diagonal as ones
-    system = (k_beta @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
-    scores = (q @ k.transpose(-1, -2)) * decay  # causal within the chunk, diagonal included
-    q_decayed = q * cum.exp()[..., None]
-    k_decayed = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # (B, H, N, 1, 1)
+    system = per_key(decay) * ((k[:, :, :, None] * per_key(beta)[..., None]) @ kt[:, :, :, None])
+    system = system.reshape(n, b, hv, chunk, chunk)
+    rhs = torch.empty(n, b, hv, dv + dk, chunk, dtype=q.dtype, device=q.device).transpose(-1, -2)
+    torch.mul(v, beta[..., None], out=rhs[..., :dv])
+    torch.mul(k[:, :, :, None], per_key(beta * cum.exp())[..., None], out=per_key(rhs[..., dv:]))
+    uw = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True, out=rhs)
+    u, w = uw[..., :dv], uw[..., dv:].reshape(n, b * hv, chunk, dk)
+    scores = (per_key(decay) * (q @ kt)[:, :, :, None]).reshape(n, b * hv, chunk, chunk)  # causal, diagonal included
+    q_decayed = (q[:, :, :, None] * per_key(cum.exp())[..., None]).reshape(n, b * hv, chunk, dk)
+    k_decayed = (k[:, :, :, None] * per_key((cum[..., -1:] - cum).exp())[..., None]).reshape(n, b * hv, chunk, dk)
+    chunk_decay = cum[..., -1].exp().reshape(n, b * hv, 1, 1)
+    u = u.reshape(n, b * hv, chunk, dv)
 
-    state = state.float()
-    out = torch.empty(b, h, n, chunk, dv, dtype=q.dtype, device=q.device)
+    state = state.float().reshape(b * hv, dk, dv).clone()  # updated in place below; the caller's is kept
+    out = torch.empty(n, b * hv, chunk, dv, dtype=q.dtype, device=q.device)
     for i in range(n):
-        v_new = u[:, :, i] - w[:, :, i] @ state
-        out[:, :, i] = q_decayed[:, :, i] @ state + scores[:, :, i] @ v_new
-        state = state * chunk_decay[:, :, i] + k_decayed[:, :, i].transpose(-1, -2) @ v_new
-    return out.reshape(b, h, n * chunk, dv)[:, :, :t], state
+        v_new = torch.baddbmm(u[i], w[i], state, alpha=-1)
+        torch.bmm(q_decayed[i], state, out=out[i]).baddbmm_(scores[i], v_new)
+        state.mul_(chunk_decay[i]).baddbmm_(k_decayed[i].transpose(-1, -2), v_new)
+    out = out.reshape(n, b, hv, chunk, dv).permute(1, 2, 0, 3, 4).reshape(b, hv, n * chunk, dv)
+    return out[:, :, :t], state.reshape(b, hv, dk, dv)
