@@ -234,11 +234,10 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6, scale: float | None = None) -> torch.Tensor:
-    """x / sqrt(|x|^2 + eps) over the last dim (transformers' l2norm). With `scale`, times it, the
-    squares summed by one dot product per row (no x * x temporary: the prefill's form)."""
-    if scale is None:
-        return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-    return x * (torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1) + eps) * scale)
+    """x / sqrt(|x|^2 + eps) over the last dim (transformers' l2norm); with `scale`, times it in
+    the same pass (the prefill's form)."""
+    inv = torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+    return x * (inv if scale is None else inv * scale)
 
 
 def gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, recurrent: bool = False, steps: list | None = None,
@@ -254,7 +253,7 @@ def gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, recurrent: bool =
     scale = q.shape[-1] ** -0.5
     if q.shape[1] > 1 and not recurrent:  # the chunked form shares each key head's products across its value heads
         q, k, v, g, beta = (u.transpose(1, 2).float() for u in (q, k, v, g, beta))  # heads first
-        out, state = chunk_gated_delta_rule(l2norm(q, scale=scale), l2norm(k, scale=1.0), v, g, beta, state, chunk)
+        out, state = chunk_gated_delta_rule(l2norm(q, scale=scale), l2norm(k), v, g, beta, state, chunk)
         return out.transpose(1, 2), state
     r = v.shape[2] // q.shape[2]
     if r > 1:
