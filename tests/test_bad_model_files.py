@@ -205,3 +205,20 @@ def test_hf_zero_dim_norm(tmp_path, capsys):
     t["model.layers.0.input_layernorm.weight"] = torch.tensor(1.0)
     err = run_cli(["run", "--model", str(_hf_dir(tmp_path / "m", tensors=t)), "--prompt", "x"], capsys)
     assert "attn_norm" in err, err
+
+
+@pytest.mark.parametrize("key,value,wanted", [
+    ("ssm.group_count", 0, ["qwen3next.ssm.group_count = 0"]),
+    ("ssm.time_step_rank", 0, ["qwen3next.ssm.time_step_rank = 0"]),
+    ("ssm.group_count", 3, ["value heads", "3 key heads"]),
+])
+def test_gated_deltanet_head_counts(tmp_path, capsys, key, value, wanted):
+    """A Gated DeltaNet file's key and value head counts divide each other (they were a ZeroDivisionError)."""
+    seed = next(p for p in fuzz.write_seeds(tmp_path / "seeds") if p.name == "seed-qwen3next.gguf")
+    d = fuzz.read_doc(seed)
+    _set(d, f"qwen3next.{key}", V.UINT32, value)
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(fuzz.encode(d))
+    err = run_cli(["run", "--model", str(path), "--prompt", "x"], capsys)
+    for part in wanted:
+        assert part in err, err

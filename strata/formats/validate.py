@@ -20,7 +20,8 @@ MAX_SIZE = 2**31 - 1  # any count or width; llama.cpp keeps these in int32 too
 _COUNT = re.compile(r"(count|length|size|rank|kernel|interval|top_k|dimension_count|_input|"
                     r"ngram_size|heads_per_ngram|layers|eos_token_id)$")
 _POSITIVE = ("block_count", "embedding_length", "context_length", "vocab_size", "attention.head_count",
-             "attention.head_count_kv", "attention.key_length", "attention.value_length")
+             "attention.head_count_kv", "attention.key_length", "attention.value_length",
+             "ssm.group_count", "ssm.time_step_rank")  # Gated DeltaNet's key and value heads: divisors
 # sizes a model allocates by before its tensors are read: each must be some tensor's dimension or less
 # (FFN widths are not here: a MoE file may name a dense width that no layer of it uses)
 _WIDTHS = ("embedding_length", "attention.key_length", "attention.value_length", "rope.dimension_count",
@@ -182,6 +183,10 @@ def check_config(c, where: str) -> None:
     if heads and kv_heads and heads % kv_heads:
         raise BadModelFile(f"{where}: {heads} attention heads is not a multiple of {kv_heads} KV heads",
                            "the head counts in the metadata are inconsistent; re-convert the model")
+    k_heads, v_heads = get("linear_k_heads"), get("linear_v_heads")
+    if k_heads and v_heads and v_heads % k_heads:
+        raise BadModelFile(f"{where}: {v_heads} Gated DeltaNet value heads is not a multiple of {k_heads} key heads",
+                           "ssm.time_step_rank must be a multiple of ssm.group_count; re-convert the model")
     experts, used = get("n_experts", 0), get("n_experts_used", 0)
     for name, value in (("n_experts", experts), ("n_experts_used", used)):
         _check_count(where, name, value, positive=False)
