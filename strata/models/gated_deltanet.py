@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.kernels.causal_conv import try_causal_conv
 from strata.kernels.delta_rule import try_gdn_step
 from strata.models.cache import StepInfo
 from strata.models.linear import apply_linear
@@ -213,9 +214,11 @@ class GatedDeltaNet(nn.Module):
         real inputs as its new state. One multiply-add per tap; decode (T=1) is one window."""
         t = x.shape[1]
         full = torch.cat([cache.conv.to(x.dtype), x], dim=1)  # (B, K-1+T, C)
-        out = full[:, 0:t] * self.conv_w[:, 0]
-        for j in range(1, self.kernel):  # in place: a prompt's (T, C) temporaries cost more than the taps
-            out.addcmul_(full[:, j:j + t], self.conv_w[:, j])
+        out = try_causal_conv(full, self.conv_w)  # the C form, else torch's, tap by tap in place
+        if out is None:
+            out = full[:, 0:t] * self.conv_w[:, 0]
+            for j in range(1, self.kernel):  # in place: a prompt's (T, C) temporaries cost more than the taps
+                out.addcmul_(full[:, j:j + t], self.conv_w[:, j])
         # row b's last K-1 real inputs sit at full[b, n_b : n_b + K-1]
         idx = n_new[:, None] + torch.arange(self.kernel - 1, device=x.device)
         cache.conv = full.gather(1, idx[..., None].expand(-1, -1, full.shape[2]))
