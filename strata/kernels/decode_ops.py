@@ -1,12 +1,14 @@
-"""The small operations of a decode step in one C call each (qmm.c): the rotary embedding, and a
-projection group (q/k/v, gate/up) multiplied by its quantized weights in one trip.
+"""The small operations of a decode step in one C call each (qmm.c): the rotary embedding, a
+projection group (q/k/v, gate/up) multiplied by its quantized weights in one trip, and a decode
+token's layer halves (attention, dense FFN, MoE: each with its RMS norm and residual).
 
 On a decode token a layer was ~180 torch operators at 3-5 us each, more time than the kernels on
 a small model (bench/decode_profile.py). torch.compile of a norm + rope segment measured 54 us per
 call against 86 us eager (its wrapper's own cost), after 61 s of compiling; these calls take a few
-microseconds. (An RMS norm in C was left out: its sum of squares cannot follow torch's summation
-order, and qwen3-next's recurrence amplified that rounding past its transformers bound.) Each `try_*` returns None when it does not apply (not float32
-on the CPU, more than DECODE_MAX values, kernels unavailable or off), and the caller runs torch.
+microseconds. The layer halves' RMS norm sums its squares in order, not in torch's order (a rounding
+difference: tests/test_decode_ops.py checks each half against the torch modules).
+Each `try_*` returns None when it does not apply (not float32 on the CPU, more than DECODE_MAX
+values, kernels unavailable or off), and the caller runs torch.
 """
 
 from __future__ import annotations
