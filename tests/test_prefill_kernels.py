@@ -30,6 +30,15 @@ OWN = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "
        "IQ4_NL", "IQ4_XS", "MXFP4"]
 
 
+def _count_calls(monkeypatch, *names: str) -> dict[str, int]:
+    """Calls of each named `strata.kernels.prompt` entry point, counted as they happen."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        real = getattr(prompt, name)
+        monkeypatch.setattr(prompt, name, lambda *a, _r=real, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1) or _r(*a, **k))
+    return calls
+
+
 def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> QTensor:
     qt = T[name]
     qk, ts = GGML_QUANT_SIZES[qt]
@@ -193,10 +202,7 @@ def test_prompt_experts_match_reference(types, threads, monkeypatch):
     ids[:3, 1] = 4  # expert 4: three rows; expert 3: the rest
     weights = torch.rand(tokens, 2, generator=g)
     table = grouped.route_table(ids, weights)
-    calls = {"moe": 0, "swiglu": 0}
-    for name in calls:
-        real = getattr(prompt, name)
-        monkeypatch.setattr(prompt, name, lambda *a, _r=real, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1) or _r(*a, **k))
+    calls = _count_calls(monkeypatch, "moe", "swiglu")
     before = kernels.activations()
     kernels.set_activations("q8x2")
     try:
@@ -241,10 +247,7 @@ def test_prefill_logits_match_transformers(tmp_path, monkeypatch):
             p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.detach().numpy(), qtype), qtype)))
     ids = [(5 * i + 1) % VOCAB for i in range(100)]
     want = hf_logits(ref, ids)
-    calls = {"matmul": 0, "moe": 0}
-    for name in calls:
-        real = getattr(prompt, name)
-        monkeypatch.setattr(prompt, name, lambda *a, _r=real, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1) or _r(*a, **k))
+    calls = _count_calls(monkeypatch, "matmul", "moe")
     before = kernels.activations()
     kernels.set_activations("q8x2")
     try:
