@@ -336,8 +336,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
     kt = k.transpose(-1, -2)
     # only the strict lower triangle is read: the solver takes the diagonal as ones
-    system = per_key(decay) * ((k[:, :, :, None] * per_key(beta)[..., None]) @ kt[:, :, :, None])
-    system = system.reshape(n, b, hv, chunk, chunk)
+    k_beta = k[:, :, :, None] * per_key(beta)[..., None]  # (n, B, H_k, r, C, d_k)
+    gram = k_beta.reshape(n, b, hk, r * chunk, dk) @ kt  # a key head's value heads stacked: one product
+    system = gram.reshape(n, b, hk, r, chunk, chunk).mul_(per_key(decay)).reshape(n, b, hv, chunk, chunk)
     rhs = torch.empty(n, b, hv, dv + dk, chunk, dtype=q.dtype, device=q.device).transpose(-1, -2)
     torch.mul(v, beta[..., None], out=rhs[..., :dv])
     torch.mul(k[:, :, :, None], per_key(beta * cum.exp())[..., None], out=per_key(rhs[..., dv:]))
@@ -355,5 +356,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
         v_new = torch.baddbmm(u[i], w[i], state, alpha=-1)
         torch.bmm(q_decayed[i], state, out=out[i]).baddbmm_(scores[i], v_new)
         state.mul_(chunk_decay[i]).baddbmm_(k_decayed[i].transpose(-1, -2), v_new)
-    out = out.reshape(n, b, hv, chunk, dv).permute(1, 2, 0, 3, 4).reshape(b, hv, n * chunk, dv)
-    return out[:, :, :t], state.reshape(b, hv, dk, dv)
+    # tokens first in memory (what the caller's norm and ssm_out read), returned heads first
+    out = out.reshape(n, b, hv, chunk, dv).permute(1, 0, 3, 2, 4).reshape(b, n * chunk, hv, dv)
+    return out[:, :t].transpose(1, 2), state.reshape(b, hv, dk, dv)
