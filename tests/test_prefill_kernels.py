@@ -261,3 +261,26 @@ def test_prefill_logits_match_transformers(tmp_path, monkeypatch):
     print(f"prefill max logit distance from transformers: {dist:.2e} (max |logit| {want.abs().max().item():.2f})")
     assert dist < 5e-4
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_prompt_experts_out_of_memory_part_way_is_one_named_error(monkeypatch):
+    """strata_pp_moe failing after some experts were added (-1: no memory) cannot fall back (out
+    holds part of the sum): a StrataError naming the fix, which the CLI prints as one line."""
+    from strata.errors import StrataError
+
+    real = prompt._lib()
+
+    class NoMemory:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def strata_pp_moe(*args):
+            return -1
+
+    monkeypatch.setattr(prompt, "_lib", lambda: NoMemory())
+    gate, up, down = (random_blocks("Q4_K", 2 * r, c) for r, c in ((256, 256), (256, 256), (256, 256)))
+    stacked = tuple(QTensor(q.raw.reshape(2, 256, -1), q.qtype, (2, 256, 256)) for q in (gate, up, down))
+    x, out = torch.randn(8, 256), torch.zeros(8, 256)
+    with pytest.raises(StrataError, match="--prefill-chunk"):
+        prompt.moe(x, torch.tensor([0, 1]), torch.tensor([4, 4]), torch.arange(8), torch.ones(8), stacked, out, 1)

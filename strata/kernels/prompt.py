@@ -16,6 +16,7 @@ import ctypes
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from strata.errors import StrataError
 from strata.formats.weights import QTensor
 from strata.kernels import _build
 
@@ -157,7 +158,8 @@ def moe(x: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor, token: torc
     rc = lib.strata_pp_moe(types, wrow, fns, mins, *ptrs, counts.data_ptr(), len(ids), token.data_ptr(),
                            weight.data_ptr(), x.data_ptr(), hidden, ffn, out.data_ptr(), terms, nth)
     if rc < 0:  # out already holds some experts' rows: no other path may add them again
-        raise MemoryError("out of memory in the prompt's expert products")
+        raise StrataError("out of memory in the prompt's expert products (prefill.c)",
+                          "a smaller --prefill-chunk, or more free RAM")
     return rc == 1
 
 
