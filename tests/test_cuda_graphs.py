@@ -77,3 +77,18 @@ def test_enable_follows_the_setting(model_file):
         strata.load(model_file, cuda_graphs="sometimes")
     assert not isinstance(engine.model.forward, graphs.DecodeGraphs)
     engine.close()
+
+
+def test_resident_moe_decode_step_reads_no_scalar(tmp_path_factory):
+    """A resident MoE model's compiled decode step (bf16, as on a GPU): the CPU's one-call MoE half
+    is not considered there, so no host scalar read (`int(step.n_new[0])`) splits each MoE layer."""
+    engine = strata.load(tiny_checkpoint("qwen3moe", tmp_path_factory)[1], cpu_threads=1, dtype="bfloat16")
+    m = engine.model
+    cache = m.new_cache(1)
+    with torch.no_grad():
+        m(torch.tensor([[3, 4, 5]]), cache, last_only=True)
+        graphs.disable_boundaries()
+        ex = torch._dynamo.explain(m.forward)(torch.tensor([[7]]), cache, last_only=True)
+    reasons = [r.reason.splitlines()[0] for r in ex.break_reasons]
+    assert not any("item()" in r for r in reasons), reasons
+    engine.close()

@@ -91,8 +91,8 @@ class Block(nn.Module):
         if h is None:
             h = x + self.attn(self.attn_norm(x), cache, step, rope_cs, tap)
         tap("ffn_inp", h)
-        if tap is no_tap and type(self.ffn_norm) is RMSNorm:
-            y = None
+        if tap is no_tap and type(self.ffn_norm) is RMSNorm and h.dtype is torch.float32 and h.device.type == "cpu":
+            y = None  # (checked first: a compiled GPU / bf16 step reads no host scalar here)
             if type(self.ffn) is DenseFFN:
                 y = decode_ops.try_ffn_block(h, self.ffn_norm, self.ffn)
             elif type(self.ffn) is MoE and _c_routable(self.ffn) and int(step.n_new[0]) == 1:
