@@ -230,13 +230,14 @@ def main(argv=None) -> int:
     p.add_argument("-o", "--out", type=Path, required=True, help="the trace to write (.npz)")
     p.add_argument("--model", help="model name, when the log does not say (mixtral, qwen1.5-moe, olmoe)")
     p.add_argument("--n-experts", type=int, help="routed experts per layer, when the model is not known")
-    p.add_argument("--forward-sizes", type=parse_forward_sizes, metavar="N,N*K,...",
+    p.add_argument("--forward-sizes", metavar="N,N*K,...",
                    help="tokens per forward in execution order, for a log whose token_idx never restarts")
     p.add_argument("--predict", action="store_true",
                    help="add next-layer predictions made from the routing alone (bench/routing_predictor.py)")
     args = p.parse_args(argv)
     try:
-        info = convert(args.logs, args.out, args.model, args.n_experts, args.predict, args.forward_sizes)
+        sizes = parse_forward_sizes(args.forward_sizes) if args.forward_sizes else None
+        info = convert(args.logs, args.out, args.model, args.n_experts, args.predict, sizes)
     except (StrataError, OSError, KeyError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -428,3 +428,12 @@ def test_opt_fills_a_batched_step_with_the_soonest_reused():
     opt = replay([(0, r) for r in requests], Belady(2, requests, bypass=True), 1000).total()
     assert static["hits"] == 16 and static["copied"] == 2  # the preload is paid at first use
     assert opt["hits"] == 16
+
+
+def test_converter_names_a_bad_forward_sizes_in_one_line(tmp_path, capsys):
+    """`--forward-sizes 3,a`: exit 2 with the value named, not a traceback out of argparse."""
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"type": "route", "req_id": "r0", "token_idx": 0, "layer": 0, "topk_ids": [1], "topk_weights": [1.0]}')
+    assert _converter().main([str(log), "-o", str(tmp_path / "o.npz"), "--forward-sizes", "3,a"]) == 2
+    err = capsys.readouterr().err
+    assert "'a' is not N or N*K" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
