@@ -50,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from gguf import GGUFReader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -205,9 +206,32 @@ def _agree(a: list[int], b: list[int]) -> str:
     return f"{n}/{min(len(a), len(b))}"
 
 
+def skews(text: str) -> list[float]:
+    """`--write-in-turn 0,0.3` -> [0.0, 0.3]."""
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of --router-skew values "
+                                         "(e.g. 0,0.3)") from None
+
+
+def _synth_name(path: Path) -> str | None:
+    """The file's general.name when it is a GGUF, else None."""
+    try:
+        field = GGUFReader(path).get_field("general.name")
+        return None if field is None else field.contents()
+    except Exception:  # noqa: BLE001 -- not a GGUF, or unreadable: not a file strata synth wrote
+        return None
+
+
 def write_synth(path: Path, like: str, layers: int, quant: str, skew: float) -> str:
-    """`strata synth` (a subprocess, as a user runs it) writes `path` afresh; returns its report."""
+    """`strata synth` (a subprocess, as a user runs it) writes `path` afresh; returns its report. A file
+    there that strata synth did not write (its general.name is not synth-...) is never deleted."""
     if path.exists():
+        name = _synth_name(path)
+        if not (name or "").startswith("synth-"):
+            raise SystemExit(f"--write-in-turn would delete {path}, which strata synth did not write "
+                             f"(general.name {name!r}): give --model a new path")
         path.unlink()
     cmd = [sys.executable, "-m", "strata.cli", "synth", str(path), "--like", like, "--layers", str(layers),
            "--quant", quant, "--router-skew", f"{skew:g}"]
@@ -226,7 +250,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skewed-model", help="also run this file: the same synth written with --router-skew")
     ap.add_argument("--skew", type=float, default=0.0, help="the --router-skew the skewed file (or, without --skewed-model, --model) was written with")
-    ap.add_argument("--write-in-turn", metavar="S,S,...",
+    ap.add_argument("--write-in-turn", metavar="S,S,...", type=skews,
                     help="write --model with strata synth for each of these --router-skew values in turn and run each")
     ap.add_argument("--like", default="qwen4exp", help="with --write-in-turn: strata synth --like")
     ap.add_argument("--layers", type=int, default=48, help="with --write-in-turn: strata synth --layers")
@@ -236,7 +260,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     path = Path(args.model)
     budget = parse_size(args.ram_memory, "--ram-memory")
-    in_turn = [float(v) for v in args.write_in_turn.split(",")] if args.write_in_turn else None
+    in_turn = args.write_in_turn
     if in_turn and args.skewed_model:
         raise SystemExit("--write-in-turn writes --model for each skew: leave out --skewed-model")
     print(f"# load average {os.getloadavg()[0]:.2f} (shared machine: 2 cores, other engineers' jobs running)")
