@@ -276,3 +276,11 @@ def test_chunked_and_recurrent_delta_rule_agree():
     out, new_state = chunk_gated_delta_rule(q, k, v3, decay3, beta3, state3, 8)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(new_state, ref_state, atol=1e-5, rtol=1e-5)
+    # decays strong enough that exp(G) underflows float32 within a chunk (the dropped factors are
+    # zero, not subnormal): still the float64 recurrence
+    strong = decay3 * 60
+    ref_out, ref_state = recurrent_gated_delta_rule(*(u.double() for u in (
+        q.repeat_interleave(3, dim=1), k.repeat_interleave(3, dim=1), v3, strong, beta3, state3)))
+    out, new_state = chunk_gated_delta_rule(q, k, v3, strong, beta3, state3, 8)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(new_state.double(), ref_state, atol=1e-5, rtol=1e-5)

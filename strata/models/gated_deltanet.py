@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -333,7 +335,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
     q, k, v, g, beta = (chunks_first(u) for u in (q, k, v, g, beta))
     cum = g.cumsum(-1)  # (n, B, H_v, C)
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
+    # Decay factors under exp(floor) (float32: 1.5e-19) are dropped (0), not left subnormal: a strongly
+    # decaying head's factors underflow, and arithmetic on subnormals runs many times slower on x86
+    # (a random-weight qwen3-next layer's pp512: the whole rule 3x slower).
+    floor = math.log(torch.finfo(q.dtype).tiny) + 44.0
+
+    def decay_of(log_decay):  # exp, with the factors under exp(floor) zero
+        return log_decay.masked_fill(log_decay < floor, float("-inf")).exp_()
+
+    decay = decay_of((cum[..., :, None] - cum[..., None, :]).masked_fill_(upper, float("-inf")))
+    cum_decay = decay_of(cum)
     kt = k.transpose(-1, -2)
     # only the strict lower triangle is read: the solver takes the diagonal as ones
     k_beta = k[:, :, :, None] * per_key(beta)[..., None]  # (n, B, H_k, r, C, d_k)
@@ -341,13 +352,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
     system = gram.reshape(n, b, hk, r, chunk, chunk).mul_(per_key(decay)).reshape(n, b, hv, chunk, chunk)
     rhs = torch.empty(n, b, hv, dv + dk, chunk, dtype=q.dtype, device=q.device).transpose(-1, -2)
     torch.mul(v, beta[..., None], out=rhs[..., :dv])
-    torch.mul(k[:, :, :, None], per_key(beta * cum.exp())[..., None], out=per_key(rhs[..., dv:]))
+    torch.mul(k[:, :, :, None], per_key(beta * cum_decay)[..., None], out=per_key(rhs[..., dv:]))
     uw = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True, out=rhs)
-    u, w = uw[..., :dv], uw[..., dv:].reshape(n, b * hv, chunk, dk)
+    u, w = uw[..., :dv], uw[..., dv:]
+    # w's row i is exp(G_i) times an O(1) row (the solve's decays factor so): where that factor
+    # was dropped, the row is zero too, not a sum of subnormal products
+    w = w.masked_fill_((cum_decay == 0)[..., None], 0.0).reshape(n, b * hv, chunk, dk)
     scores = (per_key(decay) * (q @ kt)[:, :, :, None]).reshape(n, b * hv, chunk, chunk)  # causal, diagonal included
-    q_decayed = (q[:, :, :, None] * per_key(cum.exp())[..., None]).reshape(n, b * hv, chunk, dk)
-    k_decayed = (k[:, :, :, None] * per_key((cum[..., -1:] - cum).exp())[..., None]).reshape(n, b * hv, chunk, dk)
-    chunk_decay = cum[..., -1].exp().reshape(n, b * hv, 1, 1)
+    q_decayed = (q[:, :, :, None] * per_key(cum_decay)[..., None]).reshape(n, b * hv, chunk, dk)
+    k_decayed = (k[:, :, :, None] * per_key(decay_of(cum[..., -1:] - cum))[..., None]).reshape(n, b * hv, chunk, dk)
+    chunk_decay = cum_decay[..., -1].reshape(n, b * hv, 1, 1)
     u = u.reshape(n, b * hv, chunk, dv)
 
     state = state.float().reshape(b * hv, dk, dv).clone()  # updated in place below; the caller's is kept
