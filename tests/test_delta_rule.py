@@ -38,6 +38,25 @@ def test_one_step_matches_the_torch_step_in_float64():
     assert torch.allclose(state.double(), s, atol=1e-5, rtol=1e-5)
 
 
+def test_one_step_with_a_subnormal_decay_matches_float64():
+    """A head whose decay is under float32's normal range (the C step drops S * d, which would be
+    subnormal arithmetic) still gives the float64 step's result; other heads are untouched."""
+    n, dk, dv = 4, 32, 40
+    g = torch.Generator().manual_seed(2)
+    state, q, k, v = torch.randn(n, dk, dv, generator=g), torch.randn(n, dk, generator=g), \
+        torch.randn(n, dk, generator=g), torch.randn(n, dv, generator=g)
+    decay = torch.tensor([-95.0, -0.3, -88.0, -87.0]).exp()  # exp(-95), exp(-88) subnormal; exp(-87) normal
+    beta = torch.rand(n, generator=g)
+    s = state.double() * decay.double()[:, None, None]
+    delta = (v.double() - torch.einsum("nk,nkv->nv", k.double(), s)) * beta.double()[:, None]
+    s = s + k.double()[:, :, None] * delta[:, None, :]
+    want = torch.einsum("nk,nkv->nv", q.double(), s)
+    got = try_gdn_step(state, q, k, v, decay, beta)
+    assert got is not None
+    assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5)
+    assert torch.allclose(state.double(), s, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("t", [1, 3])
 def test_recurrence_through_the_kernel_equals_torch_and_keeps_the_start_state_unless_in_place(monkeypatch, t):
     q, k, v, gate, beta, state = _inputs(t=t)
