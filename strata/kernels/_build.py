@@ -243,6 +243,26 @@ def load() -> ctypes.CDLL | None:
     return _lib
 
 
+_entries: dict[str, object] = {}
+
+
+def entry(name: str, argtypes) -> object | None:
+    """The library's void C function `name`, declared with `argtypes` on first use; None without
+    the library or where it lacks `name` (for modules that add one entry point each)."""
+    lib = load()
+    if lib is None:
+        return None
+    fn = _entries.get(name)
+    if fn is None:
+        fn = getattr(lib, name, None)
+        if fn is None:
+            return None
+        fn.argtypes = list(argtypes)
+        fn.restype = None
+        _entries[name] = fn
+    return fn
+
+
 def error() -> str | None:
     load()
     return _error

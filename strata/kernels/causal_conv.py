@@ -16,22 +16,12 @@ import torch
 from strata import kernels
 from strata.kernels import _build
 
-_fn = None
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES = (_P,) * 3 + (_I64,) * 4 + (ctypes.c_int,)
 
 
 def _kernel():
-    global _fn
-    if _fn is None:
-        lib = _build.load()
-        fn = getattr(lib, "strata_causal_conv", None) if lib is not None else None
-        if fn is None:
-            _fn = False
-            return None
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, p, p, i64, i64, i64, i64, ctypes.c_int]
-        fn.restype = None
-        _fn = fn
-    return _fn or None
+    return _build.entry("strata_causal_conv", _ARGTYPES)
 
 
 def try_causal_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

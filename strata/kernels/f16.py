@@ -34,7 +34,8 @@ class _Plan(NamedTuple):
 
 # id(w) -> (weak ref to w, plan): an entry goes when its weight is freed
 _plans: dict[int, tuple[weakref.ref, _Plan | None]] = {}
-_fn = None
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES = (_P, _I64, _I64, _P, _I64, _P, ctypes.c_int)
 
 
 def _plan(w: torch.Tensor) -> _Plan | None:
@@ -49,19 +50,8 @@ def _plan(w: torch.Tensor) -> _Plan | None:
 
 
 def _kernel():
-    """The library's strata_f16mm, declared once (None: no library)."""
-    global _fn
-    if _fn is None:
-        lib = _build.load()
-        fn = getattr(lib, "strata_f16mm", None) if lib is not None else None
-        if fn is None:
-            _fn = False
-            return None
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, i64, i64, p, i64, p, ctypes.c_int]
-        fn.restype = None
-        _fn = fn
-    return _fn or None
+    """The library's strata_f16mm (None: no library)."""
+    return _build.entry("strata_f16mm", _ARGTYPES)
 
 
 def try_f16_matmul(x: torch.Tensor, w: torch.Tensor, threads: int | None = None) -> torch.Tensor | None:
