@@ -133,19 +133,25 @@ def drop_cached(path: Path) -> None:
         os.close(fd)
 
 
-def run_llama_cpp(path: Path, threads: int, n_prompt: int, n_new: int) -> dict:
-    """llama.cpp (llama-cpp-python) on the same file: mmap, the same threads, greedy, the same prompt ids."""
-    drop_cached(path)
-    proc = subprocess.Popen([sys.executable, "-c", LLAMA_CHILD, str(path), str(threads), str(n_prompt), str(n_new)],
+def _run_child(script: str, args: list[str], what: str) -> dict:
+    """Run `script` in a fresh interpreter on a cold file (args[0]), watching its peak anonymous
+    RSS; its last stdout line is its JSON result."""
+    drop_cached(Path(args[0]))
+    proc = subprocess.Popen([sys.executable, "-c", script, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watch = AnonPeak(proc.pid, 0.02)
     out, err = proc.communicate()
     peak = watch.stop()
     if proc.returncode != 0:
-        raise SystemExit(f"llama.cpp run failed (rc {proc.returncode}): {err[-3000:]}")
+        raise SystemExit(f"{what} failed (rc {proc.returncode}): {err[-3000:]}")
     r = json.loads(out.strip().splitlines()[-1])
     r["peak_anon"] = peak
     return r
+
+
+def run_llama_cpp(path: Path, threads: int, n_prompt: int, n_new: int) -> dict:
+    """llama.cpp (llama-cpp-python) on the same file: mmap, the same threads, greedy, the same prompt ids."""
+    return _run_child(LLAMA_CHILD, [str(path), str(threads), str(n_prompt), str(n_new)], "llama.cpp run")
 
 
 def disk_bandwidth(path: Path, seconds: float = 3.0, block: int = 2 << 20, in_flight: int = 8) -> float:
@@ -187,17 +193,7 @@ def memory_bandwidth(nbytes: int = 512 << 20, repeats: int = 3) -> float:
 
 def run(path: Path, ram: str, threads: int, n_prompt: int, n_new: int) -> dict:
     opts = {"ram_memory": ram, "pin_experts": "auto", "experts_cache": "auto", "cpu_threads": threads}
-    drop_cached(path)
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(path), json.dumps(opts), str(n_prompt), str(n_new)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    watch = AnonPeak(proc.pid, 0.02)
-    out, err = proc.communicate()
-    peak = watch.stop()
-    if proc.returncode != 0:
-        raise SystemExit(f"run failed (rc {proc.returncode}): {err[-3000:]}")
-    r = json.loads(out.strip().splitlines()[-1])
-    r["peak_anon"] = peak
-    return r
+    return _run_child(CHILD, [str(path), json.dumps(opts), str(n_prompt), str(n_new)], "run")
 
 
 def _agree(a: list[int], b: list[int]) -> str:
