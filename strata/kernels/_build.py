@@ -181,10 +181,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_moe_decode.restype = c_int
     lib.strata_pool_tiles.argtypes = [p]
     lib.strata_pool_tiles.restype = None
-    lib.strata_set_spin_us.argtypes = [i64]
-    lib.strata_set_spin_us.restype = None
-    lib.strata_set_min_warm.argtypes = [i64]
-    lib.strata_set_min_warm.restype = None
     lib.strata_set_min_parallel.argtypes = [i64]
     lib.strata_set_min_parallel.restype = None
     lib.strata_set_fused.argtypes = [ctypes.c_int]

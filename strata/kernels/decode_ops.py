@@ -123,8 +123,9 @@ def try_attention_block(x: torch.Tensor, norm, attn, cache, step, rope_cs) -> to
     if step.start.numel() != 1 or int(step.n_new[0]) != 1:
         return None
     pos = int(step.start[0])
-    like = x.new_empty(1, 1, 1, d)  # what _reserve reads: dtype, device and head_dim
-    cache._reserve(1, hkv, pos + 1, like, like)
+    if cache.k is None or pos + 1 > cache.k.shape[2]:  # the cache grows: else _reserve has nothing to do
+        like = x.new_empty(1, 1, 1, d)  # what _reserve reads: dtype, device and head_dim
+        cache._reserve(1, hkv, pos + 1, like, like)
     kc, vc = cache.k, cache.v
     if not (kc.is_contiguous() and vc.is_contiguous()):
         return None

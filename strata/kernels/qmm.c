@@ -430,8 +430,7 @@ void strata_pool_tiles(int64_t *out) {
  * and, on a busy machine, a wait for the scheduler). The gaps between a decode step's products
  * (Python, torch's small ops) are 20-100 us on a small model; a poll window past them keeps the
  * helper awake through a layer, so even small products can be shared (`pool_awake`). */
-static int64_t spin_ns = 40000;
-void strata_set_spin_us(int64_t us) { spin_ns = us * 1000; }
+static const int64_t spin_ns = 40000;
 
 static inline int64_t now_ns(void) {
     struct timespec t;
@@ -2022,8 +2021,7 @@ static int unquant8(const uint8_t *q, int64_t qblk, int64_t qsize, float *y, int
 static int64_t min_parallel_bytes = 256 * 1024;
 void strata_set_min_parallel(int64_t bytes) { min_parallel_bytes = bytes; }
 /* ... unless the helpers are awake (polling after the last job): then from this many bytes on. */
-static int64_t min_warm_bytes = 32 * 1024;
-void strata_set_min_warm(int64_t bytes) { min_warm_bytes = bytes; }
+static const int64_t min_warm_bytes = 32 * 1024;
 static inline int parallel_threads(int64_t bytes, int nth) {
     return bytes >= min_parallel_bytes || (bytes >= min_warm_bytes && pool_awake(nth)) ? nth : 1;
 }
@@ -2202,7 +2200,7 @@ int strata_qmm_many(int n, const int *types, const void *const *W, const int64_t
     const int twice = act_mode == 3;
     many_item it[MANY_MAX];
     many_act acts[MANY_MAX];
-    int act_of[MANY_MAX], n_act = 0, ok = 1;
+    int n_act = 0, ok = 1;
     int64_t bytes = 0;
     for (int j = 0; j < n && ok; j++) {
         const int type = types[j];
@@ -2225,7 +2223,6 @@ int strata_qmm_many(int n, const int *types, const void *const *W, const int64_t
             }
             n_act++;
         }
-        act_of[j] = a;
         const int64_t wrow = wrows[j];
         it[j] = (many_item){(const uint8_t *)W[j], rows[j], cols[j], wrow, acts[a].xrow, 0,
                             acts[a].xq, acts[a].xr, Y[j], dot2, k->dot};
@@ -2247,7 +2244,6 @@ int strata_qmm_many(int n, const int *types, const void *const *W, const int64_t
         pool_run(tile_many, &args, total, nth < 1 ? 1 : nth);
     }
     for (int a = 0; a < n_act; a++) free(acts[a].buf);
-    (void)act_of;
     return ok;
 }
 

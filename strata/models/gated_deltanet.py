@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata import kernels
 from strata.kernels.causal_conv import try_causal_conv
 from strata.kernels.delta_rule import try_gdn_step
 from strata.models.cache import StepInfo
@@ -284,11 +285,15 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state, steps: list | None = Non
     bh = b * h
     out = torch.empty_like(v)
     state = state.reshape(bh, dk, dv)
+    c_step = kernels.USE_KERNELS and state.device.type == "cpu"  # else no copy for a C step that cannot run
     for i in range(t):
         q_i, k_i = q[:, :, i].reshape(bh, dk), k[:, :, i].reshape(bh, dk)
         decay = g[:, :, i].exp().reshape(bh, 1)
-        new = state if in_place and steps is None else state.clone()
-        o = try_gdn_step(new, q_i, k_i, v[:, :, i].reshape(bh, dv), decay, beta[:, :, i].reshape(bh))
+        o = None
+        if c_step:
+            new = state if in_place and steps is None else state.clone()
+            o = try_gdn_step(new, q_i, k_i, v[:, :, i].reshape(bh, dv), decay, beta[:, :, i].reshape(bh))
+            c_step = o is not None  # what declines one step declines them all
         if o is not None:
             state, in_place = new, True  # the copy is this call's own from here on
             out[:, :, i] = o.reshape(b, h, dv)

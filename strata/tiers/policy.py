@@ -324,7 +324,8 @@ class Adaptive(Packed):
         self.runs[layer] += 1
         self.mean_share[layer] += (len(keys) / self.n_experts - self.mean_share[layer]) / min(self.runs[layer], 64)
         served = np.ones(len(used)) if counts is None else np.asarray(counts, dtype=np.float64)
-        np.add.at(self.routed, used, served / served.sum())
+        share = served / served.sum()
+        np.add.at(self.routed, used, share)
         self.last[used] = self.runs[layer]
         if self.runs[layer] - waiting[0][0] >= self.horizon:  # the oldest observation's horizon has passed
             self.observed = None
@@ -332,7 +333,7 @@ class Adaptive(Packed):
             np.add.at(self.seen, (lag, freq), 1)
             np.add.at(self.used, (lag[self.last[every] > run], freq[self.last[every] > run]), 1)
         run_share = np.zeros(self.n_experts)
-        run_share[used - every[0]] = served / served.sum()
+        run_share[used - every[0]] = share
         for b, half_life in zip(self.burst, BURST_HALF_LIVES):
             b[every] += (1 - 0.5 ** (1 / half_life)) * (run_share - b[every])
         self.inputs[layer] = self.inputs_of(every)
