@@ -66,7 +66,10 @@ def test_few_tokens_experts_equal_one_token_calls(qtype, q8x2):
     ids = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(4)])
     ids[2] = ids[0]  # two tokens sharing every expert
     w = torch.rand(4, k, generator=g).sort(-1, descending=True).values  # a top-k router's order
+    lib = _build.load()
+    jobs = lib.strata_pool_jobs()
     y = kernels.grouped_swiglu(x, grouped.route_table(ids, w), (gate, up, down))
+    assert lib.strata_pool_jobs() - jobs == 2  # all gates and ups over one quantized x, then all downs
     for i in range(4):  # one token at a time: strata_moe_token
         one = kernels.grouped_swiglu(x[i:i + 1], grouped.route_table(ids[i:i + 1], w[i:i + 1]), (gate, up, down))
         assert torch.equal(y[i:i + 1], one)

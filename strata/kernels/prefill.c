@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <math.h>
 #include <string.h>
+#include "blocks.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__linux__)
 #define PP_AMX 1
@@ -47,22 +48,12 @@ void *strata_to_float_fn(int type);
  * Field for field as gguf-py's numpy decoders (strata/quant mirrors them): float32 scale products
  * first, then the integer value times the scale (minus the minimum). */
 
-static uint8_t GRID_IQ2_XS[512][8];
-static uint8_t GRID_IQ2_XXS[256][8];
-static float SIGNS[128][8] __attribute__((aligned(32)));
-
-static inline float h2f(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 static inline __m512 u8x16(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 
 static void deq_q8_0(const void *w, float *y, int64_t n) {
     const uint8_t *b = w;
     for (int64_t i = 0; i < n; i += 32, b += 34, y += 32) {
-        const __m512 d = _mm512_set1_ps(h2f(b));
+        const __m512 d = _mm512_set1_ps(rd_f16(b));
         const __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2)), q1 = _mm_loadu_si128((const __m128i *)(b + 18));
         _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d));
         _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d));
@@ -73,21 +64,12 @@ static void deq_q4_0(const void *w, float *y, int64_t n) {
     const uint8_t *b = w;
     const __m128i m4 = _mm_set1_epi8(15);
     for (int64_t i = 0; i < n; i += 32, b += 18, y += 32) {
-        const __m512 d = _mm512_set1_ps(h2f(b)), off = _mm512_set1_ps(-8.0f);
+        const __m512 d = _mm512_set1_ps(rd_f16(b)), off = _mm512_set1_ps(-8.0f);
         const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, m4)));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), m4)));
         _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_add_ps(lo, off), d));
         _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_add_ps(hi, off), d));
-    }
-}
-
-static inline void scale_min_k4(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
-    for (int i = 0; i < 4; i++) {
-        sc[i] = s[i] & 63;
-        mn[i] = s[i + 4] & 63;
-        sc[i + 4] = (s[i + 8] & 0xF) | ((s[i] >> 2) & 0x30);
-        mn[i + 4] = (s[i + 8] >> 4) | ((s[i + 4] >> 2) & 0x30);
     }
 }
 
@@ -100,7 +82,7 @@ static void deq_q4_k(const void *w, float *y, int64_t n) {
     const uint8_t *b = w;
     const __m128i m4 = _mm_set1_epi8(15);
     for (int64_t i = 0; i < n; i += 256, b += 144, y += 256) {
-        const float d = h2f(b), dmin = h2f(b + 2);
+        const float d = rd_f16(b), dmin = rd_f16(b + 2);
         uint8_t sc[8], mn[8];
         scale_min_k4(b + 4, sc, mn);
         const uint8_t *qs = b + 16;
@@ -122,7 +104,7 @@ static void deq_q5_k(const void *w, float *y, int64_t n) {
     const uint8_t *b = w;
     const __m128i m4 = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
     for (int64_t i = 0; i < n; i += 256, b += 176, y += 256) {
-        const float d = h2f(b), dmin = h2f(b + 2);
+        const float d = rd_f16(b), dmin = rd_f16(b + 2);
         uint8_t sc[8], mn[8];
         scale_min_k4(b + 4, sc, mn);
         const uint8_t *qh = b + 16, *qs = b + 48;
@@ -150,7 +132,7 @@ static void deq_q6_k(const void *w, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i += 256, b += 210, y += 256) {
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192);
-        const float d = h2f(b + 208);
+        const float d = rd_f16(b + 208);
         for (int h = 0; h < 2; h++)
             for (int t = 0; t < 4; t++) { /* 32 values: low or high nibbles of ql, bits 2t of qh */
                 const uint8_t *pl = ql + h * 64 + (t & 1) * 32, *ph = qh + h * 32;
@@ -174,7 +156,7 @@ static inline __m256 grid8(const uint8_t *g) {
 static void deq_iq2_xs(const void *w, float *y, int64_t n) {
     const uint8_t *b = w;
     for (int64_t i = 0; i < n; i += 256, b += 74, y += 256) {
-        const float d = h2f(b);
+        const float d = rd_f16(b);
         const uint8_t *sc = b + 66;
         for (int p = 0; p < 8; p++) {
             const __m256 db0 = _mm256_set1_ps(d * (0.5f + (float)(sc[p] & 0xF)) * 0.25f);
@@ -183,7 +165,7 @@ static void deq_iq2_xs(const void *w, float *y, int64_t n) {
                 uint16_t q;
                 memcpy(&q, b + 2 + 8 * p + 2 * k, 2);
                 const __m256 v = _mm256_mul_ps(_mm256_mul_ps(k < 2 ? db0 : db1, grid8(GRID_IQ2_XS[q & 511])),
-                                               _mm256_load_ps(SIGNS[q >> 9]));
+                                               _mm256_load_ps(KSIGNS[q >> 9]));
                 _mm256_storeu_ps(y + 32 * p + 8 * k, v);
             }
         }
@@ -193,7 +175,7 @@ static void deq_iq2_xs(const void *w, float *y, int64_t n) {
 static void deq_iq2_xxs(const void *w, float *y, int64_t n) {
     const uint8_t *b = w;
     for (int64_t i = 0; i < n; i += 256, b += 66, y += 256) {
-        const float d = h2f(b);
+        const float d = rd_f16(b);
         for (int s = 0; s < 8; s++) {
             const uint8_t *q = b + 2 + 8 * s;
             uint32_t aux;
@@ -201,7 +183,7 @@ static void deq_iq2_xxs(const void *w, float *y, int64_t n) {
             const __m256 db = _mm256_set1_ps(d * (0.5f + (float)(aux >> 28)) * 0.25f);
             for (int k = 0; k < 4; k++)
                 _mm256_storeu_ps(y + 32 * s + 8 * k, _mm256_mul_ps(_mm256_mul_ps(db, grid8(GRID_IQ2_XXS[q[k]])),
-                                                                  _mm256_load_ps(SIGNS[(aux >> (7 * k)) & 0x7F])));
+                                                                  _mm256_load_ps(KSIGNS[(aux >> (7 * k)) & 0x7F])));
         }
     }
 }
@@ -210,7 +192,7 @@ static void deq_q4_1(const void *w, float *y, int64_t n) {
     const uint8_t *b = w;
     const __m128i m4 = _mm_set1_epi8(15);
     for (int64_t i = 0; i < n; i += 32, b += 20, y += 32) {
-        const __m512 d = _mm512_set1_ps(h2f(b)), m = _mm512_set1_ps(h2f(b + 2));
+        const __m512 d = _mm512_set1_ps(rd_f16(b)), m = _mm512_set1_ps(rd_f16(b + 2));
         const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, m4)));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), m4)));
@@ -247,7 +229,7 @@ static void deq_q5_0(const void *w, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i += 32, b += 22, y += 32) {
         uint32_t h;
         memcpy(&h, b + 2, 4);
-        deq_q5(b + 6, h, h2f(b), 0.0f, 0, y);
+        deq_q5(b + 6, h, rd_f16(b), 0.0f, 0, y);
     }
 }
 
@@ -256,7 +238,7 @@ static void deq_q5_1(const void *w, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i += 32, b += 24, y += 32) {
         uint32_t h;
         memcpy(&h, b + 4, 4);
-        deq_q5(b + 8, h, h2f(b), h2f(b + 2), 1, y);
+        deq_q5(b + 8, h, rd_f16(b), rd_f16(b + 2), 1, y);
     }
 }
 
@@ -265,7 +247,7 @@ static void deq_q2_k(const void *w, float *y, int64_t n) {
     const __m128i m2 = _mm_set1_epi8(3);
     for (int64_t i = 0; i < n; i += 256, b += 84, y += 256) {
         const uint8_t *sc = b, *qs = b + 16;
-        const float d = h2f(b + 80), dmin = h2f(b + 82);
+        const float d = rd_f16(b + 80), dmin = rd_f16(b + 82);
         for (int h = 0; h < 2; h++)
             for (int s = 0; s < 4; s++)
                 for (int k = 0; k < 2; k++) { /* 16 values of one sub-block */
@@ -282,13 +264,11 @@ static void deq_q3_k(const void *w, float *y, int64_t n) {
     const __m128i m2 = _mm_set1_epi8(3);
     for (int64_t i = 0; i < n; i += 256, b += 110, y += 256) {
         const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
-        const float d = h2f(b + 108);
+        const float d = rd_f16(b + 108);
+        uint32_t s4[4];
+        q3k_scales_u32(sc, s4);
         float dl[16];
-        for (int k = 0; k < 16; k++) {
-            const int lo = k < 8 ? (sc[k] & 0xF) : (sc[k - 8] >> 4);
-            const int hi = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
-            dl[k] = d * (float)((int8_t)(lo | (hi << 4)) - 32);
-        }
+        for (int k = 0; k < 16; k++) dl[k] = d * (float)q3k_scale(s4, k);
         for (int h = 0; h < 2; h++)
             for (int s = 0; s < 4; s++)
                 for (int k = 0; k < 2; k++) {
@@ -314,64 +294,31 @@ static inline void lut32(const uint8_t *q, __m128i table, float d, float *y) {
     _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), dv));
 }
 
-static inline __m128i iq4_table(void) {
-    return _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
-}
-
 static void deq_iq4_nl(const void *w, float *y, int64_t n) {
     const uint8_t *b = w;
-    for (int64_t i = 0; i < n; i += 32, b += 18, y += 32) lut32(b + 2, iq4_table(), h2f(b), y);
+    for (int64_t i = 0; i < n; i += 32, b += 18, y += 32) lut32(b + 2, (__m128i)IQ4_NL_I8, rd_f16(b), y);
 }
 
 static void deq_iq4_xs(const void *w, float *y, int64_t n) {
     const uint8_t *b = w;
     for (int64_t i = 0; i < n; i += 256, b += 136, y += 256) {
-        const float d = h2f(b);
-        uint16_t sh;
-        memcpy(&sh, b + 2, 2);
-        const uint8_t *sl = b + 4, *qs = b + 8;
-        for (int j = 0; j < 8; j++) {
-            const int lo = (sl[j / 2] >> (4 * (j & 1))) & 0xF, hi = (sh >> (2 * j)) & 3;
-            lut32(qs + 16 * j, iq4_table(), d * (float)((int8_t)(lo | (hi << 4)) - 32), y + 32 * j);
-        }
+        const float d = rd_f16(b);
+        const uint8_t *qs = b + 8;
+        for (int j = 0; j < 8; j++) lut32(qs + 16 * j, (__m128i)IQ4_NL_I8, d * (float)iq4xs_scale(b, j), y + 32 * j);
     }
 }
 
 static void deq_mxfp4(const void *w, float *y, int64_t n) {
     const uint8_t *b = w;
-    const __m128i e2m1 = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12); /* doubled */
-    for (int64_t i = 0; i < n; i += 32, b += 17, y += 32) {
-        const uint8_t e = b[0];
-        uint32_t bits = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23); /* 2^(e - 128): half the scale */
-        float d;
-        memcpy(&d, &bits, 4);
-        lut32(b + 1, e2m1, d, y);
-    }
+    for (int64_t i = 0; i < n; i += 32, b += 17, y += 32) lut32(b + 1, (__m128i)E2M1_I8, e8m0_half(b[0]), y);
 }
 
-static pp_to_float OWN[PP_MAX_TYPES];
-
-void strata_pp_init_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8_t *ksigns) {
-    memcpy(GRID_IQ2_XXS, iq2xxs, sizeof GRID_IQ2_XXS);
-    memcpy(GRID_IQ2_XS, iq2xs, sizeof GRID_IQ2_XS);
-    for (int i = 0; i < 128; i++)
-        for (int j = 0; j < 8; j++) SIGNS[i][j] = (ksigns[i] >> j) & 1 ? -1.0f : 1.0f;
-    OWN[2] = deq_q4_0;
-    OWN[3] = deq_q4_1;
-    OWN[6] = deq_q5_0;
-    OWN[7] = deq_q5_1;
-    OWN[8] = deq_q8_0;
-    OWN[10] = deq_q2_k;
-    OWN[11] = deq_q3_k;
-    OWN[12] = deq_q4_k;
-    OWN[13] = deq_q5_k;
-    OWN[14] = deq_q6_k;
-    OWN[16] = deq_iq2_xxs;
-    OWN[17] = deq_iq2_xs;
-    OWN[20] = deq_iq4_nl;
-    OWN[23] = deq_iq4_xs;
-    OWN[39] = deq_mxfp4;
-}
+/* the own dequantizers by ggml type (the codebooks they read are qmm.c's, set at load) */
+static const pp_to_float OWN[PP_MAX_TYPES] = {
+    [2] = deq_q4_0,     [3] = deq_q4_1,    [6] = deq_q5_0,     [7] = deq_q5_1,     [8] = deq_q8_0,
+    [10] = deq_q2_k,    [11] = deq_q3_k,   [12] = deq_q4_k,    [13] = deq_q5_k,    [14] = deq_q6_k,
+    [16] = deq_iq2_xxs, [17] = deq_iq2_xs, [20] = deq_iq4_nl,  [23] = deq_iq4_xs,  [39] = deq_mxfp4,
+};
 
 /* ------------------------------------------------------------------ bf16 splitting */
 
@@ -708,9 +655,6 @@ int strata_pp_dequant_row(int type, const uint8_t *w, int64_t n, float *y) {
 
 #else /* no AMX-BF16 at build time */
 
-void strata_pp_init_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8_t *ksigns) {
-    (void)iq2xxs, (void)iq2xs, (void)ksigns;
-}
 int strata_pp_available(void) { return 0; }
 int strata_pp_has_type(int type, int own_only) { (void)type, (void)own_only; return 0; }
 int strata_pp_matmul(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, const float *X,

@@ -24,7 +24,7 @@ _ready: bool | None = None
 
 
 def _lib() -> ctypes.CDLL | None:
-    """The kernel library with prefill.c declared and its tables set, or None without AMX."""
+    """The kernel library with prefill.c declared, or None without AMX."""
     global _ready
     lib = _build.load()
     if lib is None:
@@ -33,8 +33,6 @@ def _lib() -> ctypes.CDLL | None:
         _ready = False
     if _ready is None:
         p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.strata_pp_init_tables.argtypes = [p, p, p]
-        lib.strata_pp_init_tables.restype = None
         lib.strata_pp_available.restype = c_int
         lib.strata_pp_has_type.argtypes = [c_int, c_int]
         lib.strata_pp_has_type.restype = c_int
@@ -46,8 +44,6 @@ def _lib() -> ctypes.CDLL | None:
         lib.strata_pp_swiglu.restype = c_int
         lib.strata_pp_moe.argtypes = [p, p, p, p, p, p, p, p, c_int, p, p, p, i64, i64, p, c_int, c_int]
         lib.strata_pp_moe.restype = c_int
-        iq2xxs, iq2xs, _iq3xxs, ksigns = _build._tables
-        lib.strata_pp_init_tables(iq2xxs.ctypes.data, iq2xs.ctypes.data, ksigns.ctypes.data)
         _ready = bool(lib.strata_pp_available())
     return lib if _ready else None
 

@@ -21,57 +21,19 @@
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include "blocks.h"
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v8fu __attribute__((vector_size(32), aligned(4)));  /* unaligned loads */
 
 
-/* ------------------------------------------------------------------ scalars */
+/* ------------------------------------------------------------------ tables (declared in blocks.h) */
 
-static inline float f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: renormalise */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7F800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
-static inline float rd_f16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return f16_to_f32(h); }
-static inline uint16_t rd_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-static inline uint32_t rd_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
-
-static inline float e8m0_half(uint8_t e) {
-    uint32_t bits = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* ------------------------------------------------------------------ tables */
-
-static uint8_t GRID_IQ2_XXS[256][8];
-static uint8_t GRID_IQ2_XS[512][8];
-static uint8_t GRID_IQ3_XXS[256][4];
-static float KSIGNS[128][8] __attribute__((aligned(32)));
-static int16_t KSIGNS16_INIT[128][8] __attribute__((aligned(16))); /* +-1 as int16, for the int16 kernels */
-
-
+uint8_t GRID_IQ2_XXS[256][8];
+uint8_t GRID_IQ2_XS[512][8];
+uint8_t GRID_IQ3_XXS[256][4];
+float KSIGNS[128][8] __attribute__((aligned(32)));
+int16_t KSIGNS16[128][8] __attribute__((aligned(16))); /* +-1 as int16, for the int16 kernels */
 
 /* The codebooks come from gguf-py at load time, so they are the reference decoder's own. */
 void strata_init_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8_t *iq3xxs,
@@ -82,17 +44,17 @@ void strata_init_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8
     for (int i = 0; i < 128; i++)
         for (int j = 0; j < 8; j++) {
             KSIGNS[i][j] = (ksigns[i] >> j) & 1 ? -1.0f : 1.0f;
-            KSIGNS16_INIT[i][j] = (ksigns[i] >> j) & 1 ? -1 : 1;
+            KSIGNS16[i][j] = (ksigns[i] >> j) & 1 ? -1 : 1;
         }
 }
 
 /* The codebooks of IQ1_S / IQ1_M (2048 x 8 values in {-1, 0, 1}, kept here times 8 so that
  * 8 * grid + delta is one int8 per value), IQ2_S (1024 x 8 magnitudes) and IQ3_S (512 x 4), from
  * gguf-py at load time like the others; KSIGNS8 is ksigns_iq2xs (7 sign bits + their parity). */
-static int8_t GRID_IQ1_S8[2048][8] __attribute__((aligned(64)));
-static uint8_t GRID_IQ2_S[1024][8] __attribute__((aligned(64)));
-static uint8_t GRID_IQ3_S[512][4] __attribute__((aligned(64)));
-static uint8_t KSIGNS8[128];
+int8_t GRID_IQ1_S8[2048][8] __attribute__((aligned(64)));
+uint8_t GRID_IQ2_S[1024][8] __attribute__((aligned(64)));
+uint8_t GRID_IQ3_S[512][4] __attribute__((aligned(64)));
+uint8_t KSIGNS8[128];
 
 void strata_init_tables_iq(const int8_t *iq1s, const uint8_t *iq2s, const uint8_t *iq3s) {
     for (int i = 0; i < 2048 * 8; i++) GRID_IQ1_S8[i / 8][i % 8] = (int8_t)(8 * iq1s[i]);
@@ -109,7 +71,6 @@ typedef uint8_t v8u8 __attribute__((vector_size(8), aligned(1)));
 typedef int8_t v8i8 __attribute__((vector_size(8), aligned(1)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef int8_t v16i8 __attribute__((vector_size(16)));
 typedef int8_t v16i8u __attribute__((vector_size(16), aligned(1)));
 
 static const v8u IOTA = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -142,8 +103,6 @@ static inline void lookup16(v16i8 table, const uint8_t *q, int shift, int8_t *ou
 #endif
 }
 
-static v16i8 IQ4_NL_I8 = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-static v16i8 E2M1_I8 = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 /* ------------------------------------------------------------------ blocks
  * blk_T(b, x, xs, acc, NB): for NB batch rows (x, x + xs, ...) starting at this block's first
@@ -235,12 +194,10 @@ BLOCK(q2_k) {
 BLOCK(q3_k) {
     const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
     const float d = rd_f16(b + 108);
+    uint32_t s4[4];
+    q3k_scales_u32(sc, s4);
     float dl[16];
-    for (int k = 0; k < 16; k++) {
-        const int lo = k < 8 ? (sc[k] & 0xF) : (sc[k - 8] >> 4);
-        const int hi = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
-        dl[k] = d * (float)((int8_t)(lo | (hi << 4)) - 32);
-    }
+    for (int k = 0; k < 16; k++) dl[k] = d * (float)q3k_scale(s4, k);
     for (int h = 0; h < 2; h++)
         for (int s = 0; s < 4; s++)
             #pragma GCC unroll 4
@@ -249,15 +206,6 @@ BLOCK(q3_k) {
                 const v8i bit = (ld_u8(hm + 8 * k) >> (h * 4 + s)) & 1;
                 EMIT(cvt(ql - ((bit ^ 1) << 2)) * splat(dl[h * 8 + s * 2 + (k >> 1)]), h * 128 + s * 32 + 8 * k, k);
             }
-}
-
-static inline void scale_min_k4(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
-    for (int i = 0; i < 4; i++) {
-        sc[i] = s[i] & 63;
-        mn[i] = s[i + 4] & 63;
-        sc[i + 4] = (s[i + 8] & 0xF) | ((s[i] >> 2) & 0x30);
-        mn[i + 4] = (s[i + 8] >> 4) | ((s[i + 4] >> 2) & 0x30);
-    }
 }
 
 BLOCK(q4_k) {
@@ -366,11 +314,9 @@ BLOCK(iq4_nl) {
 
 BLOCK(iq4_xs) {
     const float d = rd_f16(b);
-    const uint16_t sh = rd_u16(b + 2);
-    const uint8_t *sl = b + 4, *qs = b + 8;
+    const uint8_t *qs = b + 8;
     for (int j = 0; j < 8; j++) {
-        const int lo = (sl[j / 2] >> (4 * (j & 1))) & 0xF, hi = (sh >> (2 * j)) & 3;
-        const v8f dl = splat(d * (float)((int8_t)(lo | (hi << 4)) - 32));
+        const v8f dl = splat(d * (float)iq4xs_scale(b, j));
         int8_t v[32];
         lookup16(IQ4_NL_I8, qs + 16 * j, 0, v);
         lookup16(IQ4_NL_I8, qs + 16 * j, 4, v + 16);
@@ -754,11 +700,9 @@ BLOCK16_LOOKUP32(mxfp4, E2M1_I8, e8m0_half(b[0]), 1)
 BLOCK16(iq4_xs) {
     (void)xsum; (void)ss; (void)macc;
     const float d = rd_f16(b);
-    const uint16_t sh = rd_u16(b + 2);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
-        const int lo = (b[4 + j / 2] >> (4 * (j & 1))) & 0xF, hi = (sh >> (2 * j)) & 3;
-        const v8f dl = splat(d * (float)((int8_t)(lo | (hi << 4)) - 32));
+        const v8f dl = splat(d * (float)iq4xs_scale(b, j));
         __m256i w0, w1;
         lookup32_i16((__m128i)IQ4_NL_I8, b + 8 + 16 * j, &w0, &w1);
         for (int r_ = 0; r_ < NB; r_++) {
@@ -767,8 +711,6 @@ BLOCK16(iq4_xs) {
         }
     }
 }
-
-#define KSIGNS16 KSIGNS16_INIT
 
 /* Two 8-value grid rows (uint8) with their sign rows -> 16 signed int16 weights. */
 static inline __m256i grid16(const uint8_t *g0, const uint8_t *g1, int s0, int s1) {
@@ -904,15 +846,6 @@ void strata_set_ext(int type, void *dot, void *quant, int64_t qblk, int64_t qsiz
     EXT[type].qsize = qsize;
 }
 
-typedef struct {
-    const uint8_t *W;
-    int64_t rows, cols, B, tile_rows, wrow, xrow;
-    const uint8_t *XQ;
-    const uint8_t *XR; /* x's 8-bit residual (x - its 8-bit value), or NULL */
-    float *Y;
-    ggml_vec_dot_fn dot;
-} ext_args;
-
 /* Software prefetch of the weight stream: one core's hardware prefetchers left the products at
  * ~6 GB/s from DRAM on a shared machine; asking for the bytes PREFETCH_AHEAD ahead of the row
  * being multiplied keeps more cache-line reads in flight. Never past the matrix's end. */
@@ -921,24 +854,6 @@ static inline void prefetch_ahead(const uint8_t *row, int64_t wrow, const uint8_
     const uint8_t *p = row + PREFETCH_AHEAD, *q = p + wrow;
     if (q > end) q = end;
     for (; p < q; p += 64) __builtin_prefetch(p, 0, 2);
-}
-
-static void tile_ext(const void *a_, int64_t tile) {
-    const ext_args *a = (const ext_args *)a_;
-    const int64_t t0 = tile * a->tile_rows;
-    const int64_t t1 = t0 + a->tile_rows < a->rows ? t0 + a->tile_rows : a->rows;
-    const uint8_t *end = a->W + a->rows * a->wrow;
-    for (int64_t b = 0; b < a->B; b++)
-        for (int64_t r = t0; r < t1; r++) {
-            float *y = a->Y + b * a->rows + r;
-            if (b == 0) prefetch_ahead(a->W + r * a->wrow, a->wrow, end);
-            a->dot((int)a->cols, y, 0, a->W + r * a->wrow, 0, a->XQ + b * a->xrow, 0, 1);
-            if (a->XR) { /* the same row again, still in L1: the residual's product */
-                float lo;
-                a->dot((int)a->cols, &lo, 0, a->W + r * a->wrow, 0, a->XR + b * a->xrow, 0, 1);
-                *y += lo;
-            }
-        }
 }
 
 static int act_mode = 3;
@@ -988,19 +903,6 @@ static inline float sum_minus_mins(__m512 acc, __m256 accm) {
 }
 
 /* Q4_K: {f16 d, dmin; u8 scales[12]; u8 qs[128]} x q8_K {f32 d; i8 qs[256]; i16 bsums[16]}. */
-/* The 8 six-bit scales and mins of a Q4_K block's 12 scale bytes, as two u64 of 8 bytes each. */
-static inline void q4k_scales_mins(const uint8_t *q, uint64_t *sc, uint64_t *mn) {
-    uint32_t u0, u1, u2;
-    memcpy(&u0, q, 4);
-    memcpy(&u1, q + 4, 4);
-    memcpy(&u2, q + 8, 4);
-    const uint32_t s_lo = u0 & 0x3F3F3F3Fu, m_lo = u1 & 0x3F3F3F3Fu;
-    const uint32_t s_hi = (u2 & 0x0F0F0F0Fu) | (((u0 >> 6) & 0x03030303u) << 4);
-    const uint32_t m_hi = ((u2 >> 4) & 0x0F0F0F0Fu) | (((u1 >> 6) & 0x03030303u) << 4);
-    *sc = (uint64_t)s_lo | ((uint64_t)s_hi << 32);
-    *mn = (uint64_t)m_lo | ((uint64_t)m_hi << 32);
-}
-
 /* Q5_K: {f16 d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]} x q8_K: Q4_K with a fifth bit per
  * value from qh (bit 2j / 2j+1 of qh[l] for value l of sub-block 2j / 2j+1), u8 weights 0..31.
  * `five` is a constant in each caller, so each gets its own loop without the other's work. */
@@ -1017,7 +919,7 @@ static inline __attribute__((always_inline)) float dot2_q45_k(int64_t n, const u
         memcpy(&dr, yr, 4);
         const float d = rd_f16(b), dmin = rd_f16(b + 2);
         uint64_t sc, mn;
-        q4k_scales_mins(b + 4, &sc, &mn);
+        k4_scales_mins(b + 4, &sc, &mn);
         const __m512i sc32 = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc));
         const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
         __m512i sq = _mm512_setzero_si512(), sr = _mm512_setzero_si512();
@@ -1119,15 +1021,9 @@ static float dot2_q3_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uin
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
         const float d = rd_f16(b + 108);
-        /* scale k: low 4 bits from byte k (k < 8) or k - 8's high nibble, high 2 bits from byte
-         * 8 + k % 4 at bit 2 (k / 4); four at a time in u32 lanes */
-        const uint32_t a0 = rd_u32(b + 96), a1 = rd_u32(b + 100), t = rd_u32(b + 104);
-        const uint32_t k4 = 0x0F0F0F0Fu, k2 = 0x03030303u;
-        const __m128i sc8 = _mm_sub_epi8(_mm_setr_epi32((int)((a0 & k4) | ((t & k2) << 4)),
-                                                        (int)((a1 & k4) | (((t >> 2) & k2) << 4)),
-                                                        (int)(((a0 >> 4) & k4) | (((t >> 4) & k2) << 4)),
-                                                        (int)(((a1 >> 4) & k4) | (((t >> 6) & k2) << 4))),
-                                         _mm_set1_epi8(32));
+        uint32_t s4[4];
+        q3k_scales_u32(b + 96, s4);
+        const __m128i sc8 = _mm_sub_epi8(_mm_loadu_si128((const __m128i *)s4), _mm_set1_epi8(32));
         const __m512i sc32 = _mm512_and_si512(_mm512_cvtepi8_epi32(sc8), _mm512_set1_epi32(0xFFFF));
         const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
         __m512i sq = _mm512_setzero_si512(), sr = _mm512_setzero_si512();
@@ -1483,7 +1379,6 @@ static float dot2_iq4_xs(int64_t n, const uint8_t *w, const uint8_t *xq, const u
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
         const float d = rd_f16(b);
-        const uint16_t sh = rd_u16(b + 2);
         __m512i sq = zero, sr = zero;
         #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) { /* 64 values: sub-blocks 2j, 2j+1 */
@@ -1496,9 +1391,7 @@ static float dot2_iq4_xs(int64_t n, const uint8_t *w, const uint8_t *xq, const u
                 _mm512_dpbusd_epi32(zero, _mm512_xor_si512(_mm512_loadu_si512(yq + 4 + 64 * j), x80), ws), c);
             const __m512i pr = _mm512_sub_epi32(
                 _mm512_dpbusd_epi32(zero, _mm512_xor_si512(_mm512_loadu_si512(yr + 4 + 64 * j), x80), ws), c);
-            const int s0 = 2 * j, s1 = 2 * j + 1;
-            const int l0 = (int)(((b[4 + j] & 0xF) | (((sh >> (2 * s0)) & 3) << 4))) - 32;
-            const int l1 = (int)(((b[4 + j] >> 4) | (((sh >> (2 * s1)) & 3) << 4))) - 32;
+            const int l0 = iq4xs_scale(b, 2 * j), l1 = iq4xs_scale(b, 2 * j + 1);
             const __m512i sc = _mm512_mask_blend_epi32((__mmask16)0xFF00, _mm512_set1_epi32(l0), _mm512_set1_epi32(l1));
             sq = _mm512_add_epi32(sq, _mm512_mullo_epi32(pq, sc));
             sr = _mm512_add_epi32(sr, _mm512_mullo_epi32(pr, sc));
@@ -1976,26 +1869,6 @@ int strata_fused_types(int type) {
     return fused2_for(type, q8_1 || q8_0 ? 32 : 256, q8_1 ? 36 : q8_0 ? 34 : 292) != NULL;
 }
 
-typedef struct {
-    const uint8_t *W;
-    int64_t rows, cols, B, tile_rows, wrow, xrow;
-    const uint8_t *XQ, *XR;
-    float *Y;
-    dot2_fn dot2;
-} fused_args;
-
-static void tile_fused(const void *a_, int64_t tile) {
-    const fused_args *a = (const fused_args *)a_;
-    const int64_t t0 = tile * a->tile_rows;
-    const int64_t t1 = t0 + a->tile_rows < a->rows ? t0 + a->tile_rows : a->rows;
-    const uint8_t *end = a->W + a->rows * a->wrow;
-    for (int64_t b = 0; b < a->B; b++)
-        for (int64_t r = t0; r < t1; r++) {
-            if (b == 0) prefetch_ahead(a->W + r * a->wrow, a->wrow, end);
-            a->Y[b * a->rows + r] = a->dot2(a->cols, a->W + r * a->wrow, a->XQ + b * a->xrow, a->XR + b * a->xrow);
-        }
-}
-
 /* x back from ggml's 8-bit activation blocks: q8_0 {f16 d; i8 q[32]}, q8_1 {f16 d, s; i8 q[32]},
  * q8_K {f32 d; i8 q[256]; i16 bsums[16]}; returns 0 for any other layout. */
 static int unquant8(const uint8_t *q, int64_t qblk, int64_t qsize, float *y, int64_t n) {
@@ -2026,79 +1899,35 @@ static inline int parallel_threads(int64_t bytes, int nth) {
     return bytes >= min_parallel_bytes || (bytes >= min_warm_bytes && pool_awake(nth)) ? nth : 1;
 }
 
-/* Y = X W^T through ggml's kernels for ggml type `type` (wrow bytes per weight row); 0 if none. */
-int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const float *X, int64_t B, float *Y,
-                   int nth, int64_t wrow) {
-    if (type < 0 || type >= MAX_EXT || !EXT[type].dot || cols % EXT[type].qblk || cols > 0x7FFFFFFF) return 0;
-    for (int64_t i = 0; i < B * cols; i++)
-        if (!(X[i] - X[i] == 0.0f)) return 0; /* inf or nan: ggml's quantizer would hide it; the other paths keep it */
-    const ext_kernel *k = &EXT[type];
-    const int64_t xrow = cols / k->qblk * k->qsize;
-    const int twice = act_mode == 3; /* q8x2: x = its 8-bit value + an 8-bit residual */
-    uint8_t *xq = malloc((size_t)((twice ? 2 : 1) * B * xrow) + 64);
-    float *tmp = twice ? malloc(sizeof(float) * (size_t)cols) : NULL;
-    if (!xq || (twice && !tmp)) {
-        free(xq);
-        free(tmp);
-        return 0;
-    }
-    uint8_t *xr = twice ? xq + B * xrow : NULL;
-    for (int64_t b = 0; b < B; b++) {
-        k->quant(X + b * cols, xq + b * xrow, cols);
-        if (twice) {
-            if (!unquant8(xq + b * xrow, k->qblk, k->qsize, tmp, cols)) {
-                free(xq);
-                free(tmp);
-                return 0;
-            }
-            for (int64_t i = 0; i < cols; i++) tmp[i] = X[b * cols + i] - tmp[i];
-            k->quant(tmp, xr + b * xrow, cols);
-        }
-    }
-    int64_t tile_rows = ROW_TILE;
-    while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
-    nth = parallel_threads(rows * wrow * B, nth); /* waking a helper costs more than it saves */
-    const dot2_fn dot2 = twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
-    const int prep_kind = fused2_prep(type, k->qblk, k->qsize, dot2);
-    if (prep_kind) { /* q8_1 and q8_0 types: the row-independent part laid out once */
-        const int64_t prow = fused2_prep_bytes(prep_kind, cols);
-        uint8_t *prep = malloc((size_t)(B * prow) + 64);
-        if (!prep) {
-            free(xq);
-            free(tmp);
-            return 0;
-        }
-        for (int64_t b = 0; b < B; b++)
-            fused2_prep_row(prep_kind, cols, xq + b * xrow, xr + b * xrow, k->qsize, prep + b * prow);
-        const fused_args f = {W, rows, cols, B, tile_rows, wrow, prow, prep, prep, Y, dot2};
-        pool_run(tile_fused, &f, (rows + tile_rows - 1) / tile_rows, nth < 1 ? 1 : nth);
-        free(prep);
-    } else if (dot2) {
-        const fused_args f = {W, rows, cols, B, tile_rows, wrow, xrow, xq, xr, Y, dot2};
-        pool_run(tile_fused, &f, (rows + tile_rows - 1) / tile_rows, nth < 1 ? 1 : nth);
-    } else {
-        const ext_args a = {W, rows, cols, B, tile_rows, wrow, xrow, xq, xr, Y, k->dot};
-        pool_run(tile_ext, &a, (rows + tile_rows - 1) / tile_rows, nth < 1 ? 1 : nth);
-    }
-    free(xq);
-    free(tmp);
-    return 1;
-}
-
-/* ------------------------------------------------------------------ several products, one parallel region
+/* ------------------------------------------------------------------ products over 8-bit x, in one parallel region
  *
  * A decode layer's products are small (a qwen3-30b expert's gate is 0.8 MiB, ~0.2 ms on one core)
  * and were one pool_run each: per MoE token 3k fork/joins, each x quantized again for every
- * expert's gate and up, and the helpers' share lost at every join. strata_qmm_many takes n products
- * of the 8-bit modes ("q8", "q8x2") as one job: each distinct x quantized (and laid out) once, then
- * the tiles of all n products claimed from one counter, so both threads stay busy across the
- * products. Each row's arithmetic is strata_qmm_ext's (the same kernels on the same prepared x), so
- * results are bit-equal to n separate calls. */
+ * expert's gate and up, and the helpers' share lost at every join. many_run takes n products of
+ * the 8-bit modes ("q8", "q8x2") as one job: each distinct x quantized (and laid out) once, then
+ * the tiles of all n products claimed from one counter, so all threads stay busy across the
+ * products. A product may read chosen rows of its x (`pick`: a few tokens' experts, each over its
+ * own tokens of one quantized x). Each row's arithmetic depends on that row alone (the same kernel
+ * on the same quantized row), so results are bit-equal however the products are grouped. */
 #define MANY_MAX 256
+
+/* One product: Y [B, rows] = X[pick] W^T, W of ggml type `type` with wrow bytes per row; X has
+ * xB rows of cols values, pick B indices into them (NULL: rows 0..B-1, xB == B). */
+typedef struct {
+    int type;
+    const uint8_t *W;
+    int64_t rows, cols, wrow;
+    const float *X;
+    int64_t xB;
+    const int64_t *pick;
+    int64_t B;
+    float *Y;
+} many_req;
 
 typedef struct {
     const uint8_t *W;
-    int64_t rows, cols, wrow, xrow, tile0;
+    int64_t rows, cols, wrow, xrow, tile0, B;
+    const int64_t *pick;
     const uint8_t *XQ, *XR;
     float *Y;
     dot2_fn dot2;         /* the one-pass kernel, or NULL: ggml's dot (twice with XR) */
@@ -2108,9 +1937,8 @@ typedef struct {
 typedef struct {
     const many_item *it;
     int n;
-    int64_t B, tile_rows;
+    int64_t tile_rows;
 } many_args;
-
 
 static void tile_many(const void *a_, int64_t tile) {
     const many_args *a = (const many_args *)a_;
@@ -2124,36 +1952,38 @@ static void tile_many(const void *a_, int64_t tile) {
     const int64_t t0 = (tile - m->tile0) * a->tile_rows;
     const int64_t t1 = t0 + a->tile_rows < m->rows ? t0 + a->tile_rows : m->rows;
     const uint8_t *end = m->W + m->rows * m->wrow;
-    for (int64_t b = 0; b < a->B; b++)
+    for (int64_t b = 0; b < m->B; b++) {
+        const int64_t xb = (m->pick ? m->pick[b] : b) * m->xrow;
         for (int64_t r = t0; r < t1; r++) {
             if (b == 0) prefetch_ahead(m->W + r * m->wrow, m->wrow, end);
             float *y = m->Y + b * m->rows + r;
             if (m->dot2) {
-                *y = m->dot2(m->cols, m->W + r * m->wrow, m->XQ + b * m->xrow, m->XR + b * m->xrow);
+                *y = m->dot2(m->cols, m->W + r * m->wrow, m->XQ + xb, m->XR + xb);
             } else {
-                m->dot((int)m->cols, y, 0, m->W + r * m->wrow, 0, m->XQ + b * m->xrow, 0, 1);
+                m->dot((int)m->cols, y, 0, m->W + r * m->wrow, 0, m->XQ + xb, 0, 1);
                 if (m->XR) {
                     float lo2;
-                    m->dot((int)m->cols, &lo2, 0, m->W + r * m->wrow, 0, m->XR + b * m->xrow, 0, 1);
+                    m->dot((int)m->cols, &lo2, 0, m->W + r * m->wrow, 0, m->XR + xb, 0, 1);
                     *y += lo2;
                 }
             }
         }
+    }
 }
 
 /* One x prepared for one activation layout: ggml's blocks of x (and of its residual in "q8x2"),
  * or the q8_0 / q8_1 one-pass layout built from them. */
 typedef struct {
     const float *X;
-    int64_t cols;
+    int64_t cols, B;
     ggml_from_float_fn quant;
     int prep; /* fused2_prep's kinds: 0 blocks as they are, 1 q8_0_prep, 2 q4_1_prep, 3 prep256 */
     uint8_t *buf, *xq, *xr;
     int64_t xrow;
 } many_act;
 
-static int prepare_act(many_act *p, const ext_kernel *k, int64_t B, int twice) {
-    const int64_t cols = p->cols, brow = cols / k->qblk * k->qsize;
+static int prepare_act(many_act *p, const ext_kernel *k, int twice) {
+    const int64_t cols = p->cols, B = p->B, brow = cols / k->qblk * k->qsize;
     const int64_t prow = fused2_prep_bytes(p->prep, cols);
     uint8_t *blocks = malloc((size_t)((twice ? 2 : 1) * B * brow + B * prow) + 64);
     float *tmp = twice ? malloc(sizeof(float) * (size_t)cols) : NULL;
@@ -2191,42 +2021,45 @@ static int prepare_act(many_act *p, const ext_kernel *k, int64_t B, int twice) {
     return 1;
 }
 
-/* Y_j = X_j W_j^T (X_j: [B, cols_j], Y_j: [B, rows_j], wrows_j bytes per row of W_j) for n products of ggml types types[j] in
- * one parallel region; 1 when done, 0 (nothing written) when it does not apply: not an 8-bit mode,
- * a type without ggml's kernel, a non-finite x, too many products, or no memory. */
-int strata_qmm_many(int n, const int *types, const void *const *W, const int64_t *rows, const int64_t *cols,
-                    const int64_t *wrows, const float *const *X, int64_t B, float *const *Y, int nth) {
-    if (act_mode < 2 || n <= 0 || n > MANY_MAX || B <= 0) return 0;
-    const int twice = act_mode == 3;
+/* The n <= MANY_MAX products of req in one parallel region, x quantized to 8 bits (twice: plus its
+ * 8-bit residual, "q8x2"); 1 when done, 0 (nothing written) when it does not apply: a type without
+ * ggml's kernel, a non-finite x (ggml's quantizer would hide it; the other paths keep it), or no
+ * memory. */
+static int many_run(int n, const many_req *req, int nth, int twice) {
+    if (n <= 0 || n > MANY_MAX) return 0;
     many_item it[MANY_MAX];
     many_act acts[MANY_MAX];
     int n_act = 0, ok = 1;
     int64_t bytes = 0;
     for (int j = 0; j < n && ok; j++) {
-        const int type = types[j];
-        if (type < 0 || type >= MAX_EXT || !EXT[type].dot || cols[j] % EXT[type].qblk || cols[j] > 0x7FFFFFFF) return 0;
+        const many_req *q = &req[j];
+        const int type = q->type;
+        if (type < 0 || type >= MAX_EXT || !EXT[type].dot || q->cols % EXT[type].qblk || q->cols > 0x7FFFFFFF ||
+            q->B < 0 || (!q->pick && q->xB != q->B)) {
+            ok = 0;
+            break;
+        }
         const ext_kernel *k = &EXT[type];
         const dot2_fn dot2 = twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
         const int prep = fused2_prep(type, k->qblk, k->qsize, dot2);
         int a = 0;
-        while (a < n_act && !(acts[a].X == X[j] && acts[a].cols == cols[j] && acts[a].quant == k->quant &&
-                              acts[a].prep == prep))
+        while (a < n_act && !(acts[a].X == q->X && acts[a].cols == q->cols && acts[a].B == q->xB &&
+                              acts[a].quant == k->quant && acts[a].prep == prep))
             a++;
         if (a == n_act) {
-            for (int64_t i = 0; i < B * cols[j]; i++)
-                if (!(X[j][i] - X[j][i] == 0.0f)) ok = 0; /* inf or nan: strata_qmm_ext declines it too */
+            for (int64_t i = 0; i < q->xB * q->cols; i++)
+                if (!(q->X[i] - q->X[i] == 0.0f)) ok = 0;
             if (!ok) break;
-            acts[a] = (many_act){X[j], cols[j], k->quant, prep, NULL, NULL, NULL, 0};
-            if (!prepare_act(&acts[a], k, B, twice)) {
+            acts[a] = (many_act){q->X, q->cols, q->xB, k->quant, prep, NULL, NULL, NULL, 0};
+            if (!prepare_act(&acts[a], k, twice)) {
                 ok = 0;
                 break;
             }
             n_act++;
         }
-        const int64_t wrow = wrows[j];
-        it[j] = (many_item){(const uint8_t *)W[j], rows[j], cols[j], wrow, acts[a].xrow, 0,
-                            acts[a].xq, acts[a].xr, Y[j], dot2, k->dot};
-        bytes += rows[j] * wrow;
+        it[j] = (many_item){q->W, q->rows, q->cols, q->wrow, acts[a].xrow, 0, q->B, q->pick,
+                            acts[a].xq, acts[a].xr, q->Y, dot2, k->dot};
+        bytes += q->rows * q->wrow * q->B;
     }
     if (ok) {
         int64_t tile_rows = ROW_TILE, total;
@@ -2234,17 +2067,36 @@ int strata_qmm_many(int n, const int *types, const void *const *W, const int64_t
             total = 0;
             for (int j = 0; j < n; j++) {
                 it[j].tile0 = total;
-                total += (rows[j] + tile_rows - 1) / tile_rows;
+                total += (it[j].rows + tile_rows - 1) / tile_rows;
             }
             if (total <= 0xFFFF) break;
             tile_rows *= 2;
         }
-        nth = parallel_threads(bytes * B, nth);
-        const many_args args = {it, n, B, tile_rows};
+        nth = parallel_threads(bytes, nth); /* waking a helper costs more than it saves */
+        const many_args args = {it, n, tile_rows};
         pool_run(tile_many, &args, total, nth < 1 ? 1 : nth);
     }
     for (int a = 0; a < n_act; a++) free(acts[a].buf);
     return ok;
+}
+
+/* Y = X W^T through 8-bit x for ggml type `type` (wrow bytes per weight row): "q8x2" in that
+ * mode, else one 8-bit pass; 0 if ggml has no kernel for the type, or x is not finite. */
+int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const float *X, int64_t B, float *Y,
+                   int nth, int64_t wrow) {
+    const many_req q = {type, W, rows, cols, wrow, X, B, NULL, B, Y};
+    return many_run(1, &q, nth, act_mode == 3);
+}
+
+/* Y_j = X_j W_j^T (X_j: [B, cols_j], Y_j: [B, rows_j], wrows_j bytes per row of W_j) for n products of ggml types types[j] in
+ * one parallel region; 1 when done, 0 (nothing written) when it does not apply: not an 8-bit mode,
+ * a type without ggml's kernel, a non-finite x, too many products, or no memory. */
+int strata_qmm_many(int n, const int *types, const void *const *W, const int64_t *rows, const int64_t *cols,
+                    const int64_t *wrows, const float *const *X, int64_t B, float *const *Y, int nth) {
+    if (act_mode < 2 || n <= 0 || n > MANY_MAX || B <= 0) return 0;
+    many_req req[MANY_MAX];
+    for (int j = 0; j < n; j++) req[j] = (many_req){types[j], W[j], rows[j], cols[j], wrows[j], X[j], B, NULL, B, Y[j]};
+    return many_run(n, req, nth, act_mode == 3);
 }
 
 /* Prefill: W's rows dequantized by ggml's to_float, as float32 or rounded to bfloat16 (nearest
@@ -2485,27 +2337,70 @@ int strata_moe_tokens(const void *const *gate, const void *const *up, const void
                       const int64_t *count, int n_exp, const int64_t *token, const float *w,
                       const int64_t *order, void *gate_fn,
                       void *up_fn, void *down_fn, int64_t hidden, int64_t ffn, const float *x, float *out, int nth) {
-    int64_t n_pairs = 0, most = 0;
+    int64_t n_pairs = 0, most = 0, n_tok = 0;
     for (int e = 0; e < n_exp; e++) {
         n_pairs += count[e];
         if (count[e] > most) most = count[e];
     }
-    float *xs = malloc(sizeof(float) * (size_t)(most * hidden) + 64);
-    float *g = malloc(sizeof(float) * (size_t)(most * ffn) + 64);
-    float *u = malloc(sizeof(float) * (size_t)(most * ffn) + 64);
-    float *h = malloc(sizeof(float) * (size_t)(most * ffn) + 64);
+    for (int64_t p = 0; p < n_pairs; p++)
+        if (token[p] + 1 > n_tok) n_tok = token[p] + 1;
+    float *g = malloc(sizeof(float) * (size_t)(n_pairs * ffn) + 64);
+    float *u = malloc(sizeof(float) * (size_t)(n_pairs * ffn) + 64);
     float *ys = malloc(sizeof(float) * (size_t)(n_pairs * hidden) + 64);
-    if (!xs || !g || !u || !h || !ys) {
-        free(xs); free(g); free(u); free(h); free(ys);
+    if (!g || !u || !ys) {
+        free(g); free(u); free(ys);
         return 0;
     }
-    for (int64_t e = 0, p = 0; e < n_exp; p += count[e], e++) {
-        const int64_t n = count[e];
-        for (int64_t i = 0; i < n; i++) memcpy(xs + i * hidden, x + token[p + i] * hidden, sizeof(float) * (size_t)hidden);
-        ((qmm_fn)gate_fn)((const uint8_t *)gate[e], ffn, hidden, xs, n, g, nth);
-        ((qmm_fn)up_fn)((const uint8_t *)up[e], ffn, hidden, xs, n, u, nth);
-        for (int64_t i = 0; i < n * ffn; i++) h[i] = silu(g[i]) * u[i];
-        ((qmm_fn)down_fn)((const uint8_t *)down[e], hidden, ffn, h, n, ys + p * hidden, nth);
+    /* the 8-bit modes: all gates and ups over the one quantized x (each expert reading its tokens'
+     * rows), then all downs, MANY_MAX products per parallel region */
+    int64_t gw = 0, uw = 0, dw = 0;
+    const int gt = qmm_type_of(gate_fn, hidden, &gw), ut = qmm_type_of(up_fn, hidden, &uw),
+              dt = qmm_type_of(down_fn, ffn, &dw);
+    int many = act_mode >= 2 && gt >= 0 && ut >= 0 && dt >= 0;
+    many_req req[MANY_MAX];
+    const int per = MANY_MAX / 2;
+    int64_t first = 0; /* the first pair of expert e0 + j */
+    for (int e0 = 0; many && e0 < n_exp; e0 += per) {
+        const int ne = n_exp - e0 < per ? n_exp - e0 : per;
+        for (int j = 0; j < ne; first += count[e0 + j], j++) {
+            const int64_t n = count[e0 + j];
+            req[2 * j] = (many_req){gt, gate[e0 + j], ffn, hidden, gw, x, n_tok, token + first, n, g + first * ffn};
+            req[2 * j + 1] = (many_req){ut, up[e0 + j], ffn, hidden, uw, x, n_tok, token + first, n, u + first * ffn};
+        }
+        many = many_run(2 * ne, req, nth, act_mode == 3);
+    }
+    float *h = g; /* silu(g) * u, in place */
+    if (many) {
+        for (int64_t i = 0; i < n_pairs * ffn; i++) h[i] = silu(g[i]) * u[i];
+        int downs = 1;
+        first = 0;
+        for (int e0 = 0; downs && e0 < n_exp; e0 += MANY_MAX) {
+            const int ne = n_exp - e0 < MANY_MAX ? n_exp - e0 : MANY_MAX;
+            for (int j = 0; j < ne; first += count[e0 + j], j++) {
+                const int64_t n = count[e0 + j];
+                req[j] = (many_req){dt, down[e0 + j], hidden, ffn, dw, h + first * ffn, n, NULL, n, ys + first * hidden};
+            }
+            downs = many_run(ne, req, nth, act_mode == 3);
+        }
+        if (!downs) /* a non-finite h: each down alone */
+            for (int64_t e = 0, p = 0; e < n_exp; p += count[e], e++)
+                ((qmm_fn)down_fn)((const uint8_t *)down[e], hidden, ffn, h + p * ffn, count[e], ys + p * hidden, nth);
+    } else { /* each expert over its tokens' rows, one product at a time */
+        float *xs = malloc(sizeof(float) * (size_t)(most * hidden) + 64);
+        if (!xs) {
+            free(g); free(u); free(ys);
+            return 0;
+        }
+        for (int64_t e = 0, p = 0; e < n_exp; p += count[e], e++) {
+            const int64_t n = count[e];
+            for (int64_t i = 0; i < n; i++) memcpy(xs + i * hidden, x + token[p + i] * hidden, sizeof(float) * (size_t)hidden);
+            float *ge = g + p * ffn, *ue = u + p * ffn;
+            ((qmm_fn)gate_fn)((const uint8_t *)gate[e], ffn, hidden, xs, n, ge, nth);
+            ((qmm_fn)up_fn)((const uint8_t *)up[e], ffn, hidden, xs, n, ue, nth);
+            for (int64_t i = 0; i < n * ffn; i++) ge[i] = silu(ge[i]) * ue[i];
+            ((qmm_fn)down_fn)((const uint8_t *)down[e], hidden, ffn, ge, n, ys + p * hidden, nth);
+        }
+        free(xs);
     }
     for (int64_t q = 0; q < n_pairs; q++) {
         const int64_t p = order[q];
@@ -2513,7 +2408,7 @@ int strata_moe_tokens(const void *const *gate, const void *const *up, const void
         const float *y = ys + p * hidden;
         for (int64_t i = 0; i < hidden; i++) o[i] += w[p] * y[i];
     }
-    free(xs); free(g); free(u); free(h); free(ys);
+    free(g); free(u); free(ys);
     return 1;
 }
 

@@ -102,22 +102,16 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
             m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)b), 4), _mm_set1_epi8(15)));
         } else if (kind == K_Q3) {
             d = rd_f16(b + 108);
-            const uint32_t a0 = rd_u32(b + 96), a1 = rd_u32(b + 100), t = rd_u32(b + 104);
-            const uint32_t k4 = 0x0F0F0F0Fu, k2 = 0x03030303u;
-            const uint32_t s4[4] = {(a0 & k4) | ((t & k2) << 4), (a1 & k4) | (((t >> 2) & k2) << 4),
-                                    ((a0 >> 4) & k4) | (((t >> 4) & k2) << 4), ((a1 >> 4) & k4) | (((t >> 6) & k2) << 4)};
-            for (int k = 0; k < 16; k++) sc[k] = (int)((s4[k / 4] >> (8 * (k % 4))) & 0xFF) - 32;
+            uint32_t s4[4];
+            q3k_scales_u32(b + 96, s4);
+            for (int k = 0; k < 16; k++) sc[k] = q3k_scale(s4, k);
             m16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_setr_epi32((int)s4[0], (int)s4[1], (int)s4[2], (int)s4[3]), _mm_set1_epi8(32)));
             dmin = 4.0f * d;
         } else if (kind == K_Q4 || kind == K_Q5) {
             d = rd_f16(b);
             dmin = rd_f16(b + 2);
-            /* 8 six-bit scales and mins from 12 bytes, four at a time in u32 lanes */
-            const uint32_t u0 = rd_u32(b + 4), u1 = rd_u32(b + 8), u2 = rd_u32(b + 12);
-            const uint64_t s8 = (uint64_t)(u0 & 0x3F3F3F3Fu) |
-                                (uint64_t)((u2 & 0x0F0F0F0Fu) | (((u0 >> 6) & 0x03030303u) << 4)) << 32;
-            const uint64_t n8 = (uint64_t)(u1 & 0x3F3F3F3Fu) |
-                                (uint64_t)(((u2 >> 4) & 0x0F0F0F0Fu) | (((u1 >> 6) & 0x03030303u) << 4)) << 32;
+            uint64_t s8, n8;
+            k4_scales_mins(b + 4, &s8, &n8);
             for (int k = 0; k < 8; k++) sc[2 * k] = sc[2 * k + 1] = (int)((s8 >> (8 * k)) & 0xFF);
             m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)n8),
                                                         _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
@@ -140,9 +134,7 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
             for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * ((b[106 + g / 2] >> (4 * (g % 2))) & 15) + 1;
         } else if (kind == K_IQ4XS) {
             d = rd_f16(b);
-            const uint16_t sh = rd_u16(b + 2);
-            for (int g = 0; g < 8; g++)
-                sc[2 * g] = sc[2 * g + 1] = (int)(((b[4 + g / 2] >> (4 * (g % 2))) & 15) | (((sh >> (2 * g)) & 3) << 4)) - 32;
+            for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = iq4xs_scale(b, g);
         } else if (kind == K_IQ1S) {
             d = rd_f16(b);
             for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * ((rd_u16(b + 34 + 2 * g) >> 12) & 7) + 1;
