@@ -157,6 +157,13 @@ def test_prompt_batches_take_batched_products(qtype, act_mode):
     n = kernels.PROMPT_AMX_MIN_ROWS if amx else kernels.PROMPT_MIN_ROWS[qtype]
     x = torch.randn(n, 512)
     ref = x @ dense.T
+    with kernels.prompt_batches():
+        _check_prompt_batches(qtype, act_mode, w, dense, amx, n, x, ref)
+    if act_mode.startswith("q8"):  # not a prompt (a verify pass, a decode batch): the decode kernels
+        assert kernels.try_qmatmul_batched(x, w) is None
+
+
+def _check_prompt_batches(qtype, act_mode, w, dense, amx, n, x, ref):
     if not act_mode.startswith("q8"):
         assert kernels.try_qmatmul_batched(x, w) is None
         return

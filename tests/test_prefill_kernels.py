@@ -211,7 +211,8 @@ def test_prompt_experts_match_reference(types, threads, monkeypatch):
         got = kernels.grouped_swiglu(x, table, stacked, threads)
         assert calls == {"moe": 1, "swiglu": 0}
         source = grouped.as_source(stacked)
-        tiered = kernels.grouped_swiglu(x, table, lambda e: source(e), threads)  # callable: expert by expert
+        with kernels.prompt_batches():  # a tier's experts over a prompt (a verify pass keeps the decode kernels)
+            tiered = kernels.grouped_swiglu(x, table, lambda e: source(e), threads)  # callable: expert by expert
         assert calls == {"moe": 1, "swiglu": 4}  # expert 4's three rows: the decode kernels
     finally:
         kernels.set_activations(before)

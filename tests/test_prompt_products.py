@@ -27,7 +27,10 @@ def test_a_prompt_of_a_few_rows_takes_the_prefill_product_and_a_verify_pass_does
     lin = Linear(w)
     x = torch.randn(kernels.PROMPT_AMX_MIN_ROWS + 2, 512)
     decode = kernels.try_qmatmul(x, w)
-    amx = kernels.try_qmatmul_prompt(x, w)
+    assert kernels.try_qmatmul_prompt(x, w) is None  # not a prompt: every path keeps the decode kernels
+    assert torch.equal(kernels.qmatmul(x, w), decode)
+    with kernels.prompt_batches():
+        amx = kernels.try_qmatmul_prompt(x, w)
     assert not torch.equal(decode, amx)  # the two products round differently: which one ran shows
     assert torch.equal(lin(x), decode)  # outside a prompt (a verify pass): the decode kernels
     assert torch.equal(lin(x[:1]), decode[:1])

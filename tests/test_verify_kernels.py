@@ -79,3 +79,88 @@ def test_few_tokens_experts_equal_one_token_calls(qtype, q8x2):
         assert torch.equal(alone, one)
     ref = grouped.grouped_swiglu(x, grouped.route_table(ids, w), (gate, up, down))  # dequantized floats
     assert (y - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()  # 8-bit x; a wrong sum is O(1) off
+
+
+def _count_prompt_products(monkeypatch) -> list[str]:
+    """The names of prefill.c's products (and ggml's dequantize-then-matmul) as they are called."""
+    from strata.kernels import prompt
+
+    calls = []
+    for mod, name in ((prompt, "matmul"), (prompt, "swiglu"), (prompt, "moe"), (kernels, "dequantize_ggml")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    return calls
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", ["Q4_K", "IQ2_XS", "Q8_0"])
+def test_tier_verify_pass_rows_equal_one_token_steps(qtype, q8x2, monkeypatch):
+    """A verify pass (or decode batch) over a tier's experts (a callable source: a RAM or disk home),
+    8 positions routed to the same two experts, so each expert gets 8 rows, inside the prompt
+    products' range (PROMPT_AMX_MIN_ROWS to FAST_BATCH_MAX): outside a prompt no prefill product
+    runs, and each position comes out bit-equal to its one-token step, both as one call over the
+    layer's experts and expert by expert (a disk home's arrival order, summed by the caller). A
+    prompt's forward of the same rows does take the prefill product."""
+    from strata.kernels import prompt
+
+    n_exp, hidden, ffn, k, n = 4, 256, 512, 2, 8
+    stacked = tuple(random_qtensor(qtype, shape, seed=s) for s, shape in
+                    enumerate([(n_exp, ffn, hidden), (n_exp, ffn, hidden), (n_exp, hidden, ffn)]))
+    parts = grouped.as_source(stacked)
+    source = lambda e: parts(e)  # noqa: E731  (callable: a tier's home, not the stacked tensors)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(n, hidden, generator=g) * 0.05
+    ids = torch.tensor([[1, 3]] * n)
+    w = torch.rand(n, k, generator=g).sort(-1, descending=True).values
+    assert kernels.PROMPT_AMX_MIN_ROWS <= n <= kernels.FAST_BATCH_MAX
+    calls = _count_prompt_products(monkeypatch)
+    y = kernels.grouped_swiglu(x, grouped.route_table(ids, w), source)
+    each = {e: kernels.grouped_swiglu(x, grouped.route_table(ids, w, {e}), source) for e in (1, 3)}
+    assert calls == []
+    for i in range(n):
+        one = kernels.grouped_swiglu(x[i:i + 1], grouped.route_table(ids[i:i + 1], w[i:i + 1]), source)
+        assert torch.equal(y[i:i + 1], one), i
+        alone = {e: kernels.grouped_swiglu(x[i:i + 1], grouped.route_table(ids[i:i + 1], w[i:i + 1], {e}), source)
+                 for e in (1, 3)}
+        for e in (1, 3):
+            assert torch.equal(each[e][i:i + 1], alone[e]), (i, e)
+    ref = grouped.grouped_swiglu(x, grouped.route_table(ids, w), stacked)
+    assert (y - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    if prompt.has_type(stacked[0].qtype, own_only=True):
+        with kernels.prompt_batches():
+            kernels.grouped_swiglu(x, grouped.route_table(ids, w), source)
+        assert calls == ["swiglu", "swiglu"]
+
+
+@needs_kernels
+def test_tier_cpu_lane_workers_take_the_prompt_products_of_a_prompt_only(q8x2, monkeypatch):
+    """The tiers' CPU lane computes on its own threads, where `in_prompt()` (per thread) would be
+    False: a prompt's experts there still take prefill.c's product, a verify pass's do not, and both
+    equal the stacked experts' product within rounding."""
+    from strata.kernels import prompt
+    from strata.tiers.executor import CpuLane
+    from strata.tiers.store import RamHome, expert_format
+
+    if not prompt.has_type(random_qtensor("Q4_K", (1, 256)).qtype, own_only=True):
+        pytest.skip("no AMX prefill product on this CPU")
+    n_exp, hidden, ffn, n = 4, 256, 512, 8
+    stacked = tuple(random_qtensor("Q4_K", shape, seed=s) for s, shape in
+                    enumerate([(n_exp, ffn, hidden), (n_exp, ffn, hidden), (n_exp, hidden, ffn)]))
+    fmt = expert_format(stacked)
+    lane = CpuLane(2, {0: RamHome({0: fmt}, {0: n_exp}, sources={0: stacked})}, {0: fmt})
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, hidden, generator=g) * 0.05
+    ids = torch.tensor([[0, 2]] * n)
+    w = torch.rand(n, 2, generator=g).sort(-1, descending=True).values
+    ref = grouped.grouped_swiglu(x, grouped.route_table(ids, w), stacked)
+    calls = _count_prompt_products(monkeypatch)
+    try:
+        verify = sum(f.result() for f in lane.submit(0, x, ids, w, [0, 2]))
+        assert calls == []
+        with kernels.prompt_batches():
+            prefill = sum(f.result() for f in lane.submit(0, x, ids, w, [0, 2]))
+        assert calls == ["swiglu", "swiglu"]
+    finally:
+        lane.close()
+    for y in (verify, prefill):
+        assert (y - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()

@@ -316,13 +316,23 @@ def in_prompt() -> bool:
     return getattr(_prompt_state, "depth", 0) > 0
 
 
+def _prompt_rows(x: torch.Tensor) -> int:
+    """x's rows where a prompt product may take them, else 0: kernels on, the 8-bit modes, a CPU x,
+    and inside `prompt_batches()` or above FAST_BATCH_MAX rows (where the decode kernels stop). A
+    verify pass or a decode batch of fewer rows keeps the decode kernels, so each of its rows equals
+    its one-token step (and a verify pass picks the tokens plain decode would)."""
+    if not USE_KERNELS or _activations not in ("q8", "q8x2") or x.device.type != "cpu":
+        return 0
+    n = x.numel() // max(x.shape[-1], 1)
+    return n if n > FAST_BATCH_MAX or in_prompt() else 0
+
+
 def try_qmatmul_prompt(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torch.Tensor | None:
     """`x @ w.T` by prefill.c's AMX product for a prompt-sized batch ("q8x2": x and W split into two
     bfloat16 parts each, ~float32 accuracy; "q8": one bfloat16 product), in x's dtype; None where it
-    does not apply (int16 / exact activations, too few rows, no AMX, no dequantizer for the type)."""
-    if not USE_KERNELS or _activations not in ("q8", "q8x2") or x.device.type != "cpu":
-        return None
-    n = x.numel() // max(x.shape[-1], 1)
+    does not apply (int16 / exact activations, too few rows or not a prompt (`_prompt_rows`), no AMX,
+    no dequantizer for the type)."""
+    n = _prompt_rows(x)
     if n < PROMPT_AMX_MIN_ROWS or not prompt.has_type(w.qtype):
         return None
     if n < PROMPT_MIN_ROWS.get(_type_name(w.qtype), 32) and not prompt.has_type(w.qtype, own_only=True):
@@ -334,9 +344,8 @@ def try_qmatmul_prompt(x: torch.Tensor, w: QTensor, threads: int | None = None) 
 def _prompt_experts(x: torch.Tensor, ws: tuple[QTensor, ...]):
     """(terms, small kernels, min rows) for prefill.c's expert calls over x's rows, or None where
     they do not apply (the modes, the kernels, the types)."""
-    n = x.numel() // max(x.shape[-1], 1)
-    if (not USE_KERNELS or _activations not in ("q8", "q8x2") or x.device.type != "cpu" or n < PROMPT_AMX_MIN_ROWS
-            or not prompt.available()):
+    n = _prompt_rows(x)
+    if n < PROMPT_AMX_MIN_ROWS or not prompt.available():
         return None
     small, mins = [], []
     for w in ws:
@@ -352,16 +361,14 @@ def _prompt_experts(x: torch.Tensor, ws: tuple[QTensor, ...]):
 
 
 def _batched_ok(x: torch.Tensor, w: QTensor) -> bool:
-    if not USE_KERNELS or _activations not in ("q8", "q8x2") or x.device.type != "cpu" or w.raw.device.type != "cpu":
-        return False
     name = _type_name(w.qtype)
-    return name in _build.GGML_TYPES and x.numel() // max(x.shape[-1], 1) >= PROMPT_MIN_ROWS.get(name, 32)
+    return (w.raw.device.type == "cpu" and name in _build.GGML_TYPES
+            and _prompt_rows(x) >= PROMPT_MIN_ROWS.get(name, 32))
 
 
 def _prompt_ok(x: torch.Tensor, w: QTensor) -> bool:
-    if not USE_KERNELS or _activations not in ("q8", "q8x2") or x.device.type != "cpu" or w.raw.device.type != "cpu":
-        return False
-    return x.numel() // max(x.shape[-1], 1) >= PROMPT_AMX_MIN_ROWS and prompt.has_type(w.qtype, own_only=True)
+    return (w.raw.device.type == "cpu" and _prompt_rows(x) >= PROMPT_AMX_MIN_ROWS
+            and prompt.has_type(w.qtype, own_only=True))
 
 
 def try_qmatmul_batched(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torch.Tensor | None:
@@ -444,31 +451,63 @@ def experts_fast_ok(x: torch.Tensor, *stacked: QTensor) -> bool:
     return all(w.raw.device.type == "cpu" and has_kernel(w.qtype) for w in stacked)
 
 
+def _swiglu_shapes(first: list[_Plan], hidden: int) -> bool:
+    """Whether (gate, up, down) plans are one SwiGLU expert over `hidden` features."""
+    g0, u0, d0 = first
+    ffn = g0.rows
+    return (g0.cols, u0.rows, u0.cols, d0.rows, d0.cols) == (hidden, ffn, hidden, hidden, ffn)
+
+
+def _parts_ptrs(parts, hidden: int):
+    """(gate, up, down pointer arrays, their 3 kernels, ffn) of the experts `parts` (each its
+    (gate, up, down) QTensors: a tier's source) for strata_moe_token(s), or None where they do not
+    apply: a matrix without an own kernel, or the experts' types or shapes differ."""
+    plans = [[_plan(q) for q in p] for p in parts]
+    first = plans[0]
+    if any(pl is None or pl.fnptr is None for pl in first) or not _swiglu_shapes(first, hidden):
+        return None
+    for pl in plans[1:]:
+        for a, b in zip(pl, first):
+            if a is None or a.fnptr != b.fnptr or (a.rows, a.cols) != (b.rows, b.cols):
+                return None
+    vp = ctypes.c_void_p * len(parts)
+    return [vp(*(pl[i].ptr for pl in plans)) for i in range(3)], [pl.fnptr for pl in first], first[0].rows
+
+
+def _stacked_ptrs(stacked: tuple[QTensor, QTensor, QTensor], ids: list[int], hidden: int):
+    """`_parts_ptrs` for experts `ids` of resident stacked experts, each expert's bytes found from
+    the stacked plans (`stacked_plans`)."""
+    plans = stacked_plans(stacked, hidden)
+    n_exp = stacked[0].shape[0]
+    if plans is None or any(not 0 <= e < n_exp for e in ids):
+        return None
+    vp = ctypes.c_void_p * len(ids)
+    return ([vp(*(pl.ptr + e * stride for e in ids)) for pl, stride in plans], [pl.fnptr for pl, _ in plans],
+            plans[0][0].rows)
+
+
+def _call_moe_token(x: torch.Tensor, spec, w: list[float], threads, out: torch.Tensor) -> bool:
+    """strata_moe_token over `spec` (`_parts_ptrs` / `_stacked_ptrs`; None: declined, False)."""
+    lib = _build.load()
+    if spec is None or lib is None:
+        return False
+    (gp, up, dp), (gf, uf, df), ffn = spec
+    hidden, k = x.shape[-1], len(w)
+    scratch = torch.empty(3 * ffn + hidden, dtype=torch.float32)
+    lib.strata_moe_token(gp, up, dp, (ctypes.c_float * k)(*w), k, gf, uf, df, hidden, ffn, x.data_ptr(),
+                         out.data_ptr(), scratch.data_ptr(), _threads(threads))
+    return True
+
+
+def _f32(x: torch.Tensor, out: torch.Tensor) -> bool:
+    return x.dtype is torch.float32 and out.dtype is torch.float32 and x.is_contiguous()
+
+
 def _moe_token(x: torch.Tensor, parts, w: list[float], threads, out: torch.Tensor) -> bool:
     """One token's routed experts in a single C call (strata_moe_token), accumulated into `out`
     (float32); False (nothing done) when x or out is not float32, a matrix has no own kernel,
     or the experts' types or shapes differ."""
-    lib = _build.load()
-    if lib is None or x.dtype != torch.float32 or out.dtype != torch.float32 or not x.is_contiguous():
-        return False
-    plans = [[_plan(q) for q in p] for p in parts]
-    first = plans[0]
-    if any(pl is None or pl.fnptr is None for pl in first):
-        return False
-    g0, u0, d0 = first
-    ffn, hidden = g0.rows, g0.cols
-    if (u0.rows, u0.cols, d0.rows, d0.cols) != (ffn, hidden, hidden, ffn) or x.shape[-1] != hidden:
-        return False
-    for pl in plans[1:]:
-        for a, b in zip(pl, first):
-            if a is None or a.fnptr != b.fnptr or (a.rows, a.cols) != (b.rows, b.cols):
-                return False
-    k = len(parts)
-    ptrs = [(ctypes.c_void_p * k)(*(pl[i].ptr for pl in plans)) for i in range(3)]
-    scratch = torch.empty(3 * ffn + hidden, dtype=torch.float32)
-    lib.strata_moe_token(*ptrs, (ctypes.c_float * k)(*w), k, g0.fnptr, u0.fnptr, d0.fnptr, hidden, ffn,
-                         x.data_ptr(), out.data_ptr(), scratch.data_ptr(), _threads(threads))
-    return True
+    return _f32(x, out) and _call_moe_token(x, _parts_ptrs(parts, x.shape[-1]), w, threads, out)
 
 
 # id(stacked raw) -> (weak ref to it, (plan of expert 0, bytes from one expert to the next) or None)
@@ -492,41 +531,48 @@ def _stacked_plan(q: QTensor):
     return value
 
 
-def _moe_tokens(x: torch.Tensor, table: RouteTable, stacked: tuple[QTensor, QTensor, QTensor], threads,
-                out: torch.Tensor) -> bool:
-    """Resident experts (`stacked`: gate, up, down `[E, out, in]`) of a few tokens in one C call
-    (strata_moe_tokens: each used expert once over its tokens), accumulated into `out` (float32);
-    False (nothing done) where `_moe_token` would refuse, or without the entry point.
+def stacked_plans(stacked: tuple[QTensor, QTensor, QTensor], hidden: int):
+    """The stacked gate, up, down's (expert-0 plan, bytes to the next expert) for the one-call expert
+    products (strata_moe_token(s), strata_moe_decode), or None where they do not apply: a matrix
+    without an own kernel, not one SwiGLU over `hidden`, or not the same number of experts."""
+    plans = [_stacked_plan(q) for q in stacked]
+    if (any(pl is None for pl in plans) or not _swiglu_shapes([pl for pl, _ in plans], hidden)
+            or any(q.shape[0] != stacked[0].shape[0] for q in stacked)):
+        return None
+    return plans
+
+
+def _moe_tokens(x: torch.Tensor, table: RouteTable, experts, threads, out: torch.Tensor) -> bool:
+    """The routed experts of a few tokens in one C call (strata_moe_tokens: each used expert once
+    over its tokens), accumulated into `out` (float32); `experts` the stacked gate, up, down
+    `[E, out, in]` (resident) or a list of each used expert's (gate, up, down), in the table's order
+    (a tier's source). False (nothing done) where `_moe_token` would refuse, or without the entry point.
 
     Each token adds its experts by descending weight: a top-k router's order, the order a one-token
     table keeps (`route_table`) and strata_moe_token adds them in, so each position of a verify pass
     sums as a decode step does (a router whose k weights are not sorted, or tie, differs by rounding)."""
     lib = _build.load()
     fn = getattr(lib, "strata_moe_tokens", None) if lib is not None else None
-    if fn is None or x.dtype != torch.float32 or out.dtype != torch.float32 or not x.is_contiguous():
+    if fn is None or not _f32(x, out):
         return False
-    plans = [_stacked_plan(q) for q in stacked]
-    if any(pl is None for pl in plans):
+    used, counts = torch.unique_consecutive(table.expert, return_counts=True)
+    used = used.tolist()
+    hidden = x.shape[-1]
+    spec = _stacked_ptrs(experts, used, hidden) if isinstance(experts[0], QTensor) else _parts_ptrs(experts, hidden)
+    if spec is None:
         return False
-    (g0, gs), (u0, us), (d0, ds) = plans
-    ffn, hidden = g0.rows, g0.cols
-    if (u0.rows, u0.cols, d0.rows, d0.cols) != (ffn, hidden, hidden, ffn) or x.shape[-1] != hidden:
-        return False
+    (gp, up, dp), (gf, uf, df), ffn = spec
     if fn.argtypes is None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [p, p, p, p, ctypes.c_int, p, p, p, p, p, p, i64, i64, p, p, ctypes.c_int]
         fn.restype = ctypes.c_int
-    used, counts = torch.unique_consecutive(table.expert, return_counts=True)
-    used = used.tolist()
-    n = len(used)
-    ptrs = [(ctypes.c_void_p * n)(*(pl.ptr + e * stride for e in used)) for pl, stride in plans]
     counts = counts.to(torch.int64).contiguous()
     token = table.token.to(torch.int64).contiguous()
     weight = table.weight.to(torch.float32).contiguous()
     by_weight = torch.argsort(-weight, stable=True)
     order = by_weight[torch.argsort(token[by_weight], stable=True)].contiguous()  # per token, heaviest first
-    return bool(fn(*ptrs, counts.data_ptr(), n, token.data_ptr(), weight.data_ptr(), order.data_ptr(),
-                   g0.fnptr, u0.fnptr, d0.fnptr, hidden, ffn, x.data_ptr(), out.data_ptr(), _threads(threads)))
+    return bool(fn(gp, up, dp, counts.data_ptr(), len(used), token.data_ptr(), weight.data_ptr(), order.data_ptr(),
+                   gf, uf, df, hidden, ffn, x.data_ptr(), out.data_ptr(), _threads(threads)))
 
 
 def _moe_token_stacked(x: torch.Tensor, table: RouteTable, stacked: tuple[QTensor, QTensor, QTensor], threads,
@@ -534,28 +580,10 @@ def _moe_token_stacked(x: torch.Tensor, table: RouteTable, stacked: tuple[QTenso
     """`_moe_token` for resident stacked experts: each expert's bytes found from the stacked plans
     (`_stacked_plan`), not by slicing k x 3 views and planning each anew (24 new plans per layer on
     a qwen3 token, ~0.3 ms of Python); the same C call, so the same result. False where it declines."""
-    lib = _build.load()
-    if lib is None or x.dtype is not torch.float32 or out.dtype is not torch.float32 or not x.is_contiguous():
+    if not _f32(x, out):
         return False
-    plans = [_stacked_plan(q) for q in stacked]
-    if plans[0] is None or plans[1] is None or plans[2] is None:
-        return False
-    (g0, gs), (u0, us), (d0, ds) = plans
-    ffn, hidden = g0.rows, g0.cols
-    if (u0.rows, u0.cols, d0.rows, d0.cols) != (ffn, hidden, hidden, ffn) or x.shape[-1] != hidden:
-        return False
-    ids = table.expert.tolist()
-    n_exp = stacked[0].shape[0]
-    if any(not 0 <= e < n_exp for e in ids) or any(q.shape[0] != n_exp for q in stacked):
-        return False
-    k = len(ids)
-    vp = ctypes.c_void_p * k
-    scratch = torch.empty(3 * ffn + hidden, dtype=torch.float32)
-    lib.strata_moe_token(vp(*(g0.ptr + e * gs for e in ids)), vp(*(u0.ptr + e * us for e in ids)),
-                         vp(*(d0.ptr + e * ds for e in ids)), (ctypes.c_float * k)(*table.weight.tolist()), k,
-                         g0.fnptr, u0.fnptr, d0.fnptr, hidden, ffn, x.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-                         _threads(threads))
-    return True
+    spec = _stacked_ptrs(stacked, table.expert.tolist(), x.shape[-1])
+    return _call_moe_token(x, spec, table.weight.tolist(), threads, out)
 
 
 def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource,
@@ -572,9 +600,13 @@ def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource,
             out = torch.zeros_like(x)
             if prompt.moe(x.contiguous(), used, counts, table.token, table.weight, experts, out, threads, *spec):
                 return out
-    # resident experts of a verify pass or a decode batch: one call (a tier's source hands out each
-    # expert as its read lands, to be used before the next: the loop below)
-    if not callable(experts) and 1 < x.shape[0] <= FAST_BATCH_MAX and table.expert.numel():
+    # a verify pass or a decode batch: one call, each row as its one-token step computes it
+    # (resident experts; a tier's source outside a prompt too, whose prompt rows take prefill.c
+    # per expert in the loop below)
+    if 1 < x.shape[0] <= FAST_BATCH_MAX and table.expert.numel() and (not callable(experts) or not in_prompt()):
+        if callable(experts):  # each used expert asked once: the loop below reuses them
+            have = {e: source(e) for e in torch.unique_consecutive(table.expert).tolist()}
+            experts, source = list(have.values()), have.__getitem__
         out = torch.zeros_like(x)
         if _moe_tokens(x, table, experts, threads, out):
             return out

@@ -11,10 +11,12 @@ floating-point rounding, whatever the cache holds.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from itertools import chain
 
 import torch
 
+from strata import kernels
 from strata.kernels import moe
 from strata.kernels.gpu.graphs import boundary
 from strata.kernels.grouped import route_table
@@ -91,12 +93,13 @@ class CpuLane:
         home = self.homes[layer]
         home.request(layer, experts)  # disk: start every read now, several in flight; compute as they land
         groups = [experts[i::self.threads] for i in range(min(self.threads, len(experts)))]
-        return [self.pool.submit(self._run, layer, x, ids, weights, set(g)) for g in groups]
+        in_prompt = kernels.in_prompt()  # the caller's thread: a prompt's products take prefill.c there too
+        return [self.pool.submit(self._run, layer, x, ids, weights, set(g), in_prompt) for g in groups]
 
-    def _run(self, layer, x, ids, weights, experts: set[int]) -> torch.Tensor:
+    def _run(self, layer, x, ids, weights, experts: set[int], in_prompt: bool = False) -> torch.Tensor:
         home = self.homes[layer]
         arrival = getattr(home, "arrival", None)
-        with torch.inference_mode():
+        with torch.inference_mode(), (kernels.prompt_batches() if in_prompt else nullcontext()):
             source = lambda: _first_once(expert_source(self.formats[layer], lambda e: home.parts(layer, e)))  # noqa: E731
             if arrival is None or x.shape[0] > ARRIVAL_ROWS:
                 return moe.grouped_swiglu(x, route_table(ids, weights, experts), source())

@@ -6,10 +6,12 @@ stay global (the file's), so disk reads, cache keys and traces mean the same on 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
 
+from strata import kernels
 from strata.errors import BadOption
 from strata.tiers import hardware
 from strata.tiers.executor import CpuLane, HybridExecutor
@@ -118,7 +120,9 @@ class Shard:
         """This rank's part of the layer's output: its experts' products in the router's weights."""
         if not self.holds(layer, ids):
             return torch.zeros_like(x)
-        return self.executor.run(layer, x, ids, weights, experts=self.share[layer])
+        # a prompt's forward on rank 0 (`executor.prefill`): here too its products take prefill.c's
+        with kernels.prompt_batches() if self.executor.prefill else nullcontext():
+            return self.executor.run(layer, x, ids, weights, experts=self.share[layer])
 
     def stats(self) -> dict:
         resident = self.cache.resident_per_layer() if self.cache else {}
