@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import weakref
 from typing import Callable, NamedTuple
 
 import torch
@@ -45,7 +44,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from strata.formats.weights import QTensor
-from strata.kernels import _build, grouped, prompt
+from strata.kernels import _build, grouped, plan_cache, prompt
 from strata.kernels.grouped import ExpertSource, RouteTable
 
 __all__ = [
@@ -101,6 +100,7 @@ def set_activations(mode: str) -> None:
         raise ValueError(f"activations {mode!r} is not one of {', '.join(ACTIVATIONS)}")
     _activations = mode
     _plans.clear()  # which types have a kernel depends on the mode
+    _stacked.clear()
     lib = _build.load()
     if lib is not None:
         lib.strata_set_activations(ACTIVATIONS[mode])
@@ -138,18 +138,8 @@ def has_kernel(qtype) -> bool:
     return name in _build.KERNEL_TYPES or name in _ggml_only()
 
 
-def _threads(threads: int | None) -> int:
-    return int(threads) if threads and threads > 0 else torch.get_num_threads()
-
-
 def _ptr(t: torch.Tensor):
     return t.data_ptr()
-
-
-def _raw_bytes(w: QTensor) -> torch.Tensor:
-    """w's bytes, contiguous (a copy only if the view was strided)."""
-    raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
-    return raw if raw.dtype == torch.uint8 else raw.view(torch.uint8)
 
 
 def qmatmul_fast(x: torch.Tensor, w: QTensor, threads: int | None = None,
@@ -173,7 +163,7 @@ def qmatmul_fast(x: torch.Tensor, w: QTensor, threads: int | None = None,
         raise ValueError(f"x has {x.shape[-1]} features, the weight expects {cols}")
     if cols % qk:
         raise ValueError(f"{name} rows must be a multiple of {qk} values, got {cols}")
-    raw = _raw_bytes(w)
+    raw = _build.raw_bytes(w)
     if raw.numel() != rows * (cols // qk) * ts:
         raise ValueError(f"{name} weight of shape {w.shape} has {raw.numel()} bytes")
     lead = x.shape[:-1]
@@ -184,9 +174,9 @@ def qmatmul_fast(x: torch.Tensor, w: QTensor, threads: int | None = None,
     elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != b * rows:
         raise ValueError(f"out must be a contiguous float32 tensor of {b} x {rows} values")
     if b and suffix is not None:
-        getattr(lib, f"strata_qmm_{suffix}")(_ptr(raw), rows, cols, _ptr(xf), b, _ptr(out), _threads(threads))
+        getattr(lib, f"strata_qmm_{suffix}")(_ptr(raw), rows, cols, _ptr(xf), b, _ptr(out), _build.pool_threads(threads))
     elif b and not lib.strata_qmm_ext(int(w.qtype), _ptr(raw), rows, cols, _ptr(xf), b, _ptr(out),
-                                      _threads(threads), (cols // qk) * ts):
+                                      _build.pool_threads(threads), (cols // qk) * ts):
         raise RuntimeError(f"ggml's kernel for {name} refused a {rows}x{cols} product")
     return out.reshape(*lead, rows)
 
@@ -201,10 +191,7 @@ class _Plan(NamedTuple):
     fnptr: int | None  # strata_qmm_<type> for strata_moe_token (None: a ggml-only type)
 
 
-# id(w.raw) -> (weak ref to w.raw, key, plan). A plan never holds w.raw itself: the entry goes
-# when w.raw is freed, so a disk-homed expert read for one use and dropped is not kept alive by
-# its plan (that held every expert ever read, past --ram-memory).
-_plans: dict[int, tuple[weakref.ref, tuple, _Plan | None]] = {}
+_plans = plan_cache.PlanCache()  # w.raw -> its _Plan (None: no kernel applies)
 
 
 def _make_plan(w: QTensor) -> _Plan | None:
@@ -213,7 +200,7 @@ def _make_plan(w: QTensor) -> _Plan | None:
         return None
     name = _type_name(w.qtype)
     rows, cols = w.shape
-    raw = _raw_bytes(w)
+    raw = _build.raw_bytes(w)
     if name in _build.KERNEL_TYPES:
         _, qk, ts = _build.KERNEL_TYPES[name]
         fn = getattr(lib, f"strata_qmm_{_build.KERNEL_TYPES[name][0]}")
@@ -237,15 +224,7 @@ def _make_plan(w: QTensor) -> _Plan | None:
 
 def _plan(w: QTensor) -> _Plan | None:
     """The cached plan for w (None: no kernel applies), dropped when w's bytes are freed."""
-    raw = w.raw
-    key = (int(w.qtype), tuple(w.shape))
-    hit = _plans.get(id(raw))
-    if hit is not None and hit[0]() is raw and hit[1] == key:
-        return hit[2]
-    plan = _make_plan(w)
-    k = id(raw)
-    _plans[k] = (weakref.ref(raw, lambda _r, k=k, plans=_plans: plans.pop(k, None)), key, plan)
-    return plan
+    return _plans.get(w.raw, (w.qtype, w.shape), _make_plan, w)
 
 
 def try_qmatmul(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torch.Tensor | None:
@@ -276,12 +255,12 @@ def dequantize_ggml(w: QTensor, dtype: torch.dtype = torch.bfloat16, threads: in
         return None
     rows, cols = w.shape
     qk, ts = GGML_QUANT_SIZES[GGMLQuantizationType(int(w.qtype))]
-    raw = _raw_bytes(w)
+    raw = _build.raw_bytes(w)
     if cols % qk or raw.numel() != rows * (cols // qk) * ts:
         return None
     out = torch.empty(rows, cols, dtype=dtype)
     if not lib.strata_dequant(int(w.qtype), raw.data_ptr(), rows, cols, (cols // qk) * ts, out.data_ptr(),
-                              1 if dtype == torch.bfloat16 else 0, _threads(threads)):
+                              1 if dtype == torch.bfloat16 else 0, _build.pool_threads(threads)):
         return None
     return out
 
@@ -495,7 +474,7 @@ def _call_moe_token(x: torch.Tensor, spec, w: list[float], threads, out: torch.T
     hidden, k = x.shape[-1], len(w)
     scratch = torch.empty(3 * ffn + hidden, dtype=torch.float32)
     lib.strata_moe_token(gp, up, dp, (ctypes.c_float * k)(*w), k, gf, uf, df, hidden, ffn, x.data_ptr(),
-                         out.data_ptr(), scratch.data_ptr(), _threads(threads))
+                         out.data_ptr(), scratch.data_ptr(), _build.pool_threads(threads))
     return True
 
 
@@ -510,25 +489,23 @@ def _moe_token(x: torch.Tensor, parts, w: list[float], threads, out: torch.Tenso
     return _f32(x, out) and _call_moe_token(x, _parts_ptrs(parts, x.shape[-1]), w, threads, out)
 
 
-# id(stacked raw) -> (weak ref to it, (plan of expert 0, bytes from one expert to the next) or None)
-_stacked: dict[int, tuple[weakref.ref, tuple | None]] = {}
+# id(stacked raw) -> (plan of expert 0, bytes from one expert to the next) or None
+_stacked = plan_cache.PlanCache()
+
+
+def _make_stacked_plan(q: QTensor):
+    raw = q.raw
+    if len(q.shape) == 3 and raw.device.type == "cpu" and raw.is_contiguous():
+        pl = _plan(q[0])
+        if pl is not None and pl.fnptr is not None and pl.copy is None:
+            return pl, raw.stride(0) * raw.element_size()
+    return None
 
 
 def _stacked_plan(q: QTensor):
     """The plan of a stacked `[E, out, in]` QTensor's expert 0 and the stride to the next, worked out
     once (an expert's slice is a new view each time, which `_plan` would plan anew)."""
-    raw = q.raw
-    hit = _stacked.get(id(raw))
-    if hit is not None and hit[0]() is raw:
-        return hit[1]
-    value = None
-    if len(q.shape) == 3 and raw.device.type == "cpu" and raw.is_contiguous():
-        pl = _plan(q[0])
-        if pl is not None and pl.fnptr is not None and pl.copy is None:
-            value = (pl, raw.stride(0) * raw.element_size())
-    k = id(raw)
-    _stacked[k] = (weakref.ref(raw, lambda _r, k=k, d=_stacked: d.pop(k, None)), value)
-    return value
+    return _stacked.get(q.raw, None, _make_stacked_plan, q)
 
 
 def stacked_plans(stacked: tuple[QTensor, QTensor, QTensor], hidden: int):
@@ -572,7 +549,7 @@ def _moe_tokens(x: torch.Tensor, table: RouteTable, experts, threads, out: torch
     by_weight = torch.argsort(-weight, stable=True)
     order = by_weight[torch.argsort(token[by_weight], stable=True)].contiguous()  # per token, heaviest first
     return bool(fn(gp, up, dp, counts.data_ptr(), len(used), token.data_ptr(), weight.data_ptr(), order.data_ptr(),
-                   gf, uf, df, hidden, ffn, x.data_ptr(), out.data_ptr(), _threads(threads)))
+                   gf, uf, df, hidden, ffn, x.data_ptr(), out.data_ptr(), _build.pool_threads(threads)))
 
 
 def _moe_token_stacked(x: torch.Tensor, table: RouteTable, stacked: tuple[QTensor, QTensor, QTensor], threads,

@@ -23,6 +23,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +259,17 @@ def entry(name: str, argtypes) -> object | None:
         fn.restype = None
         _entries[name] = fn
     return fn
+
+
+def pool_threads(threads: int | None) -> int:
+    """The kernel pool's threads for one call: `threads` when positive, else torch's count."""
+    return int(threads) if threads and threads > 0 else torch.get_num_threads()
+
+
+def raw_bytes(w) -> torch.Tensor:
+    """A QTensor's bytes as the C calls read them: contiguous uint8 (a copy only if the view was strided)."""
+    raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
+    return raw if raw.dtype == torch.uint8 else raw.view(torch.uint8)
 
 
 def error() -> str | None:

@@ -189,14 +189,12 @@ def try_moe_block(h: torch.Tensor, norm, moe, k: int, normalize: bool) -> torch.
         return None
     backend = moe.experts.backend
     stacked = (backend.gate, backend.up, backend.down)
-    plans = [kernels._stacked_plan(q) for q in stacked]
-    if plans[0] is None or plans[1] is None or plans[2] is None:
+    plans = kernels.stacked_plans(stacked, hidden)
+    n_exp = router.shape[0]
+    if plans is None or stacked[0].shape[0] != n_exp or not 0 < k <= n_exp:
         return None
     (g0, gs), (u0, us), (d0, ds) = plans
-    ffn, n_exp = g0.rows, router.shape[0]
-    if (g0.cols, u0.rows, u0.cols, d0.rows, d0.cols) != (hidden, ffn, hidden, hidden, ffn) \
-            or any(q.shape[0] != n_exp for q in stacked) or not 0 < k <= n_exp:
-        return None
+    ffn = g0.rows
     vp = ctypes.c_void_p
     sh_fns = sh_w = sh_gate = None
     sh_ffn = 0

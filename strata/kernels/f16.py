@@ -17,13 +17,12 @@ torch's product.
 from __future__ import annotations
 
 import ctypes
-import weakref
 from typing import NamedTuple
 
 import torch
 
 from strata import kernels
-from strata.kernels import _build
+from strata.kernels import _build, plan_cache
 
 
 class _Plan(NamedTuple):
@@ -32,21 +31,18 @@ class _Plan(NamedTuple):
     cols: int
 
 
-# id(w) -> (weak ref to w, plan): an entry goes when its weight is freed
-_plans: dict[int, tuple[weakref.ref, _Plan | None]] = {}
+_plans = plan_cache.PlanCache()  # w -> its _Plan (None: not a contiguous 2-D CPU float16 matrix)
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = (_P, _I64, _I64, _P, _I64, _P, ctypes.c_int)
 
 
-def _plan(w: torch.Tensor) -> _Plan | None:
-    hit = _plans.get(id(w))
-    if hit is not None and hit[0]() is w:
-        return hit[1]
+def _make_plan(w: torch.Tensor) -> _Plan | None:
     ok = w.dim() == 2 and w.dtype is torch.float16 and w.device.type == "cpu" and w.is_contiguous()
-    plan = _Plan(w.data_ptr(), w.shape[0], w.shape[1]) if ok else None
-    k = id(w)
-    _plans[k] = (weakref.ref(w, lambda _r, k=k, plans=_plans: plans.pop(k, None)), plan)
-    return plan
+    return _Plan(w.data_ptr(), w.shape[0], w.shape[1]) if ok else None
+
+
+def _plan(w: torch.Tensor) -> _Plan | None:
+    return _plans.get(w, None, _make_plan, w)
 
 
 def _kernel():

@@ -68,8 +68,7 @@ def matmul(x: torch.Tensor, w: QTensor, threads: int | None = None, terms: int =
     qk, ts = GGML_QUANT_SIZES[GGMLQuantizationType(int(w.qtype))]
     if cols % 32 or cols % qk or x.shape[-1] != cols:
         return None
-    raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
-    raw = raw if raw.dtype == torch.uint8 else raw.view(torch.uint8)
+    raw = _build.raw_bytes(w)
     if raw.numel() != rows * (cols // qk) * ts:
         return None
     xf = x.reshape(-1, cols)
@@ -77,16 +76,11 @@ def matmul(x: torch.Tensor, w: QTensor, threads: int | None = None, terms: int =
     out = torch.empty(xf.shape[0], rows, dtype=torch.float32)
     if not xf.shape[0]:
         return out.reshape(*x.shape[:-1], rows)
-    nth = int(threads) if threads and threads > 0 else torch.get_num_threads()
+    nth = _build.pool_threads(threads)
     if not lib.strata_pp_matmul(int(w.qtype), raw.data_ptr(), rows, cols, (cols // qk) * ts, xf.data_ptr(),
                                 xf.shape[0], out.data_ptr(), terms, nth):
         return None
     return out.reshape(*x.shape[:-1], rows)
-
-
-def _bytes(w: QTensor) -> torch.Tensor:
-    raw = w.raw if w.raw.is_contiguous() else w.raw.contiguous()
-    return raw if raw.dtype == torch.uint8 else raw.view(torch.uint8)
 
 
 def _row_bytes(w: QTensor) -> int:
@@ -122,8 +116,8 @@ def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, threads: 
     types, wrow, fns, mins, hidden, ffn = spec
     xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
     out = torch.empty(x.shape[0], hidden, dtype=torch.float32)
-    nth = int(threads) if threads and threads > 0 else torch.get_num_threads()
-    raws = [_bytes(q) for q in (gate, up, down)]
+    nth = _build.pool_threads(threads)
+    raws = [_build.raw_bytes(q) for q in (gate, up, down)]
     if not lib.strata_pp_swiglu(types, wrow, fns, mins, *(r.data_ptr() for r in raws), xf.data_ptr(), x.shape[0],
                                 hidden, ffn, out.data_ptr(), terms, nth):
         return None
@@ -144,13 +138,13 @@ def moe(x: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor, token: torc
             or not out.is_contiguous() or x.shape[-1] != spec[4] or any(len(q.shape) != 3 for q in stacked)):
         return False
     types, wrow, fns, mins, hidden, ffn = spec
-    raws = [_bytes(q) for q in stacked]
+    raws = [_build.raw_bytes(q) for q in stacked]
     ids = expert.tolist()
     ptrs = [(ctypes.c_void_p * len(ids))(*(r.data_ptr() + e * r.stride(0) for e in ids)) for r in raws]
     counts = counts.to(torch.int64).contiguous()
     token = token.to(torch.int64).contiguous()
     weight = weight.to(torch.float32).contiguous()
-    nth = int(threads) if threads and threads > 0 else torch.get_num_threads()
+    nth = _build.pool_threads(threads)
     rc = lib.strata_pp_moe(types, wrow, fns, mins, *ptrs, counts.data_ptr(), len(ids), token.data_ptr(),
                            weight.data_ptr(), x.data_ptr(), hidden, ffn, out.data_ptr(), terms, nth)
     if rc < 0:  # out already holds some experts' rows: no other path may add them again

@@ -8,7 +8,7 @@ code never learns where an expert is, and nothing is assigned onto the model.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 import torch
 
@@ -127,7 +127,7 @@ def install(loaded, options, byte_bar=None) -> TierRuntime:
     n = {layer.layer: layer.n_experts for layer in plan.experts}
     # pageable: the cache copies through bounded pinned staging
     in_ram = sum(layer.nbytes for layer in plan.experts if layer.home != "disk")
-    with (byte_bar or _no_bar)(in_ram) as advance:
+    with byte_bar(in_ram) if byte_bar else nullcontext(lambda n: None) as advance:
         homes = build_homes(plan, formats, reader, device,
                             lambda fmts, kind: RamHome(fmts, n, reader, sources, advance=advance))
     cache = build_cache(plan, options, homes, formats, n_experts, device)
@@ -140,11 +140,6 @@ def install(loaded, options, byte_bar=None) -> TierRuntime:
     provider.runtime = TierRuntime(plan, homes, executor, prefetcher, cache, reader, options.trace_experts,
                                    _decode_width(loaded.model, options))
     return provider.runtime
-
-
-@contextmanager
-def _no_bar(total: int):
-    yield lambda n: None
 
 
 def _decode_width(model, options) -> int:
