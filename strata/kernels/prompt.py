@@ -53,10 +53,16 @@ def available() -> bool:
     return _lib() is not None
 
 
+_has_type: dict[tuple, bool] = {}  # (qtype, own_only) -> the library's answer, asked once
+
+
 def has_type(qtype, own_only: bool = False) -> bool:
     """Whether `qtype` has a dequantizer here (`own_only`: this file's own, not ggml's)."""
-    lib = _lib()
-    return lib is not None and bool(lib.strata_pp_has_type(int(qtype), int(own_only)))
+    hit = _has_type.get((qtype, own_only))
+    if hit is None:
+        lib = _lib()
+        hit = _has_type[qtype, own_only] = lib is not None and bool(lib.strata_pp_has_type(int(qtype), int(own_only)))
+    return hit
 
 
 def matmul(x: torch.Tensor, w: QTensor, threads: int | None = None, terms: int = 3) -> torch.Tensor | None:
