@@ -63,6 +63,7 @@ __all__ = [
     "set_activations",
     "try_qmatmul",
     "try_qmatmul_batched",
+    "try_qmatmul_dequantized",
     "dequantize_ggml",
 ]
 
@@ -355,8 +356,12 @@ def try_qmatmul_batched(x: torch.Tensor, w: QTensor, threads: int | None = None)
     and one matmul, in bfloat16 ("q8": oneDNN / AMX) or float32 ("q8x2"), returned in x's dtype;
     None when it does not apply (int16 / exact activations, too few rows, no ggml, not the CPU)."""
     y = try_qmatmul_prompt(x, w, threads)
-    if y is not None:
-        return y
+    return y if y is not None else try_qmatmul_dequantized(x, w, threads)
+
+
+def try_qmatmul_dequantized(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torch.Tensor | None:
+    """`try_qmatmul_batched` without its AMX product: W dequantized by ggml, one matmul (for a
+    caller that tried `try_qmatmul_prompt` already)."""
     if not _batched_ok(x, w):
         return None
     dt = torch.bfloat16 if _activations == "q8" else torch.float32

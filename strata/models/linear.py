@@ -135,19 +135,15 @@ class Linear(_StoredWeight):
             # dequantized at placement: `device_budget.dense_forms`)
             y = _device_qmatmul(x, w)
             return y if self.bias is None else y + self.bias
-        prompt = kernels.in_prompt()  # a prompt's forward: the AMX product from its fewest rows
-        y = kernels.try_qmatmul_prompt(x, w) if prompt else None
+        # a prompt's rows (from the fewest, `kernels.prompt_batches`) or more than the decode kernels
+        # take: the AMX product (prefill.c); a verify pass or decode batch: the decode kernels
+        y = kernels.try_qmatmul_prompt(x, w)
         if y is None:
             y = kernels.try_qmatmul(x, w)  # None: prefill, another device, no kernel, or kernels off
+        if y is None and w.shape[0] * w.shape[1] * 4 <= SCRATCH_BYTES:  # else in slabs below
+            y = kernels.try_qmatmul_dequantized(x, w)  # ggml dequantizes, one matmul
         if y is not None:
             return y if self.bias is None else y + self.bias
-        y = None if prompt else kernels.try_qmatmul_prompt(x, w)  # prefill on the CPU: the AMX product (prefill.c)
-        if y is not None:
-            return y if self.bias is None else y + self.bias
-        if w.shape[0] * w.shape[1] * 4 <= SCRATCH_BYTES:  # else ggml dequantizes, one matmul
-            y = kernels.try_qmatmul_batched(x, w)
-            if y is not None:
-                return y if self.bias is None else y + self.bias
         return dequantized_product(x, w, self.bias)  # prefill, another device, or the reference
 
     def split_rows(self, regroup) -> list[Linear]:
