@@ -32,6 +32,7 @@ class MoE(nn.Module):
         self.experts = experts
         self.route = route  # logits -> (ids, weights), the architecture's rule
         self.shared = shared  # an always-on expert added to the routed sum (e.g. `SharedExpert`)
+        self.c_route = _c_route(self)  # once: what a decode token's one C call needs (None: it does not apply)
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None, tap: Tap = no_tap) -> torch.Tensor:
         """`token_mask` None: every position is real (decode), so no boolean index (a device
@@ -62,13 +63,15 @@ class MoE(nn.Module):
         return out
 
 
-def _c_routable(moe: MoE) -> bool:
-    """Whether a decode token's MoE half can run in one C call (`decode_ops.try_moe_block`): resident
-    experts, a `SharedExpert` or none, and the plain softmax top-k router (`partial(softmax_topk, k=, normalize=)`)."""
+def _c_route(moe: MoE) -> tuple[int, bool] | None:
+    """The router's (k, normalize) where a decode token's MoE half can run in one C call
+    (`decode_ops.try_moe_block`: resident experts, a `SharedExpert` or none, and the plain softmax
+    top-k router `partial(softmax_topk, k=, normalize=)`), else None."""
     r = moe.route
-    return ((moe.shared is None or type(moe.shared) is SharedExpert) and isinstance(r, partial) and r.func is softmax_topk and not r.args
-            and set(r.keywords) == {"k", "normalize"} and type(moe.experts) is Experts
-            and type(moe.experts.backend) is ResidentExperts)
+    ok = ((moe.shared is None or type(moe.shared) is SharedExpert) and isinstance(r, partial) and r.func is softmax_topk
+          and not r.args and set(r.keywords) == {"k", "normalize"} and type(moe.experts) is Experts
+          and type(moe.experts.backend) is ResidentExperts)
+    return (r.keywords["k"], r.keywords["normalize"]) if ok else None
 
 
 class Block(nn.Module):
@@ -95,9 +98,8 @@ class Block(nn.Module):
             y = None  # (checked first: a compiled GPU / bf16 step reads no host scalar here)
             if type(self.ffn) is DenseFFN:
                 y = decode_ops.try_ffn_block(h, self.ffn_norm, self.ffn)
-            elif type(self.ffn) is MoE and _c_routable(self.ffn) and int(step.n_new[0]) == 1:
-                r = self.ffn.route
-                y = decode_ops.try_moe_block(h, self.ffn_norm, self.ffn, r.keywords["k"], r.keywords["normalize"])
+            elif type(self.ffn) is MoE and self.ffn.c_route is not None and int(step.n_new[0]) == 1:
+                y = decode_ops.try_moe_block(h, self.ffn_norm, self.ffn, *self.ffn.c_route)
             if y is not None:
                 return y
         normed = self.ffn_norm(h)
