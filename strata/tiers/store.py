@@ -121,13 +121,19 @@ class FileReader:
                 self.device_bytes += moved
                 self.reads += 1
 
+    def _layout(self, spans) -> tuple[list[tuple[int, int, int, int]] | None, int]:
+        """(each span's aligned cover (start, length, offset, n) for O_DIRECT, or None where the
+        spans are read exactly (no O_DIRECT, or a small total); the buffer bytes that needs)."""
+        total = sum(n for _, n in spans)
+        if not self.direct or total < DIRECT_MIN:
+            return None, total
+        covers = [(o - o % ALIGN, -(-(o + n - (o - o % ALIGN)) // ALIGN) * ALIGN, o, n) for o, n in spans]
+        return covers, sum(c[1] for c in covers) + ALIGN
+
     def direct_bytes(self, spans) -> int:
         """The buffer `read_spans(spans)` reads into: each span's aligned cover and one page to
         align it with O_DIRECT, else the spans' bytes exactly."""
-        spans = [(int(o), int(n)) for o, n in spans]
-        if not self.direct or sum(n for _, n in spans) < DIRECT_MIN:
-            return sum(n for _, n in spans)
-        return sum(-(-(o + n - (o - o % ALIGN)) // ALIGN) * ALIGN for o, n in spans) + ALIGN
+        return self._layout([(int(o), int(n)) for o, n in spans])[1]
 
     def read_spans(self, spans, into: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """The file's bytes at each (offset, n) of `spans`, as views of one buffer of their own,
@@ -136,22 +142,18 @@ class FileReader:
         uint8 tensor of at least `direct_bytes(spans)`, which the caller reuses) or a new one per call.
         Small totals take an exact buffer and the staging copy. Errors as `read_into`."""
         spans = [(int(o), int(n)) for o, n in spans]
-        if into is not None and into.numel() < self.direct_bytes(spans):
-            raise ValueError(f"read_spans needs a buffer of {self.direct_bytes(spans)} bytes, got {into.numel()}")
-        if not self.direct or sum(n for _, n in spans) < DIRECT_MIN:
-            total = sum(n for _, n in spans)
-            buf = torch.empty(total, dtype=torch.uint8) if into is None else into[:total]
+        covers, need = self._layout(spans)  # once: the size check and the reads share it
+        if into is not None and into.numel() < need:
+            raise ValueError(f"read_spans needs a buffer of {need} bytes, got {into.numel()}")
+        if covers is None:
+            buf = torch.empty(need, dtype=torch.uint8) if into is None else into[:need]
             out, at = [], 0
             for offset, n in spans:
                 out.append(buf[at:at + n])
                 self.read_into(out[-1], offset)
                 at += n
             return tuple(out)
-        covers = []
-        for offset, n in spans:
-            start = offset - offset % ALIGN
-            covers.append((start, -(-(offset + n - start) // ALIGN) * ALIGN, offset, n))
-        buf = torch.empty(sum(c[1] for c in covers) + ALIGN, dtype=torch.uint8) if into is None else into
+        buf = torch.empty(need, dtype=torch.uint8) if into is None else into
         at = (-buf.data_ptr()) % ALIGN
         whole = memoryview(buf.numpy())
         out = []
