@@ -113,7 +113,7 @@ def _label_kernels():
     return (*originals, stacked_original)
 
 
-HALVES = ("try_attention_block", "try_ffn_block", "try_moe_block")
+HALVES = ("try_attention_block", "try_ffn_block", "try_moe_block", "try_gdn_block")
 _half_originals: dict[str, object] = {}
 
 
@@ -123,6 +123,9 @@ def _half_label(name: str, args) -> tuple[str, int]:
     if name == "try_attention_block":
         lins = [args[2].wq, args[2].wk, args[2].wv, args[2].wo]
         return "half attention " + "+".join(f"{lin.weight.qtype.name}" for lin in lins), sum(lin.nbytes for lin in lins)
+    if name == "try_gdn_block":
+        lins = [args[2].wqkv, args[2].wz, args[2].wb, args[2].wa, args[2].wo]
+        return "half deltanet " + "+".join(f"{lin.weight.qtype.name}" for lin in lins), sum(lin.nbytes for lin in lins)
     if name == "try_ffn_block":
         lins = [args[2].gate, args[2].up, args[2].down]
         return "half dense ffn " + "+".join(f"{lin.weight.qtype.name}" for lin in lins), sum(lin.nbytes for lin in lins)
@@ -140,8 +143,6 @@ def _label_halves():
         inner = _half_originals[name] = getattr(decode_ops, name)
 
         def labelled(*args, _inner=inner, _name=name):
-            if _name == "try_attention_block" and args[2].gated:  # declined: the torch modules run
-                return _inner(*args)
             label, nbytes = _half_label(_name, args)
             KERNEL_BYTES["qmm " + label] = nbytes
             with record_function("qmm " + label):

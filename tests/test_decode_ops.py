@@ -18,6 +18,16 @@ needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels una
 
 
 @pytest.fixture
+def activations():
+    """Set the kernels' activation mode for one test (float32: the products see the same x up to
+    rounding, so what differs is a half's own arithmetic; the 8-bit and int16 modes round x to
+    their grid, and a rounding difference upstream can move a value to the next grid step)."""
+    before = kernels.activations()
+    yield kernels.set_activations
+    kernels.set_activations(before)
+
+
+@pytest.fixture
 def torch_only(monkeypatch):
     """The torch path of the same modules: the C calls declined."""
     def off():
@@ -67,9 +77,10 @@ def test_group_declines_what_it_cannot_take():
     assert decode_ops.try_rope(torch.randn(1, 1, 2, 8), torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), 6, True) is None
 
 
-def _decode_block(qk_norm: bool, bias: bool, seed: int = 0):
+def _decode_block(qk_norm: bool, bias: bool, seed: int = 0, gated: bool = False):
     """A llama-style block of quantized weights (hidden 256, 8 query heads of 32, 2 kv heads,
-    partial rotary), built without a file; q/k norms and q/k/v biases optional."""
+    partial rotary), built without a file; q/k norms, q/k/v biases and Qwen3-Next's output gate
+    (`attn_q` rows per head: query, then gate) optional."""
     from torch import nn
 
     from strata.models.cache import KVCache  # noqa: F401
@@ -80,9 +91,10 @@ def _decode_block(qk_norm: bool, bias: bool, seed: int = 0):
     hidden, hq, hkv, d, f = 256, 8, 2, 32, 512
     attn = Attention.__new__(Attention)
     nn.Module.__init__(attn)
-    attn.n_heads, attn.n_kv, attn.head_dim, attn.gated = hq, hkv, d, False
+    attn.n_heads, attn.n_kv, attn.head_dim, attn.gated = hq, hkv, d, gated
     b = (lambda n: torch.randn(n, generator=g)) if bias else (lambda n: None)
-    attn.wq = Linear(random_qtensor("Q4_K", (hq * d, hidden), seed=seed + 1), b(hq * d))
+    q_rows = hq * d * (2 if gated else 1)
+    attn.wq = Linear(random_qtensor("Q4_K", (q_rows, hidden), seed=seed + 1), b(q_rows))
     attn.wk = Linear(random_qtensor("Q6_K", (hkv * d, hidden), seed=seed + 2), b(hkv * d))
     attn.wv = Linear(random_qtensor("Q8_0", (hkv * d, hidden), seed=seed + 3), b(hkv * d))
     attn.wo = Linear(random_qtensor("Q4_K", (hidden, hq * d), seed=seed + 4))
@@ -98,16 +110,19 @@ def _decode_block(qk_norm: bool, bias: bool, seed: int = 0):
 
 
 @needs_kernels
-@pytest.mark.parametrize("qk_norm,bias", [(False, False), (True, True)])
-def test_decode_layer_halves_in_one_call_each_match_torch(qk_norm, bias, monkeypatch):
+@pytest.mark.parametrize("qk_norm,bias,gated", [(False, False, False), (True, True, False), (True, False, True)])
+def test_decode_layer_halves_in_one_call_each_match_torch(qk_norm, bias, gated, monkeypatch, activations):
     """A decode token's x + attn(norm(x)) and h + ffn(norm(h)) in one C call each
     (strata_attn_decode / strata_ffn_decode: norms, q/k/v, q/k norms, rope, the KV write, GQA
-    attention over the cache, output projection, SwiGLU, residuals) against the torch modules, over
-    a prompt and 6 decode positions (keys and values written where the torch path writes them)."""
+    attention over the cache, Qwen3-Next's sigmoid output gate, output projection, SwiGLU,
+    residuals) against the torch modules, over a prompt and 6 decode positions (keys and values
+    written where the torch path writes them)."""
     from strata.models.cache import KVCache, StepInfo
     from strata.models.layers import no_tap
 
-    block = _decode_block(qk_norm, bias)
+    if gated:  # the gated output's int16 grid steps move it by 3e-5 of its scale (float32: 1.6e-6)
+        activations("float32")
+    block = _decode_block(qk_norm, bias, gated=gated)
     g = torch.Generator().manual_seed(7)
     prompt = torch.randn(1, 5, 256, generator=g)
     caches = {}
@@ -216,3 +231,93 @@ def test_decode_moe_half_in_one_call_matches_torch(normalize, shared, monkeypatc
     assert calls[0] == 6
     fast, ref = outs[True], outs[False]
     assert float((fast - ref).abs().max()) < 2e-5 * float(ref.abs().max())
+
+
+def _deltanet_block(gate_act: str = "silu", seed: int = 0):
+    """A Gated DeltaNet block of quantized weights (hidden 256; 2 key heads of 32 shared by 4 value
+    heads of 16, so d_k != d_v; conv kernel 4; a type mix in the in-projection group), built without
+    a file, with random norms, conv taps, dt bias and decay rates from fast to slow."""
+    from torch import nn
+
+    from strata.models.gated_deltanet import GatedDeltaNet
+    from strata.models.layers import RMSNorm
+    from strata.models.transformer import Block
+
+    g = torch.Generator().manual_seed(seed)
+    hidden, nk, nv, dk, dv, kernel = 256, 2, 4, 32, 16, 4
+    m = GatedDeltaNet.__new__(GatedDeltaNet)
+    nn.Module.__init__(m)
+    m.gate_act, m.nk, m.nv, m.dk, m.dv, m.kernel, m.eps, m.chunk = gate_act, nk, nv, dk, dv, kernel, 1e-6, 64
+    m.key_dim, m.value_dim = nk * dk, nv * dv
+    m.conv_dim = 2 * m.key_dim + m.value_dim
+    m.wqkv = Linear(random_qtensor("Q4_K", (m.conv_dim, hidden), seed=seed + 11))
+    m.wz = Linear(random_qtensor("Q6_K", (m.value_dim, hidden), seed=seed + 12))
+    m.wb = Linear(random_qtensor("Q8_0", (nv, hidden), seed=seed + 13))
+    m.wa = Linear(random_qtensor("Q4_K", (nv, hidden), seed=seed + 14))
+    m.wo = Linear(random_qtensor("Q8_0", (hidden, m.value_dim), seed=seed + 15))
+    m.conv_w = torch.randn(m.conv_dim, kernel, generator=g) / 2
+    m.dt_bias = 0.5 * torch.randn(nv, generator=g)
+    m.a = -torch.empty(nv).uniform_(0.02, 2.0, generator=g)
+    m.norm = 1 + 0.3 * torch.randn(dv, generator=g)
+    norm = (lambda n: RMSNorm(1 + 0.3 * torch.randn(n, generator=g), 1e-6))
+    return Block(norm(hidden), m, norm(hidden), _decode_block(False, False, seed=seed + 20).ffn)
+
+
+@needs_kernels
+@pytest.mark.parametrize("gate_act,mode", [("silu", "float32"), ("silu", "int16"), ("sigmoid", "float32")])
+def test_deltanet_decode_half_in_one_call_matches_torch(gate_act, mode, monkeypatch, activations):
+    """A decode token's x + DeltaNet(norm(x)) in one C call (strata_gdn_decode: norm, the
+    in-projection group, the causal conv step, q/k L2 norms over shared key heads, the gated delta
+    rule step, the gated RMS norm, the out projection, the residual) against the torch module, over
+    a prompt (torch, chunked) and 6 decode positions: outputs, the recurrent state and the conv window."""
+    from strata.models.gated_deltanet import GDNCache
+    from strata.models.cache import StepInfo
+    from strata.models.layers import no_tap
+
+    activations(mode)  # silu: Qwen3-Next's output gate; sigmoid: qwen4exp's
+    block = _deltanet_block(gate_act)
+    prompt = torch.randn(1, 5, 256, generator=torch.Generator().manual_seed(8))
+    calls = [0]
+    gdn_c = decode_ops.try_gdn_block
+
+    def counted(*a):
+        y = gdn_c(*a)
+        calls[0] += y is not None
+        return y
+
+    outs, caches = {}, {}
+    for fast in (True, False):
+        monkeypatch.setattr(decode_ops, "try_gdn_block", counted if fast else (lambda *a: None))
+        cache = caches[fast] = GDNCache()
+        step = StepInfo(torch.tensor([0]), torch.tensor([5]), 5)
+        block(prompt, cache, step, None, no_tap)
+        ys = []
+        for pos in range(5, 11):
+            x = torch.randn(1, 1, 256, generator=torch.Generator().manual_seed(pos))
+            ys.append(block(x, cache, StepInfo(torch.tensor([pos]), torch.tensor([1]), 1), None, no_tap) - x)
+        outs[fast] = torch.cat(ys, 1)
+    assert calls[0] == 6
+    fast, ref = outs[True], outs[False]
+    assert float((fast - ref).abs().max()) < 2e-5 * float(ref.abs().max())
+    torch.testing.assert_close(caches[True].state, caches[False].state, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(caches[True].conv, caches[False].conv, rtol=1e-4, atol=1e-6)
+
+
+@needs_kernels
+def test_deltanet_decode_half_declines_what_it_cannot_take():
+    """A speculative (tracked) step, a prompt, bfloat16, and a float in-projection keep the torch path."""
+    from strata.models.gated_deltanet import GDNCache
+    from strata.models.cache import StepInfo
+
+    block = _deltanet_block()
+    norm, m = block.attn_norm, block.attn
+    one = StepInfo(torch.tensor([0]), torch.tensor([1]), 1)
+    x = torch.randn(1, 1, 256)
+    assert decode_ops.try_gdn_block(x, norm, m, GDNCache(), one) is not None
+    tracked = GDNCache()
+    tracked.track()
+    assert decode_ops.try_gdn_block(x, norm, m, tracked, one) is None
+    assert decode_ops.try_gdn_block(torch.randn(1, 3, 256), norm, m, GDNCache(), StepInfo(torch.tensor([0]), torch.tensor([3]), 3)) is None
+    assert decode_ops.try_gdn_block(x.bfloat16(), norm, m, GDNCache(), one) is None
+    m.wb = Linear(m.wb.dense())
+    assert decode_ops.try_gdn_block(x, norm, m, GDNCache(), one) is None

@@ -284,3 +284,47 @@ def test_chunked_and_recurrent_delta_rule_agree():
     out, new_state = chunk_gated_delta_rule(q, k, v3, strong, beta3, state3, 8)
     torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(new_state.double(), ref_state, atol=1e-5, rtol=1e-5)
+
+
+def test_quantized_decode_layer_halves_match_transformers(checkpoint, tmp_path, monkeypatch):
+    """A Q8_0 file of the tiny model decodes through the one-call C layer halves (DeltaNet:
+    strata_gdn_decode; gated attention: strata_attn_decode with its output gate), float32
+    activations, and matches transformers' own prefill-then-decode given the same weights through
+    gguf-py's quantize and dequantize (the DeltaNet state and conv window carried from the prompt)."""
+    import copy
+
+    import gguf.quants
+
+    from strata import kernels
+    from strata.kernels import decode_ops
+
+    ref_model, paths = checkpoint
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    convert_hf_to_gguf(paths["safetensors"], tmp_path / "q8.gguf", dense_type=q8)
+    ref = copy.deepcopy(ref_model)
+    with torch.no_grad():  # what the converter stores as Q8_0: whole-block matrices but norms, routers, experts
+        for name, p in ref.named_parameters():
+            if p.ndim == 2 and p.shape[-1] % 32 == 0 and "experts" not in name and "shared_expert_gate" not in name \
+                    and not name.endswith("mlp.gate.weight"):
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q8), q8)))
+    calls = {"try_gdn_block": 0, "try_attention_block": 0}
+    for name in calls:
+        def counted(*a, _fn=getattr(decode_ops, name), _name=name):
+            y = _fn(*a)
+            calls[_name] += y is not None
+            return y
+        monkeypatch.setattr(decode_ops, name, counted)
+    ids = torch.tensor([prompt(VOCAB, 24) + prompt(VOCAB, 8, seed=7)])
+    before = kernels.activations()
+    kernels.set_activations("float32")
+    try:
+        model = strata.load(tmp_path / "q8.gguf", draft="off").model
+        with torch.inference_mode():
+            cache = model.new_cache(1)
+            steps = [model(ids[:, :24], cache)[0]]
+            steps += [model(ids[:, i:i + 1], cache)[0] for i in range(24, ids.shape[1])]
+    finally:
+        kernels.set_activations(before)
+    assert calls == {"try_gdn_block": 2 * 8, "try_attention_block": 2 * 8}  # 2 layers of each kind, 8 steps
+    diff = (torch.cat(steps[1:]) - hf_prefill_then_decode(ref, ids, 24)[24:]).abs().max().item()
+    assert diff < 1e-4, diff  # 3.9e-5 (the torch modules: 4.0e-5), max |logit| 8.5

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmm.c")
 SOURCES = [SOURCE, Path(__file__).with_name("prefill.c"),  # one library: these run on qmm.c's thread pool
-           Path(__file__).with_name("causal_conv.c")]
+           Path(__file__).with_name("causal_conv.c"), Path(__file__).with_name("deltanet_decode.c")]
 HEADERS = [Path(__file__).with_name("qmm_avx2.h"),  # included by qmm.c / prefill.c: part of the cache key
            Path(__file__).with_name("blocks.h")]
 FLAGS = ["-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno"]
@@ -174,7 +174,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_pool_jobs.restype = i64
     f32, c_int = ctypes.c_float, ctypes.c_int
     lib.strata_attn_decode.argtypes = [p, i64, p, f32, p, p, p, p, i64, i64, i64, p, p, f32, p, p, i64, c_int,
-                                       p, p, i64, i64, p, p, p, c_int]
+                                       p, p, i64, i64, p, p, c_int, p, c_int]
     lib.strata_attn_decode.restype = c_int
     lib.strata_ffn_decode.argtypes = [p, i64, p, f32, p, p, i64, p, p, p, c_int]
     lib.strata_ffn_decode.restype = c_int
@@ -244,9 +244,9 @@ def load() -> ctypes.CDLL | None:
 _entries: dict[str, object] = {}
 
 
-def entry(name: str, argtypes) -> object | None:
-    """The library's void C function `name`, declared with `argtypes` on first use; None without
-    the library or where it lacks `name` (for modules that add one entry point each)."""
+def entry(name: str, argtypes, restype=None) -> object | None:
+    """The library's C function `name` (void unless `restype`), declared with `argtypes` on first
+    use; None without the library or where it lacks `name` (for modules that add one entry point each)."""
     lib = load()
     if lib is None:
         return None
@@ -256,7 +256,7 @@ def entry(name: str, argtypes) -> object | None:
         if fn is None:
             return None
         fn.argtypes = list(argtypes)
-        fn.restype = None
+        fn.restype = restype
         _entries[name] = fn
     return fn
 

@@ -88,11 +88,11 @@ def _vec(t) -> bool:
 
 def try_attention_block(x: torch.Tensor, norm, attn, cache, step, rope_cs) -> torch.Tensor | None:
     """x + attn(norm(x)) for one decode token in one C call (strata_attn_decode: norm, q/k/v, q/k
-    norms, rope, the KV write, attention, output projection, residual), or None where it does not
-    apply (not one float32 token of one row on the CPU, a gated or biased output, another cache,
-    a weight without an own kernel). The caller checks the module types."""
+    norms, rope, the KV write, attention, Qwen3-Next's sigmoid output gate, output projection,
+    residual), or None where it does not apply (not one float32 token of one row on the CPU, a
+    biased output, another cache, a weight without an own kernel). The caller checks the module types."""
     lib = _build.load()
-    if lib is None or not _ok(x) or x.shape[0] != 1 or x.shape[1] != 1 or attn.gated:
+    if lib is None or not _ok(x) or x.shape[0] != 1 or x.shape[1] != 1:
         return None
     hidden = x.shape[-1]
     plans = [_linear_plan(lin) for lin in (attn.wq, attn.wk, attn.wv, attn.wo)]
@@ -100,7 +100,8 @@ def try_attention_block(x: torch.Tensor, norm, attn, cache, step, rope_cs) -> to
         return None
     pq, pk, pv, po = plans
     hq, hkv, d = attn.n_heads, attn.n_kv, attn.head_dim
-    if (pq.rows, pk.rows, pv.rows, po.rows, po.cols) != (hq * d, hkv * d, hkv * d, hidden, hq * d) or hq % hkv:
+    q_rows = hq * d * (2 if attn.gated else 1)  # gated: per head, the query then its gate
+    if (pq.rows, pk.rows, pv.rows, po.rows, po.cols) != (q_rows, hkv * d, hkv * d, hidden, hq * d) or hq % hkv:
         return None
     if pq.cols != hidden or pk.cols != hidden or pv.cols != hidden:
         return None
@@ -138,7 +139,7 @@ def try_attention_block(x: torch.Tensor, norm, attn, cache, step, rope_cs) -> to
         qn.weight.data_ptr() if qn is not None else None, kn.weight.data_ptr() if kn is not None else None,
         ctypes.c_float(qn.eps if qn is not None else 0.0), cos.data_ptr(), sin.data_ptr(), rot,
         int(attn.rope.cfg.interleaved), kc.data_ptr(), vc.data_ptr(), kc.shape[2], pos, po.fnptr, po.ptr,
-        out.data_ptr(), torch.get_num_threads())
+        int(attn.gated), out.data_ptr(), torch.get_num_threads())
     return out if ok else None
 
 
@@ -216,3 +217,79 @@ def try_moe_block(h: torch.Tensor, norm, moe, k: int, normalize: bool) -> torch.
                                n_exp, k, int(normalize), g0.ptr, gs, u0.ptr, us, d0.ptr, ds, g0.fnptr, u0.fnptr, d0.fnptr,
                                ffn, sh_fns, sh_w, sh_ffn, sh_gate, ids, weights, out.data_ptr(), torch.get_num_threads())
     return out if ok else None
+
+
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_GDN_ARGTYPES = (_P, _I64, _P, _F32, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _F32, _INT,
+                 _P, _P, _P, _INT)
+
+
+class _GDNArgs:
+    """What strata_gdn_decode reads of one GatedDeltaNet and its input norm, built once: its
+    weights' kernel plans (kept: a plan may own the bytes it points to) as ctypes arrays, and the
+    conv taps tap-major. `of` names the tensors and the activation mode it was built from; a layer
+    whose weights were replaced or moved, or another mode, builds a new one."""
+
+    __slots__ = ("of", "plans", "fns", "ws", "rows", "taps")
+
+    def __init__(self, of, plans, taps):
+        self.of, self.plans, self.taps = of, plans, taps
+        self.fns = (_P * 4)(*(p.fnptr for p in plans[:4]))
+        self.ws = (_P * 4)(*(p.ptr for p in plans[:4]))
+        self.rows = (_I64 * 4)(*(p.rows for p in plans[:4]))
+
+
+def _gdn_args(norm, mixer, hidden: int) -> _GDNArgs | None:
+    lins = (mixer.wqkv, mixer.wz, mixer.wb, mixer.wa, mixer.wo)
+    of = (kernels.activations(), norm.weight, mixer.conv_w, mixer.dt_bias, mixer.a, mixer.norm,
+          *(getattr(lin, "weight", None) for lin in lins))
+    got = getattr(mixer, "_c_decode", None)
+    if got is not None and got.of[0] == of[0] and all(a is b for a, b in zip(got.of[1:], of[1:])):
+        return got
+    plans = [_linear_plan(lin) for lin in lins]
+    if any(p is None for p in plans) or any(lin.bias is not None for lin in lins):
+        return None
+    rows = (mixer.conv_dim, mixer.value_dim, mixer.nv, mixer.nv, hidden)
+    if tuple(p.rows for p in plans) != rows or any(p.cols != hidden for p in plans[:4]) or plans[4].cols != mixer.value_dim:
+        return None
+    vecs = ((norm.weight, hidden), (mixer.dt_bias, mixer.nv), (mixer.a, mixer.nv), (mixer.norm, mixer.dv))
+    if any(not (_vec(t) and t.numel() == n) for t, n in vecs) or mixer.conv_w.shape != (mixer.conv_dim, mixer.kernel):
+        return None
+    if mixer.conv_w.dtype is not torch.float32 or mixer.conv_w.device.type != "cpu":
+        return None
+    args = _GDNArgs(of, plans, mixer.conv_w.t().contiguous())
+    mixer._c_decode = args
+    return args
+
+
+def try_gdn_block(x: torch.Tensor, norm, mixer, cache, step) -> torch.Tensor | None:
+    """x + mixer(norm(x)) of a Gated DeltaNet layer (`models.gated_deltanet`) for one decode token
+    in one C call (deltanet_decode.c: norm, the in-projections, the causal conv step, the gated
+    delta rule step on the cache's state in place, the gated RMS norm, the out projection, the
+    residual), or None where it does not apply (not one float32 token of one row on the CPU, a
+    cache that tracks a speculative step, a weight without an own kernel). The caller checks the
+    module and cache types."""
+    if not _ok(x) or x.shape[0] != 1 or x.shape[1] != 1 or cache.tracking:
+        return None
+    fn = _build.entry("strata_gdn_decode", _GDN_ARGTYPES, _INT)
+    if fn is None or int(step.n_new[0]) != 1:
+        return None
+    hidden = x.shape[-1]
+    args = _gdn_args(norm, mixer, hidden)
+    if args is None:
+        return None
+    cache.ensure(1, mixer.kernel, mixer.conv_dim, mixer.nv, mixer.dk, mixer.dv, x.dtype, x.device)
+    conv, state = cache.conv, cache.state
+    if conv.shape != (1, mixer.kernel - 1, mixer.conv_dim) or state.shape != (1, mixer.nv, mixer.dk, mixer.dv) \
+            or not (_vec(conv) and _vec(state)):
+        return None
+    out = torch.empty_like(x)
+    po = args.plans[4]
+    ok = fn(x.data_ptr(), hidden, norm.weight.data_ptr(), norm.eps, args.fns, args.ws, args.rows, mixer.nk, mixer.nv,
+            mixer.dk, mixer.dv, conv.data_ptr(), args.taps.data_ptr(), mixer.kernel, mixer.dt_bias.data_ptr(),
+            mixer.a.data_ptr(), state.data_ptr(), mixer.norm.data_ptr(), mixer.eps, int(mixer.gate_act == "sigmoid"),
+            po.fnptr, po.ptr, out.data_ptr(), torch.get_num_threads())
+    if not ok:
+        return None
+    cache.window = None
+    return out

@@ -2573,24 +2573,29 @@ static void rms_norm(const float *x, const float *w, int64_t n, float eps, float
     const float r = 1.0f / sqrtf(ss / (float)n + eps);
     for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * r);
 }
+void strata_rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) { rms_norm(x, w, n, eps, y); }
 
 /* out = x + W_o attn(rope(norm_q q), rope(norm_k k), v) of one token, with q/k/v = group(norm(x)),
  * k and v written at cache position pos (kc, vc: [n_kv, cap, head_dim]) and all pos + 1 keys
  * attended (scaled dot products, softmax, GQA: query head h reads kv head h / (n_heads / n_kv)).
- * qn_w / kn_w: per-head RMS norms of q and k (NULL: none). 0 (nothing written) when no memory. */
+ * qn_w / kn_w: per-head RMS norms of q and k (NULL: none). gated (Qwen3-Next): the q rows hold,
+ * per head, the query then an output gate, and each head's output is scaled by sigmoid(gate)
+ * before W_o. 0 (nothing written) when no memory. */
 __attribute__((optimize("fp-contract=off")))
 int strata_attn_decode(const float *x, int64_t hidden, const float *norm_w, float eps, void *const *fns,
                        const void *const *W, const int64_t *rows, const float *const *bias, int64_t n_heads,
                        int64_t n_kv, int64_t head_dim, const float *qn_w, const float *kn_w, float qk_eps,
                        const float *cs, const float *sn, int64_t rot, int interleaved, float *kc, float *vc,
-                       int64_t cap, int64_t pos, void *o_fn, const void *o_W, float *out, int nth) {
-    const int64_t D = head_dim, nq = n_heads * D, nk = n_kv * D, S = pos + 1;
-    float *buf = malloc(sizeof(float) * (size_t)(hidden + 2 * nq + 2 * nk + S + hidden) + 64);
+                       int64_t cap, int64_t pos, void *o_fn, const void *o_W, int gated, float *out, int nth) {
+    const int64_t D = head_dim, nq = n_heads * D, nk = n_kv * D, S = pos + 1, nqg = gated ? 2 * nq : nq;
+    float *buf = malloc(sizeof(float) * (size_t)(hidden + nqg + 2 * nk + nq + S + hidden + (gated ? nq : 0)) + 64);
     if (!buf) return 0;
-    float *xn = buf, *qkv = xn + hidden, *q = qkv, *k = q + nq, *v = k + nk, *att = v + nk, *p = att + nq,
-          *o = p + S;
+    float *xn = buf, *qkv = xn + hidden, *k = qkv + nqg, *v = k + nk, *att = v + nk, *p = att + nq, *o = p + S,
+          *q = gated ? o + hidden : qkv;
     rms_norm(x, norm_w, hidden, eps, xn);
     strata_qmm_group(3, fns, W, rows, hidden, xn, 1, bias, qkv, NULL, nth);
+    if (gated) /* [query | gate] per head: the queries together; the gates stay where they are */
+        for (int64_t h = 0; h < n_heads; h++) memcpy(q + h * D, qkv + 2 * h * D, sizeof(float) * (size_t)D);
     if (qn_w)
         for (int64_t h = 0; h < n_heads; h++) rms_norm(q + h * D, qn_w, D, qk_eps, q + h * D);
     if (kn_w)
@@ -2624,6 +2629,8 @@ int strata_attn_decode(const float *x, int64_t hidden, const float *norm_w, floa
             const float ps = p[s] / sum;
             for (int64_t i = 0; i < D; i++) ah[i] += ps * vh[s * D + i];
         }
+        if (gated)
+            for (int64_t i = 0; i < D; i++) ah[i] = ah[i] * (1.0f / (1.0f + expf(-qkv[(2 * h + 1) * D + i])));
     }
     ((qmm_fn)o_fn)((const uint8_t *)o_W, hidden, nq, att, 1, o, nth);
     for (int64_t i = 0; i < hidden; i++) out[i] = x[i] + o[i];

@@ -15,6 +15,7 @@ from torch import nn
 from strata.kernels import decode_ops
 from strata.kernels.threads import one_thread_if_small
 from strata.models.cache import KVCache, ModelCache, StepInfo
+from strata.models.gated_deltanet import GatedDeltaNet, GDNCache
 from strata.models.layers import (Attention, DenseFFN, Experts, RMSNorm, ResidentExperts, SharedExpert, Tap, no_tap,
                                   softmax_topk)
 from strata.models.linear import Linear
@@ -89,8 +90,11 @@ class Block(nn.Module):
 
     def forward(self, x, cache: KVCache, step: StepInfo, rope_cs, tap: Tap) -> torch.Tensor:
         h = None
-        if tap is no_tap and type(self.attn) is Attention and type(cache) is KVCache and type(self.attn_norm) is RMSNorm:
-            h = decode_ops.try_attention_block(x, self.attn_norm, self.attn, cache, step, rope_cs)  # a decode token: one C call
+        if tap is no_tap and type(self.attn_norm) is RMSNorm:  # a decode token: one C call
+            if type(self.attn) is Attention and type(cache) is KVCache:
+                h = decode_ops.try_attention_block(x, self.attn_norm, self.attn, cache, step, rope_cs)
+            elif type(self.attn) is GatedDeltaNet and type(cache) is GDNCache:
+                h = decode_ops.try_gdn_block(x, self.attn_norm, self.attn, cache, step)
         if h is None:
             h = x + self.attn(self.attn_norm(x), cache, step, rope_cs, tap)
         tap("ffn_inp", h)
