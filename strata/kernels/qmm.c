@@ -847,13 +847,22 @@ void strata_set_ext(int type, void *dot, void *quant, int64_t qblk, int64_t qsiz
 }
 
 /* Software prefetch of the weight stream: one core's hardware prefetchers left the products at
- * ~6 GB/s from DRAM on a shared machine; asking for the bytes PREFETCH_AHEAD ahead of the row
- * being multiplied keeps more cache-line reads in flight. Never past the matrix's end. */
+ * ~6 GB/s from DRAM on a shared machine; asking for the bytes PREFETCH_AHEAD ahead keeps more
+ * cache-line reads in flight (a prefetch never faults, past the matrix or not). The one-pass
+ * kernels ask block by block (stream_prefetch: a line or two per block, spread through their
+ * arithmetic); ggml's dot products get each row's bytes in one burst before the row
+ * (prefetch_ahead). The burst left a qwen3 Q4_K_M decode token waiting on full fill buffers for a
+ * third of its time: 26.7 -> 23.3 ms CPU per token at 1 thread with the kernels asking. */
 #define PREFETCH_AHEAD 4096
 static inline void prefetch_ahead(const uint8_t *row, int64_t wrow, const uint8_t *end) {
     const uint8_t *p = row + PREFETCH_AHEAD, *q = p + wrow;
     if (q > end) q = end;
     for (; p < q; p += 64) __builtin_prefetch(p, 0, 2);
+}
+
+/* The PREFETCH_AHEAD-th bytes past a block of ts bytes at b, one prefetch per cache line. */
+static inline __attribute__((always_inline)) void stream_prefetch(const uint8_t *b, const int ts) {
+    for (int o = 0; o < ts; o += 64) __builtin_prefetch(b + PREFETCH_AHEAD + o, 0, 2);
 }
 
 static int act_mode = 3;
@@ -914,6 +923,7 @@ static inline __attribute__((always_inline)) float dot2_q45_k(int64_t n, const u
     __m256 accm = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * (five ? 176 : 144), *yq = xq + i * 292, *yr = xr + i * 292;
+        stream_prefetch(b, five ? 176 : 144);
         float dq, dr;
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
@@ -973,6 +983,7 @@ static float dot2_q2_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uin
     __m256 accm = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * 84, *yq = xq + i * 292, *yr = xr + i * 292;
+        stream_prefetch(b, 84);
         float dq, dr;
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
@@ -1017,6 +1028,7 @@ static float dot2_q3_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uin
     __m256 accm = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * 110, *yq = xq + i * 292, *yr = xr + i * 292;
+        stream_prefetch(b, 110);
         float dq, dr;
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
@@ -1067,6 +1079,7 @@ static float dot2_q6_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uin
     __m256 accm = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * 210, *yq = xq + i * 292, *yr = xr + i * 292;
+        stream_prefetch(b, 210);
         float dq, dr;
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
@@ -1145,6 +1158,7 @@ static float dot2_q4_1(int64_t n, const uint8_t *w, const uint8_t *prep, const u
     int64_t i = 0;
     for (; i + 2 <= nb; i += 2) {
         const uint8_t *b0 = w + i * 20, *b1 = b0 + 20;
+        stream_prefetch(b0, 2 * 20);
         const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + 4))),
                                                     _mm_loadu_si128((const __m128i *)(b1 + 4)), 1);
         const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, m4)),
@@ -1185,6 +1199,7 @@ static float dot2_q5_1(int64_t n, const uint8_t *w, const uint8_t *prep, const u
     int64_t i = 0;
     for (; i + 2 <= nb; i += 2) {
         const uint8_t *b0 = w + i * 24, *b1 = b0 + 24;
+        stream_prefetch(b0, 2 * 24);
         uint32_t h0, h1;
         memcpy(&h0, b0 + 4, 4);
         memcpy(&h1, b1 + 4, 4);
@@ -1284,6 +1299,7 @@ static float dot2_iq2_xxs(int64_t n, const uint8_t *w, const uint8_t *xq, const 
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * 66, *yq = xq + i * 292, *yr = xr + i * 292;
+        stream_prefetch(b, 66);
         float dq, dr;
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
@@ -1329,6 +1345,7 @@ static float dot2_iq3_xxs(int64_t n, const uint8_t *w, const uint8_t *xq, const 
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * 98, *yq = xq + i * 292, *yr = xr + i * 292;
+        stream_prefetch(b, 98);
         float dq, dr;
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
@@ -1375,6 +1392,7 @@ static float dot2_iq4_xs(int64_t n, const uint8_t *w, const uint8_t *xq, const u
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * 136, *yq = xq + i * 292, *yr = xr + i * 292;
+        stream_prefetch(b, 136);
         float dq, dr;
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
@@ -1436,6 +1454,7 @@ static float dot2_q8_0(int64_t n, const uint8_t *w, const uint8_t *prep, const u
     int64_t i = 0;
     for (; i + 2 <= nb; i += 2) {
         const uint8_t *b0 = w + i * 34, *b1 = b0 + 34;
+        stream_prefetch(b0, 2 * 34);
         const __m512i w8 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
                                               _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
         const __m512i c = _mm512_dpbusd_epi32(zero, x80, w8);
@@ -1481,6 +1500,7 @@ static inline float dot2_nib32(int64_t n, const uint8_t *w, const uint8_t *prep,
     int64_t i = 0;
     for (; i + 2 <= nb; i += 2) {
         const uint8_t *b0 = w + i * bsize, *b1 = b0 + bsize;
+        stream_prefetch(b0, 2 * bsize);
         const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + head))),
                                                     _mm_loadu_si128((const __m128i *)(b1 + head)), 1);
         const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, m4)),
@@ -1562,6 +1582,7 @@ static float dot2_iq1_s(int64_t n, const uint8_t *w, const uint8_t *xq, const ui
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * 50, *yq = xq + i * 292, *yr = xr + i * 292;
+        stream_prefetch(b, 50);
         float dq, dr;
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
@@ -1598,6 +1619,7 @@ static float dot2_iq1_m(int64_t n, const uint8_t *w, const uint8_t *xq, const ui
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * 56, *yq = xq + i * 292, *yr = xr + i * 292;
+        stream_prefetch(b, 56);
         float dq, dr;
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
@@ -1634,6 +1656,7 @@ static float dot2_iq2_s(int64_t n, const uint8_t *w, const uint8_t *xq, const ui
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * 82, *yq = xq + i * 292, *yr = xr + i * 292;
+        stream_prefetch(b, 82);
         float dq, dr;
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
@@ -1669,6 +1692,7 @@ static float dot2_iq3_s(int64_t n, const uint8_t *w, const uint8_t *xq, const ui
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * 110, *yq = xq + i * 292, *yr = xr + i * 292;
+        stream_prefetch(b, 110);
         float dq, dr;
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
@@ -1817,6 +1841,14 @@ static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     return fused_isa == 3 ? fused2_512(type, qblk, qsize) : NULL;
 }
 
+/* Whether one-pass kernel f prefetches its own weight stream (stream_prefetch): all but AVX-512 IQ2_XS. */
+static int dot2_streams(dot2_fn f) {
+#if defined(HAVE_FUSED2)
+    if (f == dot2_iq2_xs) return 0;
+#endif
+    return f != NULL;
+}
+
 /* The 256-bit kernels' layout of the q8_0 / q8_1 activations of one row (the part every weight
  * row shares, built once per product): x's and its residual's int8 values (32 per block each),
  * their block scales as float, and for q8_1 x's exact d * sum(q) over each block (both
@@ -1932,6 +1964,7 @@ typedef struct {
     float *Y;
     dot2_fn dot2;         /* the one-pass kernel, or NULL: ggml's dot (twice with XR) */
     ggml_vec_dot_fn dot;
+    int burst;            /* prefetch each row's bytes before it (a kernel that does not stream_prefetch) */
 } many_item;
 
 typedef struct {
@@ -1955,7 +1988,7 @@ static void tile_many(const void *a_, int64_t tile) {
     for (int64_t b = 0; b < m->B; b++) {
         const int64_t xb = (m->pick ? m->pick[b] : b) * m->xrow;
         for (int64_t r = t0; r < t1; r++) {
-            if (b == 0) prefetch_ahead(m->W + r * m->wrow, m->wrow, end);
+            if (b == 0 && m->burst) prefetch_ahead(m->W + r * m->wrow, m->wrow, end);
             float *y = m->Y + b * m->rows + r;
             if (m->dot2) {
                 *y = m->dot2(m->cols, m->W + r * m->wrow, m->XQ + xb, m->XR + xb);
@@ -2058,7 +2091,7 @@ static int many_run(int n, const many_req *req, int nth, int twice) {
             n_act++;
         }
         it[j] = (many_item){q->W, q->rows, q->cols, q->wrow, acts[a].xrow, 0, q->B, q->pick,
-                            acts[a].xq, acts[a].xr, q->Y, dot2, k->dot};
+                            acts[a].xq, acts[a].xr, q->Y, dot2, k->dot, !dot2_streams(dot2)};
         bytes += q->rows * q->wrow * q->B;
     }
     if (ok) {
@@ -2656,6 +2689,35 @@ int strata_ffn_decode(const float *h, int64_t hidden, const float *norm_w, float
     return 1;
 }
 
+/* a . b over n floats in 32 lanes (the router's logits: a scalar sum ran ~0.3 ms per qwen3 layer on
+ * the calling thread alone) */
+static float dot_f32(const float *a, const float *b, int64_t n) {
+    v8f s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        s0 += ldu(a + i) * ldu(b + i);
+        s1 += ldu(a + i + 8) * ldu(b + i + 8);
+        s2 += ldu(a + i + 16) * ldu(b + i + 16);
+        s3 += ldu(a + i + 24) * ldu(b + i + 24);
+    }
+    float d = hsum8((s0 + s1) + (s2 + s3));
+    for (; i < n; i++) d += a[i] * b[i];
+    return d;
+}
+
+#define ROUTER_TILE 16
+typedef struct {
+    const float *R, *x;
+    int64_t hidden, n_exp;
+    float *y;
+} router_args;
+
+static void router_tile(const void *a_, int64_t tile) {
+    const router_args *a = (const router_args *)a_;
+    for (int64_t e = tile * ROUTER_TILE; e < a->n_exp && e < (tile + 1) * ROUTER_TILE; e++)
+        a->y[e] = dot_f32(a->R + e * a->hidden, a->x, a->hidden);
+}
+
 /* out = h + sum_j w_j expert_j(n), n = norm(h), of one token: router logits R n (R: [n_exp, hidden]
  * float32), softmax, the k largest (ties to the lower index) in descending order, renormalised to
  * sum 1 when `normalize`, then strata_moe_token's products over the stacked experts (expert e's
@@ -2672,13 +2734,11 @@ int strata_moe_decode(const float *h, int64_t hidden, const float *norm_w, float
     if (!buf) return 0;
     float *n = buf, *y = n + hidden, *p = y + hidden;
     rms_norm(h, norm_w, hidden, eps, n);
+    const router_args ra = {router, n, hidden, n_exp, p};
+    pool_run(router_tile, &ra, (n_exp + ROUTER_TILE - 1) / ROUTER_TILE, parallel_threads(n_exp * hidden * 4, nth));
     float m = -INFINITY;
-    for (int64_t e = 0; e < n_exp; e++) {
-        float d = 0.0f;
-        for (int64_t i = 0; i < hidden; i++) d += router[e * hidden + i] * n[i];
-        p[e] = d;
-        if (d > m) m = d;
-    }
+    for (int64_t e = 0; e < n_exp; e++)
+        if (p[e] > m) m = p[e];
     float sum = 0.0f;
     for (int64_t e = 0; e < n_exp; e++) {
         p[e] = expf(p[e] - m);

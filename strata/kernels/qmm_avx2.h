@@ -90,6 +90,7 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / 256; i++) {
         const uint8_t *b = w + i * ts, *yq = xq + i * 292, *yr = xr + i * 292;
+        stream_prefetch(b, ts);
         float dq, dr, d, dmin = 0.0f;
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
@@ -290,6 +291,7 @@ static inline __attribute__((always_inline)) float V2(dot2_b32)(int64_t n, const
     float mins = 0.0f;
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * ts;
+        stream_prefetch(b, ts);
         __m256i mag, sgn = _mm256_setzero_si256();
         float dw, mw = 0.0f;
         if (kind == B_Q8_0) {
