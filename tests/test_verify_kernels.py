@@ -110,15 +110,16 @@ def test_tier_verify_pass_rows_equal_one_token_steps(qtype, q8x2, monkeypatch):
     source = lambda e: parts(e)  # noqa: E731  (callable: a tier's home, not the stacked tensors)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(n, hidden, generator=g) * 0.05
-    ids = torch.tensor([[1, 3]] * n)
+    ids = torch.tensor([[3, 1]] * n)  # the router's order is not the experts' order
     w = torch.rand(n, k, generator=g).sort(-1, descending=True).values
     assert kernels.PROMPT_AMX_MIN_ROWS <= n <= kernels.FAST_BATCH_MAX
     calls = _count_prompt_products(monkeypatch)
-    y = kernels.grouped_swiglu(x, grouped.route_table(ids, w), source)
+    keep = {1, 3}  # the tiers' tables keep the experts a worker computes (sorted by expert, one token too)
+    y = kernels.grouped_swiglu(x, grouped.route_table(ids, w, keep), source)
     each = {e: kernels.grouped_swiglu(x, grouped.route_table(ids, w, {e}), source) for e in (1, 3)}
     assert calls == []
     for i in range(n):
-        one = kernels.grouped_swiglu(x[i:i + 1], grouped.route_table(ids[i:i + 1], w[i:i + 1]), source)
+        one = kernels.grouped_swiglu(x[i:i + 1], grouped.route_table(ids[i:i + 1], w[i:i + 1], keep), source)
         assert torch.equal(y[i:i + 1], one), i
         alone = {e: kernels.grouped_swiglu(x[i:i + 1], grouped.route_table(ids[i:i + 1], w[i:i + 1], {e}), source)
                  for e in (1, 3)}
@@ -128,39 +129,58 @@ def test_tier_verify_pass_rows_equal_one_token_steps(qtype, q8x2, monkeypatch):
     assert (y - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
     if prompt.has_type(stacked[0].qtype, own_only=True):
         with kernels.prompt_batches():
-            kernels.grouped_swiglu(x, grouped.route_table(ids, w), source)
+            kernels.grouped_swiglu(x, grouped.route_table(ids, w, keep), source)
         assert calls == ["swiglu", "swiglu"]
 
 
 @needs_kernels
-def test_tier_cpu_lane_workers_take_the_prompt_products_of_a_prompt_only(q8x2, monkeypatch):
+@pytest.mark.parametrize("home", ["ram", "disk"])
+def test_tier_cpu_lane_keeps_a_verify_pass_on_the_decode_kernels(home, q8x2, tmp_path, monkeypatch):
     """The tiers' CPU lane computes on its own threads, where `in_prompt()` (per thread) would be
-    False: a prompt's experts there still take prefill.c's product, a verify pass's do not, and both
-    equal the stacked experts' product within rounding."""
+    False: a prompt's experts there still take prefill.c's product, a verify pass's (16 rows) do
+    not, and its rows equal the one-token steps bit for bit. A disk home's verify pass computes its
+    experts one call each, as their reads land (one read expert held at a time, as at decode)."""
     from strata.kernels import prompt
     from strata.tiers.executor import CpuLane
-    from strata.tiers.store import RamHome, expert_format
+    from strata.tiers.store import DiskHome, FileReader, RamHome, expert_format
 
-    if not prompt.has_type(random_qtensor("Q4_K", (1, 256)).qtype, own_only=True):
-        pytest.skip("no AMX prefill product on this CPU")
-    n_exp, hidden, ffn, n = 4, 256, 512, 8
+    n_exp, hidden, ffn, n = 4, 256, 512, 16
     stacked = tuple(random_qtensor("Q4_K", shape, seed=s) for s, shape in
                     enumerate([(n_exp, ffn, hidden), (n_exp, ffn, hidden), (n_exp, hidden, ffn)]))
-    fmt = expert_format(stacked)
-    lane = CpuLane(2, {0: RamHome({0: fmt}, {0: n_exp}, sources={0: stacked})}, {0: fmt})
+    if home == "disk":
+        path = tmp_path / "experts.bin"
+        path.write_bytes(b"".join(q.raw.numpy().tobytes() for q in stacked))
+        fmt = expert_format(stacked, [0, stacked[0].nbytes, stacked[0].nbytes + stacked[1].nbytes])
+        where = DiskHome({0: fmt}, FileReader(path), capacity=1 << 20)
+    else:
+        fmt = expert_format(stacked)
+        where = RamHome({0: fmt}, {0: n_exp}, sources={0: stacked})
+    lane = CpuLane(2, {0: where}, {0: fmt})
     g = torch.Generator().manual_seed(3)
     x = torch.randn(n, hidden, generator=g) * 0.05
-    ids = torch.tensor([[0, 2]] * n)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:2] for _ in range(n)])
+    ids[: n // 2] = torch.tensor([0, 2])  # experts 0 and 2: at least 8 rows each
     w = torch.rand(n, 2, generator=g).sort(-1, descending=True).values
-    ref = grouped.grouped_swiglu(x, grouped.route_table(ids, w), stacked)
+    used = sorted(set(ids.flatten().tolist()))
     calls = _count_prompt_products(monkeypatch)
+    together = []
+    moe_tokens = kernels._moe_tokens
+    monkeypatch.setattr(kernels, "_moe_tokens", lambda x, table, experts, *a: together.append(
+        len(torch.unique(table.expert))) or moe_tokens(x, table, experts, *a))
+    amx = prompt.has_type(stacked[0].qtype, own_only=True)
     try:
-        verify = sum(f.result() for f in lane.submit(0, x, ids, w, [0, 2]))
-        assert calls == []
+        verify = sum(f.result() for f in lane.submit(0, x, ids, w, used))
+        assert calls == [] and together
+        if home == "disk":
+            assert max(together) == 1
+        steps = torch.cat([sum(f.result() for f in lane.submit(0, x[i:i + 1], ids[i:i + 1], w[i:i + 1], used))
+                           for i in range(n)])
         with kernels.prompt_batches():
-            prefill = sum(f.result() for f in lane.submit(0, x, ids, w, [0, 2]))
-        assert calls == ["swiglu", "swiglu"]
+            prefill = sum(f.result() for f in lane.submit(0, x, ids, w, used))
+        assert ("swiglu" in calls) == amx
     finally:
         lane.close()
+    assert torch.equal(verify, steps)
+    ref = grouped.grouped_swiglu(x, grouped.route_table(ids, w), stacked)
     for y in (verify, prefill):
         assert (y - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()

@@ -530,9 +530,11 @@ def _moe_tokens(x: torch.Tensor, table: RouteTable, experts, threads, out: torch
     `[E, out, in]` (resident) or a list of each used expert's (gate, up, down), in the table's order
     (a tier's source). False (nothing done) where `_moe_token` would refuse, or without the entry point.
 
-    Each token adds its experts by descending weight: a top-k router's order, the order a one-token
-    table keeps (`route_table`) and strata_moe_token adds them in, so each position of a verify pass
-    sums as a decode step does (a router whose k weights are not sorted, or tie, differs by rounding)."""
+    Each token adds its experts in the order its one-token step does (strata_moe_token adds them in
+    its table's order), so each position of a verify pass sums as a decode step does: resident
+    experts by descending weight (a top-k router's order, which a one-token table keeps; a router
+    whose k weights are not sorted, or tie, differs by rounding); a tier's source in the table's
+    order (the tiers' tables keep a set of experts, sorted by expert for one token too)."""
     lib = _build.load()
     fn = getattr(lib, "strata_moe_tokens", None) if lib is not None else None
     if fn is None or not _f32(x, out):
@@ -540,7 +542,8 @@ def _moe_tokens(x: torch.Tensor, table: RouteTable, experts, threads, out: torch
     used, counts = torch.unique_consecutive(table.expert, return_counts=True)
     used = used.tolist()
     hidden = x.shape[-1]
-    spec = _stacked_ptrs(experts, used, hidden) if isinstance(experts[0], QTensor) else _parts_ptrs(experts, hidden)
+    stacked = isinstance(experts[0], QTensor)
+    spec = _stacked_ptrs(experts, used, hidden) if stacked else _parts_ptrs(experts, hidden)
     if spec is None:
         return False
     (gp, up, dp), (gf, uf, df), ffn = spec
@@ -551,8 +554,11 @@ def _moe_tokens(x: torch.Tensor, table: RouteTable, experts, threads, out: torch
     counts = counts.to(torch.int64).contiguous()
     token = table.token.to(torch.int64).contiguous()
     weight = table.weight.to(torch.float32).contiguous()
-    by_weight = torch.argsort(-weight, stable=True)
-    order = by_weight[torch.argsort(token[by_weight], stable=True)].contiguous()  # per token, heaviest first
+    if stacked:
+        by_weight = torch.argsort(-weight, stable=True)
+        order = by_weight[torch.argsort(token[by_weight], stable=True)].contiguous()  # per token, heaviest first
+    else:
+        order = torch.argsort(token, stable=True)  # per token, in the table's order
     return bool(fn(gp, up, dp, counts.data_ptr(), len(used), token.data_ptr(), weight.data_ptr(), order.data_ptr(),
                    gf, uf, df, hidden, ffn, x.data_ptr(), out.data_ptr(), _build.pool_threads(threads)))
 

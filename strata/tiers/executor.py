@@ -57,7 +57,8 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-ARRIVAL_ROWS = 8  # up to this many tokens, a disk home's experts are computed one by one as they land
+ARRIVAL_ROWS = 8  # up to this many tokens of a prompt (FAST_BATCH_MAX of a verify pass or decode batch), a
+# disk home's experts are computed one by one as they land
 
 
 def _first_once(source):
@@ -101,10 +102,12 @@ class CpuLane:
         arrival = getattr(home, "arrival", None)
         with torch.inference_mode(), (kernels.prompt_batches() if in_prompt else nullcontext()):
             source = lambda: _first_once(expert_source(self.formats[layer], lambda e: home.parts(layer, e)))  # noqa: E731
-            if arrival is None or x.shape[0] > ARRIVAL_ROWS:
+            if arrival is None or x.shape[0] > (ARRIVAL_ROWS if in_prompt else kernels.FAST_BATCH_MAX):
                 return moe.grouped_swiglu(x, route_table(ids, weights, experts), source())
-            # a disk home at decode: each expert as its read lands, the products summed in expert
-            # order (so the result does not depend on which read came first). Each worker's
+            # a disk home at decode, in a verify pass or a decode batch: each expert as its read
+            # lands, the products summed in expert order (so the result does not depend on which
+            # read came first, and each row is its one-token step's); one read expert held at a
+            # time (one call over them all would hold every one, past the RAM cache). Each worker's
             # products run on its own thread (the workers are the parallelism: a worker that also
             # asked for the kernels' helper threads would oversubscribe the cores, and wait at
             # their barrier once per expert)
