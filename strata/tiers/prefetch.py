@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from strata.kernels.threads import one_thread_if_small
 from strata.tiers.executor import to_device
 from strata.tiers.stats import TierStats
 
@@ -96,5 +97,11 @@ def _predictor(block) -> Callable:
 
     def predict(h: torch.Tensor) -> torch.Tensor:
         h = h.to(block.ffn.router.device)
-        return block.ffn.route(F.linear(norm(h), block.ffn.router))[0]
+        x = norm(h)
+        # one thread, as the block's own router product: a decode row's product (2560 x 512) on
+        # torch's OpenMP team left the team's other thread spinning after every layer's call
+        # (13 % of the full-size flagship's decode CPU)
+        with one_thread_if_small(x.numel() * block.ffn.router.shape[0], x.device):
+            logits = F.linear(x, block.ffn.router)
+        return block.ffn.route(logits)[0]
     return predict
