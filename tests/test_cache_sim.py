@@ -71,6 +71,21 @@ def test_adaptive_ranks_a_key_in_a_burst_above_a_one_off_of_the_same_cell():
     assert adaptive.victim(set()) == one_off
 
 
+def test_adaptive_evicts_a_key_of_the_layer_that_just_ran_before_one_of_a_layer_still_to_run():
+    """The cache sees a step's layers in order: a key of the layer that just ran waits a whole step
+    for its next chance, one of a later layer may be used in this very step. So the first is
+    evicted even at a slightly higher chance of use at its layer's next run."""
+    E = 4
+    adaptive = make_policy("adaptive", 3, 4 * E, n_experts=E)
+    for layer in range(3):  # one step over layers 0-2, each using its expert 0
+        adaptive.access([layer * E])
+        adaptive.place([layer * E], {layer * E})
+    adaptive.access([1])  # the next step's layer 0 uses expert 1
+    chance = {0: 0.31, E: 0.30, 2 * E: 0.30, 1: 0.30}
+    adaptive.estimate = lambda keys: np.array([chance[int(k)] for k in keys])
+    assert adaptive.victim({1}) == 0
+
+
 def test_a_step_scores_the_resident_set_once_however_many_misses_it_places():
     """Ranks change only when a layer runs, so placing a batched step's misses scores the residents
     once (not once per miss, which made a wide step's placement cost misses x residents)."""

@@ -19,7 +19,9 @@ that one layer used keys (and how many of the step's tokens each served); `place
   calibrated by a small logistic regression learned online on the next run's use (inputs:
   the table's log-odds, the lifetime share, the lag, and the key's share over the last few
   and the last few dozen runs): a key in a burst outranks one with the same lag and
-  lifetime share that is not. Real routing
+  lifetime share that is not. A key is ranked by how soon its next use is expected: the
+  steps until its layer runs next (the cache sees a step's layers in order, so the layer
+  that just ran waits longest) plus the runs a chance p takes on average, 1 / p - 1. Real routing
   differs in what predicts reuse (Mixtral's is close to memoryless, batched Qwen1.5-MoE's
   is all frequency); the table learns which, instead of a fixed blend of the two.
 - `static`: a fixed hot set (a ranking from a trace, or the first experts seen); never evicts.
@@ -34,7 +36,10 @@ routing), the table also non-increasing in lag (Mixtral's hot pairs alternate), 
 scaling the next layer's estimates by an expert-id co-occurrence with the layer that just
 ran (lower in both directions on Mixtral), per-layer tables shrunk to the shared one,
 per-layer slot budgets moved by ghost hits, and ranking by an expected reuse distance per
-cell instead of the use rate (no better, or lower, on the Mixtral traces).
+cell instead of the use rate (no better, or lower, on the Mixtral traces), and raising or
+lowering the estimates of the layers still to run in a step by their same-step co-occurrence
+with the layer that just ran (lower on Mixtral; raising only: no change, as those keys are
+seldom the victim once the rank counts the wait to the next run).
 
 `SlotMap` puts a policy to work over the cache's regions (decode, prefill) and prefetches;
 the runtime's `DeviceCache` and `strata cache-sim` both drive it, so they count alike.
@@ -251,6 +256,7 @@ class Adaptive(Packed):
         self.waiting: dict[int, deque] = {}  # layer -> (run, lag cells, share cells) not yet scored
         n_layers = max(-(-n_keys // self.n_experts), 1)
         self.runs = np.zeros(n_layers, dtype=np.int64)  # runs of each layer so far
+        self.now = -1  # the layer that ran last: keys of the layers after it run sooner in this step
         self.mean_share = np.zeros(n_layers)  # experts used per run / E, running mean
         self.last = np.full(n_layers * self.n_experts, -1, dtype=np.int64)  # run of the last use
         self.routed = np.zeros(n_layers * self.n_experts)  # sum over runs of the key's share of the run
@@ -311,6 +317,7 @@ class Adaptive(Packed):
             return
         layer = keys[0] // self.n_experts
         every = np.arange(layer * self.n_experts, (layer + 1) * self.n_experts)
+        self.now = layer
         used = np.asarray(keys, dtype=np.int64)
         if layer in self.inputs:  # one gradient step of the calibration on this run's outcome
             x, hit = self.inputs[layer], np.zeros(self.n_experts)
@@ -339,8 +346,14 @@ class Adaptive(Packed):
         self.inputs[layer] = self.inputs_of(every)
 
     def ranks(self, resident):
+        """1 / (steps to the key's next run + 1 / its chance there - 1 + 1): the sooner the expected
+        next use, the higher. Within a step the cache sees the layers in order, so a key of the layer
+        that just ran waits a whole step for its next chance, while one of a layer still to run may
+        be used in this step: at equal chances the first is evicted."""
         _, _, _, share = self._cells(resident)
-        return self.estimate(resident) + TIE * share + 1e-12 * self.last[resident]
+        layer = resident // self.n_experts
+        wait = ((layer - self.now - 1) % len(self.runs) + 1) / len(self.runs)  # steps to the layer's next run
+        return 1 / (wait + 1 / np.maximum(self.estimate(resident), 1e-6)) + TIE * share + 1e-12 * self.last[resident]
 
     def admit(self, key, victim):
         return self.admit_all or self.rank_of(key) > self.rank_of(victim)
