@@ -329,6 +329,33 @@ def kernel_isa(lib, isa: str):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", list(_build.KERNEL_ISAS))
+def test_q8x2_keeps_its_accuracy_for_small_activations(isa):
+    """"q8x2" stays ~3e-5 of max |y| from the exact product whatever x's scale. The q8_0 / q8_1
+    blocks keep f16 scales: for a row under 2 in size the residual's scale fell below f16's normal
+    range and the second pass added little (x ~ 1e-4: 8e-3, as far as one pass; x ~ 1e-2: 1e-4), as
+    in a down projection of small SwiGLU outputs. K and IQ types (q8_K, float scales) never lost it."""
+    lib = _build.load()
+    before = kernels.activations()
+    kernels.set_activations("q8x2")
+    try:
+        with kernel_isa(lib, isa):
+            for qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4", "Q4_K"):
+                w = random_qtensor(qtype, (48, 256), seed=3)
+                dense = w.dequantize(torch.float64)
+                for scale in (1e-30, 1e-4, 1e-2, 1.0, 100.0):
+                    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)) * scale
+                    x[1] *= 1e-3  # rows of their own sizes
+                    ref = x.double() @ dense.T
+                    y = kernels.qmatmul_fast(x, w).double()
+                    for r in range(3):
+                        err = float((y[r] - ref[r]).abs().max() / ref[r].abs().max())
+                        assert err < 1e-4, (qtype, scale, r, err)
+    finally:
+        kernels.set_activations(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", list(_build.KERNEL_ISAS))
 @pytest.mark.parametrize("qtype", ONE_PASS_TYPES)
 def test_fused_residual_pass_equals_ggmls_two_passes(qtype, isa):
     """"q8x2" in one pass (qmm.c's kernels: each weight block unpacked once for both 8-bit

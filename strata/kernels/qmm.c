@@ -2015,35 +2015,72 @@ typedef struct {
     int64_t xrow;
 } many_act;
 
+/* "q8x2" with q8_0 / q8_1 activations (the prepared kinds 1-3) stores each block's scales as f16:
+ * a row whose largest |x| is under 2 puts its residual's scale (about max|x| / 32258) below f16's
+ * normal range (6.1e-5), where it keeps few bits, and the second pass adds little (x ~ 1e-3 came
+ * out 30x further from exact than x ~ 1, x ~ 1e-4 as far as one pass). Such a row is quantized
+ * times a power of two (its max |x| to [1024, 2048): exact) and its prepared float scales are
+ * scaled back (exact), so the products do not change. 1: the row as it is. */
+static float small_row_scale(const float *x, int64_t n) {
+    uint32_t top = 0; /* max |x| as its bits (an integer max, which vectorizes; NaN ranks above inf) */
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, 4);
+        u &= 0x7fffffffu;
+        top = u > top ? u : top;
+    }
+    float amax;
+    memcpy(&amax, &top, 4);
+    if (!(amax > 0.0f && amax < 2.0f)) return 1.0f; /* also inf and NaN: left to the non-finite check */
+    int e;
+    frexpf(amax, &e); /* amax = m 2^e, m in [0.5, 1) */
+    return ldexpf(1.0f, 11 - e < 126 ? 11 - e : 126); /* 2^-126 (its inverse) is still a normal float */
+}
+
+/* The float scales (and q8_1's block sums) of one prepared row, each times f (kinds 1-3). */
+static void prep_rescale(int kind, int64_t cols, uint8_t *row, float f) {
+    const int64_t nb = cols / 32, n = kind == 1 ? 16 * nb : kind == 2 ? 17 * nb : kind == 3 ? 3 * nb : 0;
+    float *d = (float *)(row + nb * 64);
+    for (int64_t i = 0; i < n; i++) d[i] *= f;
+}
+
 static int prepare_act(many_act *p, const ext_kernel *k, int twice) {
     const int64_t cols = p->cols, B = p->B, brow = cols / k->qblk * k->qsize;
     const int64_t prow = fused2_prep_bytes(p->prep, cols);
+    const int rescale = twice && p->prep;
     uint8_t *blocks = malloc((size_t)((twice ? 2 : 1) * B * brow + B * prow) + 64);
-    float *tmp = twice ? malloc(sizeof(float) * (size_t)cols) : NULL;
+    float *tmp = twice ? malloc(sizeof(float) * (size_t)(rescale ? 2 * cols + B : cols)) : NULL;
     if (!blocks || (twice && !tmp)) {
         free(blocks);
         free(tmp);
         return 0;
     }
+    float *xs = rescale ? tmp + cols : NULL, *fs = rescale ? tmp + 2 * cols : NULL;
     uint8_t *xq = blocks, *xr = twice ? blocks + B * brow : NULL;
     for (int64_t b = 0; b < B; b++) {
-        k->quant(p->X + b * cols, xq + b * brow, cols);
+        const float *xb = p->X + b * cols;
+        if (rescale && (fs[b] = small_row_scale(xb, cols)) != 1.0f) {
+            for (int64_t i = 0; i < cols; i++) xs[i] = xb[i] * fs[b];
+            xb = xs;
+        }
+        k->quant(xb, xq + b * brow, cols);
         if (twice) {
             if (!unquant8(xq + b * brow, k->qblk, k->qsize, tmp, cols)) {
                 free(blocks);
                 free(tmp);
                 return 0;
             }
-            for (int64_t i = 0; i < cols; i++) tmp[i] = p->X[b * cols + i] - tmp[i];
+            for (int64_t i = 0; i < cols; i++) tmp[i] = xb[i] - tmp[i];
             k->quant(tmp, xr + b * brow, cols);
         }
     }
-    free(tmp);
     p->buf = blocks;
     if (p->prep) {
         uint8_t *prep = blocks + (twice ? 2 : 1) * B * brow;
-        for (int64_t b = 0; b < B; b++)
+        for (int64_t b = 0; b < B; b++) {
             fused2_prep_row(p->prep, cols, xq + b * brow, xr + b * brow, k->qsize, prep + b * prow);
+            if (rescale && fs[b] != 1.0f) prep_rescale(p->prep, cols, prep + b * prow, 1.0f / fs[b]);
+        }
         p->xq = p->xr = prep;
         p->xrow = prow;
     } else {
@@ -2051,6 +2088,7 @@ static int prepare_act(many_act *p, const ext_kernel *k, int twice) {
         p->xr = xr;
         p->xrow = brow;
     }
+    free(tmp);
     return 1;
 }
 
