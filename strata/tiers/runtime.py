@@ -23,6 +23,8 @@ from strata.tiers.plan import Plan, make_plan, summary
 from strata.tiers.policy import make_policy, regions
 from strata.tiers.prefetch import Prefetcher, router_predictors
 from strata.tiers.stats import TierStats
+from strata.formats.ngram_hash import TABLE
+from strata.tiers.dense_readahead import DenseReadahead, dense_spans
 from strata.tiers.store import DiskHome, FileReader, RamHome, expert_format
 from strata.tiers.trace import TraceRecorder, load_trace
 
@@ -35,6 +37,7 @@ class TierRuntime:
         self.plan, self.homes, self.executor = plan, homes, executor
         self.prefetcher, self.cache, self.reader, self.trace_path = prefetcher, cache, reader, trace_path
         self.decode_width = decode_width  # the widest forward that is still decode (a verify pass)
+        self.readahead = None  # DenseReadahead of a cold file's dense weights (install)
         self.closed = False
 
     @boundary  # host bookkeeping: eager between compiled segments
@@ -62,6 +65,8 @@ class TierRuntime:
         if self.closed:
             return None
         self.closed = True
+        if self.readahead is not None:
+            self.readahead.close()
         self.executor.lane.close()
         if self.cache is not None:
             self.cache.copier.close()
@@ -139,6 +144,10 @@ def install(loaded, options, byte_bar=None) -> TierRuntime:
     executor.prefetcher = prefetcher
     provider.runtime = TierRuntime(plan, homes, executor, prefetcher, cache, reader, options.trace_experts,
                                    _decode_width(loaded.model, options))
+    if reader is not None and not device.is_cuda:  # the dense weights stay in the mapping: read them ahead
+        tensors = loaded.source.file.tensors
+        skip = plan.expert_names | {"token_embd.weight", TABLE}  # their homes read them; rows on lookup
+        provider.runtime.readahead = DenseReadahead(reader.path, dense_spans(tensors, set(tensors) - skip))
     return provider.runtime
 
 

@@ -1,0 +1,55 @@
+"""Dense weights read ahead from a cold file (strata/tiers/dense_readahead.py)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import strata
+from strata import synth
+from strata.formats.names import EXPERT_TENSOR
+from strata.tiers import dense_readahead
+from strata.tiers.dense_readahead import DenseReadahead, dense_spans
+
+
+def test_spans_follow_the_forward_block_by_block_and_the_head_comes_last():
+    t = {"output.weight": SimpleNamespace(offset=0, n_bytes=100),  # first in the file, used last
+         "blk.10.a": SimpleNamespace(offset=200, n_bytes=50),
+         "blk.2.b": SimpleNamespace(offset=5000, n_bytes=10),
+         "blk.2.a": SimpleNamespace(offset=4000, n_bytes=1000),  # ends where blk.2.b starts: merged
+         "blk.3.a": SimpleNamespace(offset=2**24, n_bytes=10)}
+    assert dense_spans(t, set(t)) == [(4000, 1010), (2**24, 10), (200, 50), (0, 100)]
+    assert dense_spans(t, {"blk.3.a"}) == [(2**24, 10)]
+    gap = dense_readahead.MERGE_GAP + 1
+    far = {"blk.0.a": SimpleNamespace(offset=0, n_bytes=1), "blk.0.b": SimpleNamespace(offset=1 + gap, n_bytes=1)}
+    assert dense_spans(far, set(far)) == [(0, 1), (1 + gap, 1)]
+
+
+def test_every_span_is_asked_for_in_order_in_chunks(tmp_path, monkeypatch):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"\0" * 4096)
+    asked = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, o, n, advice: asked.append((o, n, advice)))
+    monkeypatch.setattr(dense_readahead, "CHUNK", 1000)
+    ra = DenseReadahead(path, [(3000, 2500), (0, 100)])
+    ra.close()
+    w = os.POSIX_FADV_WILLNEED
+    assert asked == [(3000, 1000, w), (4000, 1000, w), (5000, 500, w), (0, 100, w)]
+    assert ra.requested == ra.total == 2600
+
+
+def test_a_tiered_engine_reads_ahead_its_dense_weights_only(tmp_path):
+    path = synth.write(tmp_path / "m.gguf", "qwen3-30b-a3b", 1, "Q4_K_M", vocab=512, experts=8, sparse=True)
+    engine = strata.load(path, ram_memory="2G", pin_experts="disk", experts_cache="0", cpu_threads=1)
+    try:
+        ra = engine.tiers.readahead
+        tensors = engine.loaded.source.file.tensors
+        dense = [n for n in tensors if not EXPERT_TENSOR.match(n) and n != "token_embd.weight"]
+        assert ra is not None and ra.total == sum(tensors[n].n_bytes for n in dense)
+        inside = lambda info: any(o <= info.offset and info.offset + info.n_bytes <= o + n for o, n in ra.spans)  # noqa: E731
+        assert all(inside(tensors[n]) for n in dense)
+        assert not any(inside(tensors[n]) for n in tensors if n not in dense)
+        assert len(engine.generate([1, 2, 3], 2, stop_at_eos=False)) == 2
+    finally:
+        engine.close()
+    assert ra._thread is None
