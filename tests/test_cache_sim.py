@@ -341,6 +341,23 @@ def test_a_prefetch_evicts_only_what_the_policy_values_below_the_prediction():
     assert right.confidence(1) > 0.9 and 11 in right.where
 
 
+def test_a_prefetch_for_the_next_layer_may_evict_a_likelier_key_of_the_layer_that_just_ran():
+    """Expert 0 is used at every run of layer 0, but layer 0 has just run: its next use is a step
+    away. A prediction for layer 1, right 7 times in 8, is needed now, so its expected wait is
+    shorter and it may take the slot; the same prediction right once in 8 may not."""
+    for right, evicted in ((7, True), (1, False)):
+        policy = make_policy("adaptive", 2, 80, n_experts=10)
+        slots = SlotMap(regions(policy), n_experts=10)
+        for step in range(24):
+            slots.request([0], prefill=False)
+            slots.prefetch([11])
+            slots.request([11] if step % 8 < right else [13], prefill=False)
+        slots.request([0], prefill=False)
+        assert policy.estimate(np.array([0]))[0] > slots.confidence(1)
+        assert (slots.prefetch([12]) == [(12, slots.where.get(12))]) == evicted
+        assert (0 in slots.where) != evicted
+
+
 def _converter():
     import importlib.util
     from pathlib import Path

@@ -88,16 +88,11 @@ class Policy:
     def admit(self, key: int, victim: int) -> bool:
         return self.admit_all
 
-    def value(self, key: int) -> float | None:
-        """The chance, by this policy's estimate, that `key` is used when its layer next runs;
-        None for policies that keep no such estimate."""
-        return None
-
     def place(self, misses: list[int], protected: set[int], force: bool = False,
               confidence: float | None = None) -> Placement:
         """Per miss: copy in (evicting the victim) or reject. `force` skips admission (prefetch);
         with a `confidence` (the chance a prediction is right) a forced copy still evicts only a
-        victim that the policy values below that chance."""
+        victim that the policy values below the prediction (`_worth`)."""
         admitted, rejected = [], []
         for key in misses:
             if len(self.resident) < self.capacity:
@@ -105,7 +100,7 @@ class Policy:
                 self._insert(key)
                 continue
             victim = self.victim(protected)
-            if victim is None or not (force or self.admit(key, victim)) or not self._worth(victim, confidence):
+            if victim is None or not (force or self.admit(key, victim)) or not self._worth(key, victim, confidence):
                 rejected.append(key)
                 continue
             self._remove(victim)
@@ -113,11 +108,10 @@ class Policy:
             admitted.append((key, victim))
         return admitted, rejected
 
-    def _worth(self, victim: int, confidence: float | None) -> bool:
-        if confidence is None:
-            return True
-        value = self.value(victim)
-        return value is None or value < confidence
+    def _worth(self, key: int, victim: int, confidence: float | None) -> bool:
+        """Whether a prefetch of `key`, right with chance `confidence`, may evict `victim`: always,
+        for policies that keep no estimate of a key's chance of use."""
+        return True
 
     def _insert(self, key: int) -> None:
         self.resident.add(key)
@@ -263,8 +257,6 @@ class Adaptive(Packed):
         shape = (len(LAG_EDGES) + 2, len(SHARE_EDGES) + 1)
         self.seen = np.zeros(shape)  # per cell: (key, run) pairs observed
         self.used = np.zeros(shape)  # of those, the key was used within the horizon
-        self.seen_next = np.zeros(shape)  # the same with the next run as the horizon: what `value` reads
-        self.used_next = np.zeros(shape)
         self.burst = np.zeros((len(BURST_HALF_LIVES), len(self.last)))  # recent share of the layer's routings
         self.weights = np.zeros(len(BURST_HALF_LIVES) + 4)  # the calibration: starts as the table itself
         self.weights[0] = 1.0
@@ -280,18 +272,13 @@ class Adaptive(Packed):
         share = (self.routed[keys] + SHARE_PRIOR / self.n_experts) / (runs + SHARE_PRIOR)  # of the layer's token-routings
         return lag, np.searchsorted(SHARE_EDGES, share * self.n_experts, side="right"), self.mean_share[layer], share
 
-    def table(self, keys: np.ndarray, seen=None, used=None) -> np.ndarray:
+    def table(self, keys: np.ndarray) -> np.ndarray:
         """Per key: the cell's use rate, shrunk towards the layer's mean by PRIOR pseudo-runs; the
         observed part taken as the running maximum over the rarer cells at the same lag."""
-        if seen is None:
-            seen, used = self.seen, self.used
-            if self.observed is None:  # the table changes only when a layer runs
-                self.observed = np.maximum.accumulate(used / (seen + PRIOR), axis=1)
-            observed = self.observed
-        else:
-            observed = np.maximum.accumulate(used / (seen + PRIOR), axis=1)
+        if self.observed is None:  # the table changes only when a layer runs
+            self.observed = np.maximum.accumulate(self.used / (self.seen + PRIOR), axis=1)
         lag, freq, mean, _ = self._cells(keys)
-        return observed[lag, freq] + PRIOR / (seen[lag, freq] + PRIOR) * mean
+        return self.observed[lag, freq] + PRIOR / (self.seen[lag, freq] + PRIOR) * mean
 
     def inputs_of(self, keys: np.ndarray) -> np.ndarray:
         """The calibration's inputs per key: the table's log-odds, log lifetime share over the
@@ -308,10 +295,6 @@ class Adaptive(Packed):
         """Per key: the chance of a use at its layer's next run, the table calibrated."""
         return 1 / (1 + np.exp(-self.inputs_of(keys) @ self.weights))
 
-    def value(self, key):
-        """The chance of a use at the layer's next run (a prediction's confidence is one for that run)."""
-        return float(self.table(np.array([key]), self.seen_next, self.used_next)[0])
-
     def access(self, keys, counts=None):
         if not keys:
             return
@@ -326,8 +309,6 @@ class Adaptive(Packed):
         lag, freq, _, _ = self._cells(every)
         waiting = self.waiting.setdefault(layer, deque())
         waiting.append((int(self.runs[layer]), lag, freq))
-        np.add.at(self.seen_next, (lag, freq), 1)
-        np.add.at(self.used_next, (lag[used - every[0]], freq[used - every[0]]), 1)
         self.runs[layer] += 1
         self.mean_share[layer] += (len(keys) / self.n_experts - self.mean_share[layer]) / min(self.runs[layer], 64)
         served = np.ones(len(used)) if counts is None else np.asarray(counts, dtype=np.float64)
@@ -351,12 +332,21 @@ class Adaptive(Packed):
         that just ran waits a whole step for its next chance, while one of a layer still to run may
         be used in this step: at equal chances the first is evicted."""
         _, _, _, share = self._cells(resident)
-        layer = resident // self.n_experts
-        wait = ((layer - self.now - 1) % len(self.runs) + 1) / len(self.runs)  # steps to the layer's next run
-        return 1 / (wait + 1 / np.maximum(self.estimate(resident), 1e-6)) + TIE * share + 1e-12 * self.last[resident]
+        return 1 / (self._wait(resident) + 1 / np.maximum(self.estimate(resident), 1e-6)) + TIE * share + 1e-12 * self.last[resident]
 
     def admit(self, key, victim):
         return self.admit_all or self.rank_of(key) > self.rank_of(victim)
+
+    def _worth(self, key, victim, confidence):
+        """A prediction's key is ranked as the victim is, with the confidence as its chance: the
+        prefetch evicts only a victim whose next use is expected later than the prediction's."""
+        if confidence is None:
+            return True
+        return self.rank_of(victim) < 1 / (self._wait(np.array([key]))[0] + 1 / max(confidence, 1e-6))
+
+    def _wait(self, keys: np.ndarray) -> np.ndarray:
+        """Steps until each key's layer runs next (1 for the layer that just ran)."""
+        return ((keys // self.n_experts - self.now - 1) % len(self.runs) + 1) / len(self.runs)
 
 
 class Static(Policy):
@@ -396,8 +386,10 @@ class SlotMap:
 
     A prefetch skips admission (admission weighs a demand miss against computing it on the
     CPU; a prediction says the expert is about to be used) but evicts only an expert that
-    the policy values below the prediction's confidence: the share of this layer's past
-    predictions that were used (smoothed, so the first ones count as even odds). Every
+    the policy values below the prediction: `adaptive` ranks the predicted key as it ranks
+    the victim (the expected wait to its next use), with the prediction's confidence as its
+    chance, the confidence being the share of this layer's past predictions that were used
+    (smoothed, so the first ones count as even odds). Every
     predicted expert on the device is pinned until its layer has run, so no other placement
     evicts it unused. A prediction is not a use: it changes no recency or frequency.
     """
