@@ -321,3 +321,25 @@ def test_deltanet_decode_half_declines_what_it_cannot_take():
     assert decode_ops.try_gdn_block(x.bfloat16(), norm, m, GDNCache(), one) is None
     m.wb = Linear(m.wb.dense())
     assert decode_ops.try_gdn_block(x, norm, m, GDNCache(), one) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv,dim,threads", [(8, 2, 64, 1), (8, 2, 40, 4), (4, 1, 32, 3), (6, 6, 16, 2)])
+def test_decode_attention_matches_float64(heads, kv, dim, threads):
+    """The attention half's core (decode_attention.c: a kv head and its query heads, or a share of
+    them, per pool tile; dot products in 16 lanes and a tail) against float64 softmax attention over
+    300 cached positions of a larger cache: GQA, MQA split over 3 tiles (one empty), plain MHA."""
+    import ctypes
+
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn = _build.entry("strata_attend_decode", (p, p, p, i64, i64, i64, i64, i64, p, p, ctypes.c_int))
+    g = torch.Generator().manual_seed(heads * dim)
+    cap, s = 320, 300
+    q = torch.randn(heads, dim, generator=g)
+    kc, vc = torch.randn(kv, cap, dim, generator=g), torch.randn(kv, cap, dim, generator=g)
+    scores, att = torch.empty(heads * s), torch.full((heads, dim), float("nan"))
+    fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), cap, s, heads, kv, dim, scores.data_ptr(), att.data_ptr(), threads)
+    k, v = (t[:, :s].double().repeat_interleave(heads // kv, 0) for t in (kc, vc))
+    probs = torch.softmax((k @ q.double()[:, :, None])[..., 0] / dim ** 0.5, -1)
+    ref = (probs[:, None] @ v)[:, 0]
+    torch.testing.assert_close(att.double(), ref, rtol=1e-5, atol=1e-6)

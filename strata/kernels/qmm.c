@@ -2646,6 +2646,9 @@ static void rms_norm(const float *x, const float *w, int64_t n, float eps, float
 }
 void strata_rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) { rms_norm(x, w, n, eps, y); }
 
+void strata_attend_decode(const float *q, const float *kc, const float *vc, int64_t cap, int64_t S, int64_t n_heads,
+                          int64_t n_kv, int64_t D, float *scores, float *att, int nth);
+
 /* out = x + W_o attn(rope(norm_q q), rope(norm_k k), v) of one token, with q/k/v = group(norm(x)),
  * k and v written at cache position pos (kc, vc: [n_kv, cap, head_dim]) and all pos + 1 keys
  * attended (scaled dot products, softmax, GQA: query head h reads kv head h / (n_heads / n_kv)).
@@ -2659,9 +2662,10 @@ int strata_attn_decode(const float *x, int64_t hidden, const float *norm_w, floa
                        const float *cs, const float *sn, int64_t rot, int interleaved, float *kc, float *vc,
                        int64_t cap, int64_t pos, void *o_fn, const void *o_W, int gated, float *out, int nth) {
     const int64_t D = head_dim, nq = n_heads * D, nk = n_kv * D, S = pos + 1, nqg = gated ? 2 * nq : nq;
-    float *buf = malloc(sizeof(float) * (size_t)(hidden + nqg + 2 * nk + nq + S + hidden + (gated ? nq : 0)) + 64);
+    float *buf = malloc(sizeof(float) * (size_t)(hidden + nqg + 2 * nk + nq + n_heads * S + hidden + (gated ? nq : 0))
+                        + 64);
     if (!buf) return 0;
-    float *xn = buf, *qkv = xn + hidden, *k = qkv + nqg, *v = k + nk, *att = v + nk, *p = att + nq, *o = p + S,
+    float *xn = buf, *qkv = xn + hidden, *k = qkv + nqg, *v = k + nk, *att = v + nk, *p = att + nq, *o = p + n_heads * S,
           *q = gated ? o + hidden : qkv;
     rms_norm(x, norm_w, hidden, eps, xn);
     strata_qmm_group(3, fns, W, rows, hidden, xn, 1, bias, qkv, NULL, nth);
@@ -2677,32 +2681,9 @@ int strata_attn_decode(const float *x, int64_t hidden, const float *norm_w, floa
         memcpy(kc + (h * cap + pos) * D, k + h * D, sizeof(float) * (size_t)D);
         memcpy(vc + (h * cap + pos) * D, v + h * D, sizeof(float) * (size_t)D);
     }
-    const float scale = 1.0f / sqrtf((float)D);
-    const int64_t grp = n_heads / n_kv;
-    for (int64_t h = 0; h < n_heads; h++) {
-        const float *qh = q + h * D;
-        const float *kh = kc + (h / grp) * cap * D, *vh = vc + (h / grp) * cap * D;
-        float m = -INFINITY;
-        for (int64_t s = 0; s < S; s++) {
-            float d = 0.0f;
-            for (int64_t i = 0; i < D; i++) d += qh[i] * kh[s * D + i];
-            p[s] = d * scale;
-            if (p[s] > m) m = p[s];
-        }
-        float sum = 0.0f;
-        for (int64_t s = 0; s < S; s++) {
-            p[s] = expf(p[s] - m);
-            sum += p[s];
-        }
-        float *ah = att + h * D;
-        for (int64_t i = 0; i < D; i++) ah[i] = 0.0f;
-        for (int64_t s = 0; s < S; s++) {
-            const float ps = p[s] / sum;
-            for (int64_t i = 0; i < D; i++) ah[i] += ps * vh[s * D + i];
-        }
-        if (gated)
-            for (int64_t i = 0; i < D; i++) ah[i] = ah[i] * (1.0f / (1.0f + expf(-qkv[(2 * h + 1) * D + i])));
-    }
+    strata_attend_decode(q, kc, vc, cap, S, n_heads, n_kv, D, p, att, nth); /* decode_attention.c */
+    if (gated)
+        for (int64_t i = 0; i < nq; i++) att[i] = att[i] * (1.0f / (1.0f + expf(-qkv[(2 * (i / D) + 1) * D + i % D])));
     ((qmm_fn)o_fn)((const uint8_t *)o_W, hidden, nq, att, 1, o, nth);
     for (int64_t i = 0; i < hidden; i++) out[i] = x[i] + o[i];
     free(buf);
