@@ -305,7 +305,8 @@ def test_deltanet_decode_half_in_one_call_matches_torch(gate_act, mode, monkeypa
 
 @needs_kernels
 def test_deltanet_decode_half_declines_what_it_cannot_take():
-    """A speculative (tracked) step, a prompt, bfloat16, and a float in-projection keep the torch path."""
+    """A speculative (tracked) step, a prompt, bfloat16, an input-permuted out projection and a float
+    in-projection keep the torch path."""
     from strata.models.gated_deltanet import GDNCache
     from strata.models.cache import StepInfo
 
@@ -319,6 +320,12 @@ def test_deltanet_decode_half_declines_what_it_cannot_take():
     assert decode_ops.try_gdn_block(x, norm, m, tracked, one) is None
     assert decode_ops.try_gdn_block(torch.randn(1, 3, 256), norm, m, GDNCache(), StepInfo(torch.tensor([0]), torch.tensor([3]), 3)) is None
     assert decode_ops.try_gdn_block(x.bfloat16(), norm, m, GDNCache(), one) is None
+    from strata.models.linear import InputPermutedLinear
+
+    wo = m.wo
+    m.wo = InputPermutedLinear(wo.weight, torch.arange(m.value_dim).flip(0))  # qwen4exp's tiled heads
+    assert decode_ops.try_gdn_block(x, norm, m, GDNCache(), one) is None
+    m.wo = wo
     m.wb = Linear(m.wb.dense())
     assert decode_ops.try_gdn_block(x, norm, m, GDNCache(), one) is None
 

@@ -227,8 +227,8 @@ _GDN_ARGTYPES = (_P, _I64, _P, _F32, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P,
 class _GDNArgs:
     """What strata_gdn_decode reads of one GatedDeltaNet and its input norm, built once: its
     weights' kernel plans (kept: a plan may own the bytes it points to) as ctypes arrays, and the
-    conv taps tap-major. `of` names the tensors and the activation mode it was built from; a layer
-    whose weights were replaced or moved, or another mode, builds a new one."""
+    conv taps tap-major. `of` names the activation mode, tensors and linears it was built from; a
+    layer whose weights were replaced or moved, or another mode, builds a new one."""
 
     __slots__ = ("of", "plans", "fns", "ws", "rows", "taps")
 
@@ -241,13 +241,15 @@ class _GDNArgs:
 
 def _gdn_args(norm, mixer, hidden: int) -> _GDNArgs | None:
     lins = (mixer.wqkv, mixer.wz, mixer.wb, mixer.wa, mixer.wo)
-    of = (kernels.activations(), norm.weight, mixer.conv_w, mixer.dt_bias, mixer.a, mixer.norm,
+    of = (kernels.activations(), norm.weight, mixer.conv_w, mixer.dt_bias, mixer.a, mixer.norm, *lins,
           *(getattr(lin, "weight", None) for lin in lins))
     got = getattr(mixer, "_c_decode", None)
     if got is not None and got.of[0] == of[0] and all(a is b for a, b in zip(got.of[1:], of[1:])):
         return got
     plans = [_linear_plan(lin) for lin in lins]
     if any(p is None for p in plans) or any(lin.bias is not None for lin in lins):
+        return None
+    if any(getattr(lin, "order", None) is not None for lin in lins):  # an InputPermutedLinear reorders x first
         return None
     rows = (mixer.conv_dim, mixer.value_dim, mixer.nv, mixer.nv, hidden)
     if tuple(p.rows for p in plans) != rows or any(p.cols != hidden for p in plans[:4]) or plans[4].cols != mixer.value_dim:
