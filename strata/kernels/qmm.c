@@ -911,16 +911,43 @@ static inline float sum_minus_mins(__m512 acc, __m256 accm) {
     return _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(m);
 }
 
-/* Q4_K: {f16 d, dmin; u8 scales[12]; u8 qs[128]} x q8_K {f32 d; i8 qs[256]; i16 bsums[16]}. */
+/* Q4_K: {f16 d, dmin; u8 scales[12]; u8 qs[128]} x q8_K {f32 d; i8 qs[256]; i16 bsums[16]}.
+ *
+ * Q4_K, Q5_K and Q6_K take their activations from q8k_prep: x's q8_K blocks, then its residual's,
+ * then per 16 values the float sum dq * bsum_q + dr * bsum_r, which every weight row's mins (Q6_K's
+ * offset of 32) multiply: laid out once per x, one multiply-add per block and row instead of two
+ * integer sums, conversions and multiply-adds. */
+static int64_t q8k_prep_bytes(int64_t n) { const int64_t nb = n / 256; return nb * (2 * 292 + 16 * 4); }
+
+static void q8k_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) {
+    const int64_t nb = n / 256;
+    memcpy(out, xq, (size_t)(nb * 292));
+    memcpy(out + nb * 292, xr, (size_t)(nb * 292));
+    float *bf = (float *)(out + 2 * nb * 292);
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *q = xq + i * 292, *r = xr + i * 292;
+        float dq, dr;
+        memcpy(&dq, q, 4);
+        memcpy(&dr, r, 4);
+        for (int k = 0; k < 16; k++) {
+            int16_t a, c;
+            memcpy(&a, q + 260 + 2 * k, 2);
+            memcpy(&c, r + 260 + 2 * k, 2);
+            bf[16 * i + k] = dq * (float)a + dr * (float)c;
+        }
+    }
+}
+
 /* Q5_K: {f16 d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]} x q8_K: Q4_K with a fifth bit per
  * value from qh (bit 2j / 2j+1 of qh[l] for value l of sub-block 2j / 2j+1), u8 weights 0..31.
  * `five` is a constant in each caller, so each gets its own loop without the other's work. */
-static inline __attribute__((always_inline)) float dot2_q45_k(int64_t n, const uint8_t *w, const uint8_t *xq,
-                                                              const uint8_t *xr, const int five) {
+static inline __attribute__((always_inline)) float dot2_q45_k(int64_t n, const uint8_t *w, const uint8_t *prep,
+                                                              const int five) {
     const int64_t nb = n / 256;
+    const uint8_t *xq = prep, *xr = prep + nb * 292;
+    const float *bf = (const float *)(prep + 2 * nb * 292);
     const __m256i m4 = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
-    __m512 acc = _mm512_setzero_ps();
-    __m256 accm = _mm256_setzero_ps();
+    __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * (five ? 176 : 144), *yq = xq + i * 292, *yr = xr + i * 292;
         stream_prefetch(b, five ? 176 : 144);
@@ -954,23 +981,22 @@ static inline __attribute__((always_inline)) float dot2_q45_k(int64_t n, const u
         }
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dq), acc);
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dr), acc);
-        /* mins: dmin * m_j * (sum of x over sub-block j) from the activation's bsums (per 16) */
-        const __m256i m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)mn),
-                                                                 _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0)));
-        const __m256i bq = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yq + 260)), m16);
-        const __m256i br = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yr + 260)), m16);
-        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bq), _mm256_set1_ps(dmin * dq), accm);
-        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(br), _mm256_set1_ps(dmin * dr), accm);
+        /* mins: dmin * m_j * (sum of x over sub-block j), x's sums per 16 values from q8k_prep */
+        const __m512 m16 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_shuffle_epi8(_mm_cvtsi64_si128((long long)mn), _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0))));
+        accm = _mm512_fmadd_ps(_mm512_mul_ps(m16, _mm512_set1_ps(dmin)), _mm512_loadu_ps(bf + 16 * i), accm);
     }
-    return sum_minus_mins(acc, accm);
+    return _mm512_reduce_add_ps(acc) - _mm512_reduce_add_ps(accm);
 }
 
-static float dot2_q4_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
-    return dot2_q45_k(n, w, xq, xr, 0);
+static float dot2_q4_k(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
+    (void)unused;
+    return dot2_q45_k(n, w, prep, 0);
 }
 
-static float dot2_q5_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
-    return dot2_q45_k(n, w, xq, xr, 1);
+static float dot2_q5_k(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
+    (void)unused;
+    return dot2_q45_k(n, w, prep, 1);
 }
 
 /* Q2_K: {u8 scales[16]; u8 qs[64]; f16 d, dmin} x q8_K. Value 128h + 32j + l is bits 2j..2j+1 of
@@ -1071,12 +1097,14 @@ static float dot2_q3_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uin
 
 /* Q6_K: {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d} x q8_K. Weights as u8 0..63 (q + 32); the
  * 32 comes off through the bsums, which are per 16 values like Q6_K's scales. */
-static float dot2_q6_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
+static float dot2_q6_k(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
+    (void)unused;
     const int64_t nb = n / 256;
+    const uint8_t *xq = prep, *xr = prep + nb * 292;
+    const float *bf = (const float *)(prep + 2 * nb * 292);
     const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
     const __m512i sh_a = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0), sh_b = _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4);
-    __m512 acc = _mm512_setzero_ps();
-    __m256 accm = _mm256_setzero_ps();
+    __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * 210, *yq = xq + i * 292, *yr = xr + i * 292;
         stream_prefetch(b, 210);
@@ -1110,13 +1138,10 @@ static float dot2_q6_k(int64_t n, const uint8_t *w, const uint8_t *xq, const uin
         }
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dq), acc);
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dr), acc);
-        const __m256i s16 = _mm256_cvtepi8_epi16(sc8);
-        const __m256i bq = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yq + 260)), s16);
-        const __m256i br = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yr + 260)), s16);
-        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bq), _mm256_set1_ps(32.0f * d * dq), accm);
-        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(br), _mm256_set1_ps(32.0f * d * dr), accm);
+        accm = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sc32), _mm512_set1_ps(32.0f * d)),
+                               _mm512_loadu_ps(bf + 16 * i), accm);
     }
-    return sum_minus_mins(acc, accm);
+    return _mm512_reduce_add_ps(acc) - _mm512_reduce_add_ps(accm);
 }
 
 /* Q4_1: {f16 d, m; u8 qs[16]} x q8_1 {f16 d, s; i8 qs[32]}. What does not depend on the weight row
@@ -1748,6 +1773,8 @@ static int64_t q4_1_prep_bytes(int64_t n) { (void)n; return 0; }
 static void q4_1_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) { (void)n; (void)xq; (void)xr; (void)out; }
 static int64_t q8_0_prep_bytes(int64_t n) { (void)n; return 0; }
 static void q8_0_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) { (void)n; (void)xq; (void)xr; (void)out; }
+static int64_t q8k_prep_bytes(int64_t n) { (void)n; return 0; }
+static void q8k_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) { (void)n; (void)xq; (void)xr; (void)out; }
 #endif
 
 /* ------------------------------------------------------------------ q8x2 in one pass (AVX2 / AVX-VNNI)
@@ -1875,21 +1902,25 @@ static void prep256(int64_t n, const uint8_t *xq, const uint8_t *xr, int64_t qsi
 }
 
 /* How kernel `dot2` (fused2_for's choice for `type`) wants its activations: 0 ggml's blocks as
- * they are, 1 q8_0_prep, 2 q4_1_prep (the AVX-512 kernels of q8_0 and q8_1 types), 3 prep256.
- * Decided from the kernel itself, so a set switched meanwhile cannot pair one with another's layout. */
+ * they are, 1 q8_0_prep, 2 q4_1_prep (the AVX-512 kernels of q8_0 and q8_1 types), 3 prep256,
+ * 4 q8k_prep (the AVX-512 Q4_K, Q5_K and Q6_K kernels). Decided from the kernel itself, so a set
+ * switched meanwhile cannot pair one with another's layout. */
 static int fused2_prep(int type, int64_t qblk, int64_t qsize, dot2_fn dot2) {
+    if (dot2 && (type == 12 || type == 13 || type == 14) && dot2 == fused2_512(type, qblk, qsize)) return 4;
     if (!dot2 || !(type == 3 || type == 7 || qsize == 34)) return 0;
     return dot2 != fused2_512(type, qblk, qsize) ? 3 : qsize == 34 ? 1 : 2;
 }
 
 static int64_t fused2_prep_bytes(int kind, int64_t cols) {
-    return kind == 1 ? q8_0_prep_bytes(cols) : kind == 2 ? q4_1_prep_bytes(cols) : kind == 3 ? prep256_bytes(cols) : 0;
+    return kind == 1 ? q8_0_prep_bytes(cols) : kind == 2 ? q4_1_prep_bytes(cols) : kind == 3 ? prep256_bytes(cols)
+         : kind == 4 ? q8k_prep_bytes(cols) : 0;
 }
 
 static void fused2_prep_row(int kind, int64_t cols, const uint8_t *xq, const uint8_t *xr, int64_t qsize, uint8_t *out) {
     if (kind == 1) q8_0_prep(cols, xq, xr, out);
     else if (kind == 2) q4_1_prep(cols, xq, xr, out);
     else if (kind == 3) prep256(cols, xq, xr, qsize, out);
+    else if (kind == 4) q8k_prep(cols, xq, xr, out);
 }
 
 /* 1 (default): "q8x2" takes the fused kernels above where a type has one; 0: ggml's two passes
