@@ -336,3 +336,33 @@ def test_tiers_plug_in_at_construction_and_assign_nothing_onto_the_model(model, 
     assert (logits - ref_logits).abs().max().item() < 1e-4
     assert runtime.executor.host_reads > 0  # the tiers served the experts
     runtime.close()
+
+
+def test_a_disk_homes_demanded_reads_go_before_its_reads_ahead():
+    """The next layer's predicted reads are queued before this layer routes; its misses must not
+    wait behind them, and a queued read ahead that a layer asks for moves to the front."""
+    import threading
+
+    from strata.tiers.store import ReadQueue
+
+    started, order = threading.Event(), []
+    gate = threading.Event()
+
+    def fetch(key):
+        if key == "first":
+            started.set()
+            gate.wait(10)
+        order.append(key)
+        return key
+
+    q = ReadQueue(fetch, threads=1)
+    first = q.submit("first", urgent=False)
+    assert started.wait(10)  # the one reader is busy: the rest queue up
+    later = [q.submit(k, urgent=False) for k in ("a1", "a2", "a3")]
+    demand = q.submit("d1", urgent=True)
+    q.promote("a3")
+    q.promote("d1")  # already urgent: nothing changes
+    gate.set()
+    q.shutdown()
+    assert order == ["first", "d1", "a3", "a1", "a2"]
+    assert first.result() == "first" and demand.result() == "d1" and [f.result() for f in later] == ["a1", "a2", "a3"]

@@ -14,8 +14,8 @@ import queue
 import sys
 import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict, deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -277,6 +277,64 @@ def _held(parts: tuple[torch.Tensor, ...]) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in parts}.values())
 
 
+class ReadQueue:
+    """`threads` reader threads that run `fetch(key)` for each submitted key, a layer's demanded
+    reads before any read started ahead from a prediction (FIFO within each): a prediction's reads
+    for the next layer are queued before this layer routes, and its misses must not wait behind
+    them. A queued read ahead that a layer then asks for moves to the front (`promote`)."""
+
+    def __init__(self, fetch, threads: int):
+        self._fetch = fetch
+        self._cond = threading.Condition()
+        self._urgent: deque = deque()
+        self._later: OrderedDict = OrderedDict()  # key -> future, not started yet
+        self._closed = False
+        self._threads = [threading.Thread(target=self._run, name=f"strata-read-{i}", daemon=True)
+                         for i in range(max(1, threads))]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, key, urgent: bool) -> Future:
+        future: Future = Future()
+        with self._cond:
+            if urgent:
+                self._urgent.append((key, future))
+            else:
+                self._later[key] = future
+            self._cond.notify()
+        return future
+
+    def promote(self, key) -> None:
+        with self._cond:
+            future = self._later.pop(key, None)
+            if future is not None:
+                self._urgent.append((key, future))
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._urgent or self._later or self._closed):
+                    self._cond.wait()
+                if self._urgent:
+                    key, future = self._urgent.popleft()
+                elif self._later:
+                    key, future = self._later.popitem(last=False)
+                else:
+                    return
+            try:
+                future.set_result(self._fetch(key))
+            except BaseException as e:  # noqa: BLE001 - the reader's error goes to whoever waits
+                future.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Finish the queued reads, then stop the threads."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+
+
 class DiskHome(Home):
     """Experts read from the file on demand into a RAM cache of `capacity` bytes (LRU).
 
@@ -297,7 +355,7 @@ class DiskHome(Home):
         self.formats, self.reader, self.capacity = formats, reader, capacity
         self.entries: OrderedDict[tuple[int, int], tuple[torch.Tensor, ...]] = OrderedDict()  # (gate, up, down)
         self.inflight: dict[tuple[int, int], Future] = {}
-        self.pool = ThreadPoolExecutor(max(1, readers), thread_name_prefix="strata-read")
+        self.pool = ReadQueue(self._fetch, readers)
         self.readers = max(1, readers)
         self.held = 0
         self.hits = self.misses = 0
@@ -322,9 +380,13 @@ class DiskHome(Home):
         with self._lock:
             for e in experts:
                 key = (layer, int(e))
-                if key in self.entries or key in self.inflight:
+                if key in self.entries:
                     continue
-                self.inflight[key] = self.pool.submit(self._fetch, key)
+                if key in self.inflight:
+                    if not ahead:
+                        self.pool.promote(key)
+                    continue
+                self.inflight[key] = self.pool.submit(key, urgent=not ahead)
                 if ahead:
                     self.read_ahead += 1
                     self.ahead[key] = True
@@ -375,7 +437,9 @@ class DiskHome(Home):
                 self.misses += 1
             future = self.inflight.get(key)
             if future is None:
-                future = self.inflight[key] = self.pool.submit(self._fetch, key)
+                future = self.inflight[key] = self.pool.submit(key, urgent=True)
+            else:
+                self.pool.promote(key)
         t0 = time.perf_counter()
         flat = future.result()
         with self._lock:
@@ -437,7 +501,7 @@ class DiskHome(Home):
             self.demand.pop(gone, None)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        self.pool.shutdown()
 
     @property
     def bytes_read(self) -> int:
