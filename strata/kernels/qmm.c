@@ -2078,7 +2078,7 @@ static void prep_rescale(int kind, int64_t cols, uint8_t *row, float f) {
 static int prepare_act(many_act *p, const ext_kernel *k, int twice) {
     const int64_t cols = p->cols, B = p->B, brow = cols / k->qblk * k->qsize;
     const int64_t prow = fused2_prep_bytes(p->prep, cols);
-    const int rescale = twice && p->prep;
+    const int rescale = twice && p->prep && p->prep != 4; /* q8_K's scales are float32 (kind 4: q8k_prep) */
     uint8_t *blocks = malloc((size_t)((twice ? 2 : 1) * B * brow + B * prow) + 64);
     float *tmp = twice ? malloc(sizeof(float) * (size_t)(rescale ? 2 * cols + B : cols)) : NULL;
     if (!blocks || (twice && !tmp)) {
