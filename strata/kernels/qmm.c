@@ -2068,17 +2068,25 @@ static float small_row_scale(const float *x, int64_t n) {
     return ldexpf(1.0f, 11 - e < 126 ? 11 - e : 126); /* 2^-126 (its inverse) is still a normal float */
 }
 
-/* The float scales (and q8_1's block sums) of one prepared row, each times f (kinds 1-3). */
+/* How many floats (the block scales, and q8_1's block sums) follow the int8 values of a prepared
+ * row of `kind` that came from f16-scaled blocks (the q8_0 / q8_1 layouts, kinds 1-3), else 0: a
+ * kind without f16 scales (q8k_prep's are float32) or one this list does not know is never rescaled. */
+static int64_t prep_f16_scales(int kind, int64_t cols) {
+    const int64_t nb = cols / 32;
+    return kind == 1 ? 16 * nb : kind == 2 ? 17 * nb : kind == 3 ? 3 * nb : 0;
+}
+
+/* Those floats of one prepared row, each times f. */
 static void prep_rescale(int kind, int64_t cols, uint8_t *row, float f) {
-    const int64_t nb = cols / 32, n = kind == 1 ? 16 * nb : kind == 2 ? 17 * nb : kind == 3 ? 3 * nb : 0;
-    float *d = (float *)(row + nb * 64);
+    const int64_t n = prep_f16_scales(kind, cols);
+    float *d = (float *)(row + cols / 32 * 64);
     for (int64_t i = 0; i < n; i++) d[i] *= f;
 }
 
 static int prepare_act(many_act *p, const ext_kernel *k, int twice) {
     const int64_t cols = p->cols, B = p->B, brow = cols / k->qblk * k->qsize;
     const int64_t prow = fused2_prep_bytes(p->prep, cols);
-    const int rescale = twice && p->prep && p->prep != 4; /* q8_K's scales are float32 (kind 4: q8k_prep) */
+    const int rescale = twice && prep_f16_scales(p->prep, cols) > 0; /* the layouts prep_rescale undoes */
     uint8_t *blocks = malloc((size_t)((twice ? 2 : 1) * B * brow + B * prow) + 64);
     float *tmp = twice ? malloc(sizeof(float) * (size_t)(rescale ? 2 * cols + B : cols)) : NULL;
     if (!blocks || (twice && !tmp)) {
