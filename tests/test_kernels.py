@@ -750,3 +750,38 @@ def test_q8_activations_within_llama_cpps_own_distance(llama_quantized):
               f"decode): strata q8x2 {ours:.4f}, strata q8 {single:.4f}, llama.cpp {theirs:.4f}")
         assert 0 < ours <= theirs, (name, ours, theirs)
         assert single <= 1.25 * theirs, (name, single, theirs)
+
+
+@needs_kernels
+def test_own_q8k_quantizer_writes_ggmls_bytes():
+    """strata_q8k_quantize (x's q8_K blocks for "q8x2", vectorized) against ggml's own from_float
+    for q8_K: rows with ties at 0.5, a repeated and a negated maximum, tiny and huge values, and an
+    all-zero block (the reference leaves that block's sums unwritten: those bytes are not compared)."""
+    import ctypes
+
+    from strata.kernels import _ggml
+
+    lib = _build.load()
+    if not _ggml._libs:
+        pytest.skip("ggml is not loaded")
+    ref = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)(
+        _ggml._libs[1].ggml_get_type_traits_cpu(15).contents.from_float)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 256, generator=g)
+    x[1] = torch.arange(256) - 127.5  # halves: round to even
+    x[2, 7] = x[2, 200] = 9.0  # the first of two equal maxima
+    x[3, 3], x[3, 90] = -9.0, 9.0  # a negative maximum first
+    x[4] *= 1e-30
+    x[5] *= 1e30
+    x[6] = 0.0
+    x = x.reshape(-1).contiguous()
+    n_blocks = x.numel() // 256
+    ours = torch.zeros(n_blocks * 292, dtype=torch.uint8)
+    theirs = torch.zeros(n_blocks * 292, dtype=torch.uint8)
+    if not lib.strata_q8k_quantize(x.data_ptr(), ours.data_ptr(), x.numel()):
+        pytest.skip("no AVX-512 in this build")
+    ref(x.data_ptr(), theirs.data_ptr(), x.numel())
+    ours, theirs = ours.view(n_blocks, 292), theirs.view(n_blocks, 292)
+    assert torch.equal(ours[6, :260], theirs[6, :260]) and not ours[6, 260:].any()
+    keep = [i for i in range(n_blocks) if i != 6]
+    assert torch.equal(ours[keep], theirs[keep])

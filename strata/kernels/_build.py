@@ -171,6 +171,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_qmm_group.restype = None
     lib.strata_qmm_many.argtypes = [ctypes.c_int, p, p, p, p, p, p, i64, p, ctypes.c_int]
     lib.strata_qmm_many.restype = ctypes.c_int
+    lib.strata_q8k_quantize.argtypes = [p, p, i64]
+    lib.strata_q8k_quantize.restype = ctypes.c_int
     lib.strata_pool_jobs.argtypes = []
     lib.strata_pool_jobs.restype = i64
     f32, c_int = ctypes.c_float, ctypes.c_int

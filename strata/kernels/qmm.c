@@ -1932,6 +1932,52 @@ int strata_fused_types(int type) {
     return fused2_for(type, q8_1 || q8_0 ? 32 : 256, q8_1 ? 36 : q8_0 ? 34 : 292) != NULL;
 }
 
+/* ggml's quantize_row_q8_K_ref in 16 lanes (ggml-cpu's q8_K from_float is the reference, a scalar
+ * loop that took ~7 us per 2048 values, twice per x in "q8x2", on the calling thread while the
+ * helpers waited): the same float operations, so the same bytes. Per 256 values: amax = max |x|,
+ * max = the first x with |x| == amax, iscale = -127 / max, q = min(127, round-to-even(iscale * x)),
+ * d = 1 / iscale, bsums per 16 values; an all-zero block is d = 0 with zero values and sums (the
+ * reference leaves its sums unwritten). 1 when done, 0 without AVX-512 (callers use ggml's). */
+int strata_q8k_quantize(const float *x, uint8_t *y, int64_t k) {
+#if defined(HAVE_FUSED2)
+    for (int64_t i = 0; i < k / 256; i++, x += 256, y += 292) {
+        __m512 v[16], am = _mm512_setzero_ps();
+        for (int j = 0; j < 16; j++) {
+            v[j] = _mm512_loadu_ps(x + 16 * j);
+            am = _mm512_max_ps(am, _mm512_abs_ps(v[j]));
+        }
+        const float amax = _mm512_reduce_max_ps(am);
+        if (!amax) {
+            memset(y, 0, 292);
+            continue;
+        }
+        float max = 0.0f;
+        for (int j = 0; j < 16; j++) {
+            const __mmask16 m = _mm512_cmp_ps_mask(_mm512_abs_ps(v[j]), _mm512_set1_ps(amax), _CMP_EQ_OQ);
+            if (m) {
+                max = x[16 * j + __builtin_ctz(m)];
+                break;
+            }
+        }
+        const float iscale = -127.f / max;
+        const __m512 is = _mm512_set1_ps(iscale);
+        int16_t bs[16];
+        for (int j = 0; j < 16; j++) {
+            const __m512i q = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v[j], is)), _mm512_set1_epi32(127));
+            _mm_storeu_si128((__m128i *)(y + 4 + 16 * j), _mm512_cvtepi32_epi8(q));
+            bs[j] = (int16_t)_mm512_reduce_add_epi32(q);
+        }
+        memcpy(y + 260, bs, 32);
+        const float d = 1 / iscale;
+        memcpy(y, &d, 4);
+    }
+    return 1;
+#else
+    (void)x, (void)y, (void)k;
+    return 0;
+#endif
+}
+
 /* x back from ggml's 8-bit activation blocks: q8_0 {f16 d; i8 q[32]}, q8_1 {f16 d, s; i8 q[32]},
  * q8_K {f32 d; i8 q[256]; i16 bsums[16]}; returns 0 for any other layout. */
 static int unquant8(const uint8_t *q, int64_t qblk, int64_t qsize, float *y, int64_t n) {
@@ -2087,6 +2133,7 @@ static int prepare_act(many_act *p, const ext_kernel *k, int twice) {
     const int64_t cols = p->cols, B = p->B, brow = cols / k->qblk * k->qsize;
     const int64_t prow = fused2_prep_bytes(p->prep, cols);
     const int rescale = twice && prep_f16_scales(p->prep, cols) > 0; /* the layouts prep_rescale undoes */
+    const int q8k = k->qblk == 256 && k->qsize == 292; /* strata_q8k_quantize: ggml's reference, vectorized */
     uint8_t *blocks = malloc((size_t)((twice ? 2 : 1) * B * brow + B * prow) + 64);
     float *tmp = twice ? malloc(sizeof(float) * (size_t)(rescale ? 2 * cols + B : cols)) : NULL;
     if (!blocks || (twice && !tmp)) {
@@ -2102,7 +2149,7 @@ static int prepare_act(many_act *p, const ext_kernel *k, int twice) {
             for (int64_t i = 0; i < cols; i++) xs[i] = xb[i] * fs[b];
             xb = xs;
         }
-        k->quant(xb, xq + b * brow, cols);
+        if (!(q8k && strata_q8k_quantize(xb, xq + b * brow, cols))) k->quant(xb, xq + b * brow, cols);
         if (twice) {
             if (!unquant8(xq + b * brow, k->qblk, k->qsize, tmp, cols)) {
                 free(blocks);
@@ -2110,7 +2157,7 @@ static int prepare_act(many_act *p, const ext_kernel *k, int twice) {
                 return 0;
             }
             for (int64_t i = 0; i < cols; i++) tmp[i] = xb[i] - tmp[i];
-            k->quant(tmp, xr + b * brow, cols);
+            if (!(q8k && strata_q8k_quantize(tmp, xr + b * brow, cols))) k->quant(tmp, xr + b * brow, cols);
         }
     }
     p->buf = blocks;
