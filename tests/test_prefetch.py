@@ -35,29 +35,3 @@ def test_a_decode_prediction_runs_its_router_product_on_one_thread(monkeypatch):
         assert torch.equal(ids, (2 * h @ block.ffn.router.T).topk(4, dim=-1).indices)
     finally:
         torch.set_num_threads(before)
-
-
-class _Home:
-    def __init__(self):
-        self.asked = []
-
-    def request(self, layer, experts, ahead=False):
-        self.asked.append((layer, list(experts), ahead))
-
-
-def test_a_second_prediction_reads_ahead_only_what_the_first_did_not_name():
-    from strata.tiers.prefetch import Prefetcher
-    from strata.tiers.stats import TierStats
-
-    home = _Home()
-    answers = iter([torch.tensor([[1, 2, 3]]), torch.tensor([[3, 4, 1]]), torch.tensor([[2, 4]])])
-    p = Prefetcher({1: lambda h: next(answers)}, None, TierStats(), 8, {1: 100}, set(), disk_homes={1: home})
-    mask = torch.ones(1, 1, dtype=torch.bool)
-    x = torch.zeros(1, 1, 4)
-    p(0, x, mask)
-    p.refine(0, x, mask)
-    p.refine(0, x, mask)  # nothing new: no request
-    assert home.asked == [(1, [1, 2, 3], True), (1, [4], True)]
-    assert p.stats.prediction[1] == {8 + e for e in (1, 2, 3, 4)} and p.stats.layer(1).predicted == 4
-    p.refine(1, x, mask)  # no predictor for layer 2: nothing
-    assert len(home.asked) == 2

@@ -423,20 +423,3 @@ def test_bad_gguf_names_what_is_missing(checkpoint, tmp_path):
                [t for t in tensors if t[0] != qwen4exp.TABLE])
     with pytest.raises(BadModelFile, match="per_layer_token_embd"):
         strata.load(tmp_path / "notable.gguf")
-
-
-def test_disk_homed_experts_with_the_second_prediction_match_transformers(checkpoint, monkeypatch):
-    """qwen4exp's blocks ask the tiers to predict the next layer again before their MoE half (a
-    read ahead only); the greedy tokens stay transformers'."""
-    from strata.tiers.prefetch import Prefetcher
-
-    ref_model, paths = checkpoint
-    calls = []
-    refine = Prefetcher.refine
-    monkeypatch.setattr(Prefetcher, "refine", lambda self, block, *a, **k: (calls.append(block), refine(self, block, *a, **k)))
-    engine = strata.load(paths["gguf"], pin_experts="disk", experts_cache="0", ram_cache="50%")
-    ids = eos_prompt(16)
-    assert engine.generate(ids, max_new_tokens=4, stop_at_eos=False) == _greedy(ref_model, tuple(ids), 4)
-    n_layers = engine.config.n_layers
-    assert sorted(set(calls)) == list(range(n_layers)) and len(calls) == 4 * n_layers
-    engine.close()

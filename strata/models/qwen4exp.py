@@ -141,9 +141,6 @@ class Block(nn.Module):
                        route=lambda logits: softmax_topk(logits, k, normalize=norm),
                        shared=SharedExpert(w, p, h, c.shared_ffn_size))
         self.ffn_norm = self.ffn_hc  # hidden state -> MoE input, for the tiers' router prefetch
-        self.index = i
-        # the tiers' provider predicts the next layer's experts again here (their prefetch)
-        self.before_ffn = getattr(seams.experts, "before_ffn", None)
 
     def new_cache(self, kv_cache=None):
         mixer = self.attn.new_cache(kv_cache)
@@ -156,8 +153,6 @@ class Block(nn.Module):
         mixed, weights = self.attn_hc.mix(x)
         x = HyperConnection.combine(x, self.attn(mixed, cache, step, rope_cs, tap), weights)
         tap("ffn_inp", x)
-        if self.before_ffn is not None:
-            self.before_ffn(self.index, x, step)
         mixed, weights = self.ffn_hc.mix(x)
         out = self.ffn(mixed, None if step.all_real else step.token_mask.to(x.device, non_blocking=True), tap)
         tap("ffn_moe_out", out)

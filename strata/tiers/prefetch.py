@@ -46,30 +46,6 @@ class Prefetcher:
         else:
             self.riding[block] = (layer, ids)
 
-    def refine(self, block: int, x: torch.Tensor, token_mask: torch.Tensor, prefill: bool = False) -> None:
-        """Predict layer block + 1 again from x, block's residual after its mixer half (one half
-        closer to the next router's input than `__call__`'s), and read ahead the experts the first
-        prediction did not name. Only where the reads go to a disk home from the CPU: on a device
-        the prediction rides on the block's routing read instead."""
-        layer = block + 1
-        predict = self.predictors.get(layer)
-        if predict is None or layer not in self.disk_homes or x.device.type != "cpu":
-            return
-        with torch.inference_mode():
-            ids = predict(_real_rows(x, token_mask))
-        named = self.stats.prediction.get(layer, set())
-        experts = [e for e in torch.unique(ids).tolist() if layer * self.n_experts + e not in named]
-        if not experts:
-            return
-        if self.tracer is not None:
-            self.tracer.predicted(layer, experts, SOURCE)
-        keys = {layer * self.n_experts + e for e in experts}
-        self.stats.prediction[layer] = named | keys
-        self.stats.layer(layer).predicted += len(keys)
-        self.disk_homes[layer].request(layer, experts, ahead=True)
-        if self.cache is not None and layer in self.cached_layers:
-            self.stats.prefetched(layer, self.cache.prefetch(sorted(keys), prefill), self.nbytes[layer])
-
     def take(self, block: int) -> tuple[int, torch.Tensor] | None:
         """(layer, device ids) predicted before `block`, for the block's routing read to carry."""
         return self.riding.pop(block, None)

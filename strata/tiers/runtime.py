@@ -51,12 +51,6 @@ class TierRuntime:
         if self.prefetcher is not None:
             self.prefetcher(block, x, step.token_mask, self.executor.prefill)
 
-    @boundary
-    def before_ffn(self, block: int, x: torch.Tensor, step) -> None:
-        """Between a block's mixer half and its MoE half: the prefetcher's second prediction."""
-        if self.prefetcher is not None:
-            self.prefetcher.refine(block, x, step.token_mask, self.executor.prefill)
-
     def stats(self) -> dict:
         resident = self.cache.resident_per_layer() if self.cache else {}
         resident.update({x.layer: x.n_experts for x in self.plan.experts if x.home == "gpu"})
@@ -116,12 +110,6 @@ class TieredProvider:
     def begin_block(self, index: int, x: torch.Tensor, step) -> None:
         if self.runtime is not None:
             self.runtime.begin_block(index, x, step)
-
-    @boundary
-    def before_ffn(self, index: int, x: torch.Tensor, step) -> None:
-        """A model whose blocks say when their MoE half starts (qwen4exp) calls this there."""
-        if self.runtime is not None:
-            self.runtime.before_ffn(index, x, step)
 
 
 def install(loaded, options, byte_bar=None) -> TierRuntime:
