@@ -1,8 +1,8 @@
 """The AMX prompt products (strata/kernels/prefill.c) against the exact dequantized math.
 
-Each type's own dequantizer must equal the reference decoder (strata.quant, which mirrors gguf-py)
-value for value; each product, with 3 terms (the default "q8x2"), must stay within 2e-5 of max |y|
-of float64 math on the dequantized weights, and within 1e-2 with 1 term ("q8": bfloat16 rounding);
+Each type's own dequantizer must equal gguf-py's decoder value for value; each product, with 3
+terms (the default "q8x2"), must stay within 2e-5 of max |y| of float64 math on gguf-py's
+dequantized weights, and within 1e-2 with 1 term ("q8": bfloat16 rounding);
 odd row counts (a partial 16-row tile, a partial 64-row panel), row counts of x that are not a
 multiple of 16 (1 and 33), an odd number of blocks per row, 1 and 2 threads. Then a model: prefill logits of
 files llama.cpp quantized, through these products, stay closer to the exact dequantized math than
@@ -11,6 +11,7 @@ llama.cpp's own logits.
 
 from __future__ import annotations
 
+import gguf.quants
 import numpy as np
 import pytest
 import torch
@@ -25,9 +26,10 @@ pytestmark = pytest.mark.skipif(not prompt.available(), reason="no AMX-BF16 on t
 # type -> byte offsets of its float16 scales in a block (random bytes elsewhere are valid blocks)
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
               "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ2_XXS": (0,), "IQ2_XS": (0,),
-              "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": (), "IQ3_XXS": (0,)}
+              "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": (), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ2_S": (0,),
+              "IQ1_S": (0,), "IQ1_M": ()}
 OWN = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS",
-       "IQ4_NL", "IQ4_XS", "MXFP4"]
+       "IQ4_NL", "IQ4_XS", "MXFP4", "IQ3_XXS", "IQ3_S", "IQ2_S", "IQ1_S", "IQ1_M"]
 
 
 def _count_calls(monkeypatch, *names: str) -> dict[str, int]:
@@ -50,7 +52,18 @@ def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> QTensor:
     if name == "MXFP4":  # its scale: one E8M0 byte, 2^(e - 127), e near 120 (and the two smallest)
         raw[:, :, 0] = g.integers(118, 124, size=raw.shape[:2])
         raw[0, 0, 0], raw[-1, -1, 0] = 0, 1
+    if name == "IQ1_M":  # its f16 scale: the top nibbles of the four u16 sub-block scales (bytes 48-55)
+        d = g.uniform(0.002, 0.02, size=raw.shape[:2]).astype(np.float16).view(np.uint16)
+        sc = raw[:, :, 48:56].copy().view(np.uint16) & 0x0FFF
+        for k in range(4):
+            sc[:, :, k] |= ((d >> (4 * k)) & 0xF) << 12
+        raw[:, :, 48:56] = sc.view(np.uint8)
     return QTensor(torch.from_numpy(raw.reshape(rows, -1).copy()), qt, (rows, cols))
+
+
+def gguf_dequantized(w: QTensor) -> torch.Tensor:
+    """w's values by gguf-py's own decoder (float32, as gguf-py returns them)."""
+    return torch.from_numpy(gguf.quants.dequantize(w.raw.numpy(), w.qtype).reshape(w.shape).copy())
 
 
 def _cols(name: str) -> int:
@@ -60,14 +73,15 @@ def _cols(name: str) -> int:
 @pytest.mark.parametrize("name", OWN)
 def test_own_dequantizer_equals_reference(name):
     w = random_blocks(name, 3, _cols(name))
-    ref = w.dequantize(torch.float32)
+    ref = gguf_dequantized(w)
+    assert torch.isfinite(ref).all() and ref.abs().max() > 0
     for r in range(3):
         got = prompt.dequant_row(w.raw[r], w.qtype, w.shape[1])
         assert got is not None
         torch.testing.assert_close(got, ref[r], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", OWN + ["IQ3_XXS"])  # IQ3_XXS: ggml's dequantizer
+@pytest.mark.parametrize("name", OWN)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_prompt_product_matches_exact(name, threads):
     if not prompt.has_type(T[name]):
@@ -75,7 +89,7 @@ def test_prompt_product_matches_exact(name, threads):
     cols = _cols(name)
     for rows in (37, 70):  # one partial panel; a full one then a partial one
         w = random_blocks(name, rows, cols, seed=rows)
-        exact_w = w.dequantize(torch.float64)
+        exact_w = gguf_dequantized(w).double()
         for tokens in (1, 33):
             x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
             ref = x.double() @ exact_w.T
@@ -183,7 +197,8 @@ def test_prefill_logits_within_llama_cpps_distance(quantized_files):
                 assert dist < 1e-2 * max(theirs, 1e-3) + 2e-3, (name, dist)
 
 
-@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("IQ2_XS", "IQ2_XS", "IQ2_XS"), ("Q8_0", "Q5_K", "Q4_0")])
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("IQ2_XS", "IQ2_XS", "IQ2_XS"), ("Q8_0", "Q5_K", "Q4_0"),
+                                   ("IQ1_M", "IQ3_S", "IQ2_S")])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_prompt_experts_match_reference(types, threads, monkeypatch):
     """A prompt's routed experts (one C call for the layer, and one per expert for a tier's source)

@@ -313,11 +313,136 @@ static void deq_mxfp4(const void *w, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i += 32, b += 17, y += 32) lut32(b + 1, (__m128i)E2M1_I8, e8m0_half(b[0]), y);
 }
 
+/* ------------------------------------------------------------------ IQ codebook dequantizers
+ * 16 values at a time from two 8-value (or four 4-value) codebook entries of qmm.c's tables
+ * (blocks.h); the scale products in gguf-py's order, then the value times the scale and the sign
+ * (a negation, as gguf-py's multiply by -1). */
+
+static const __m512 ZERO16 = {0};
+
+/* 16 bytes (as unsigned ints) * db, negated where `neg` has a bit, stored at y */
+static inline void grid16_u8(__m128i g, float db, __mmask16 neg, float *y) {
+    const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(g)), _mm512_set1_ps(db));
+    _mm512_storeu_ps(y, _mm512_mask_sub_ps(v, neg, ZERO16, v));
+}
+
+static inline __m128i two8(const uint8_t *g0, const uint8_t *g1) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)g0), _mm_loadl_epi64((const __m128i *)g1));
+}
+
+static inline __m128i four4(const uint8_t *g0, const uint8_t *g1, const uint8_t *g2, const uint8_t *g3) {
+    return _mm_set_epi32((int)rd_u32(g3), (int)rd_u32(g2), (int)rd_u32(g1), (int)rd_u32(g0));
+}
+
+/* IQ2_S {f16 d; u8 qs[32], signs[32], qh[8], scales[8]}: 8-value entry k of sub-block ib is
+ * qs[4 ib + k] | 2 bits of qh[ib] << 8; scale nibble 0 (k < 2) or 1 of scales[ib]. */
+static void deq_iq2_s(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    for (int64_t i = 0; i < n; i += 256, b += 82, y += 256) {
+        const float d = rd_f16(b);
+        const uint8_t *qs = b + 2, *sg = b + 34, *qh = b + 66, *sc = b + 74;
+        for (int ib = 0; ib < 8; ib++)
+            for (int h = 0; h < 2; h++) {
+                const int k = 4 * ib + 2 * h;
+                const float db = d * (0.5f + (float)((sc[ib] >> (4 * h)) & 0xF)) * 0.25f;
+                const int i0 = qs[k] | ((qh[ib] >> (4 * h)) & 3) << 8, i1 = qs[k + 1] | ((qh[ib] >> (4 * h + 2)) & 3) << 8;
+                grid16_u8(two8(GRID_IQ2_S[i0], GRID_IQ2_S[i1]), db, rd_u16(sg + k), y + 32 * ib + 16 * h);
+            }
+    }
+}
+
+/* IQ3_S {f16 d; u8 qs[64], qh[8], signs[32], scales[4]}: 4-value entry k of sub-block ib is
+ * qs[8 ib + k] | bit k of qh[ib] << 8; scale 1 + 2 * nibble ib of scales. */
+static void deq_iq3_s(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    for (int64_t i = 0; i < n; i += 256, b += 110, y += 256) {
+        const float d = rd_f16(b);
+        const uint8_t *qs = b + 2, *qh = b + 66, *sg = b + 74, *sc = b + 106;
+        for (int ib = 0; ib < 8; ib++) {
+            const float db = d * (float)(1 + 2 * ((sc[ib / 2] >> (4 * (ib & 1))) & 0xF));
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *q = qs + 8 * ib + 4 * h;
+                const int hb = qh[ib] >> (4 * h);
+                grid16_u8(four4(GRID_IQ3_S[q[0] | (hb & 1) << 8], GRID_IQ3_S[q[1] | (hb >> 1 & 1) << 8],
+                                GRID_IQ3_S[q[2] | (hb >> 2 & 1) << 8], GRID_IQ3_S[q[3] | (hb >> 3 & 1) << 8]),
+                          db, rd_u16(sg + 4 * ib + 2 * h), y + 32 * ib + 16 * h);
+            }
+        }
+    }
+}
+
+/* IQ3_XXS {f16 d; u8 qs[64]; u32 aux[8]}: sub-block ib takes 8 4-value entries qs[8 ib ..], the
+ * scale aux >> 28 and four 7-bit sign indices into ksigns (KSIGNS8). */
+static void deq_iq3_xxs(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    for (int64_t i = 0; i < n; i += 256, b += 98, y += 256) {
+        const float d = rd_f16(b);
+        for (int ib = 0; ib < 8; ib++) {
+            const uint8_t *q = b + 2 + 8 * ib;
+            const uint32_t aux = rd_u32(b + 66 + 4 * ib);
+            const float db = d * (0.5f + (float)(aux >> 28)) * 0.5f;
+            for (int h = 0; h < 2; h++, q += 4) {
+                const __mmask16 neg = (__mmask16)(KSIGNS8[(aux >> (14 * h)) & 0x7F] | KSIGNS8[(aux >> (14 * h + 7)) & 0x7F] << 8);
+                grid16_u8(four4(GRID_IQ3_XXS[q[0]], GRID_IQ3_XXS[q[1]], GRID_IQ3_XXS[q[2]], GRID_IQ3_XXS[q[3]]), db, neg,
+                          y + 32 * ib + 16 * h);
+            }
+        }
+    }
+}
+
+/* 16 int8 values (8 * grid + the delta's sign, exact) * dl / 8, stored at y: gguf-py's
+ * dl * (grid + delta) with delta = +-1/8, the same float product since dl / 8 is exact. */
+static inline void iq1_16(__m128i v, float dl, float *y) {
+    _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), _mm512_set1_ps(dl * 0.125f)));
+}
+
+/* IQ1_S {f16 d; u8 qs[32]; u16 qh[8]}: entry k of sub-block ib is qs[4 ib + k] | 3 bits of qh[ib]
+ * << 8; qh's bits 12-14 are the scale, bit 15 the delta's sign. */
+static void deq_iq1_s(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    for (int64_t i = 0; i < n; i += 256, b += 50, y += 256) {
+        const float d = rd_f16(b);
+        const uint8_t *qs = b + 2;
+        for (int ib = 0; ib < 8; ib++) {
+            const unsigned q = rd_u16(b + 34 + 2 * ib);
+            const float dl = d * (float)(2 * ((q >> 12) & 7) + 1);
+            const __m128i delta = _mm_set1_epi8(q & 0x8000 ? -1 : 1);
+            for (int h = 0; h < 2; h++) {
+                const int k = 4 * ib + 2 * h;
+                const int i0 = qs[k] | ((q >> (6 * h)) & 7) << 8, i1 = qs[k + 1] | ((q >> (6 * h + 3)) & 7) << 8;
+                iq1_16(_mm_add_epi8(two8((const uint8_t *)GRID_IQ1_S8[i0], (const uint8_t *)GRID_IQ1_S8[i1]), delta), dl,
+                       y + 32 * ib + 16 * h);
+            }
+        }
+    }
+}
+
+/* IQ1_M {u8 qs[32], qh[16]; u16 scales[4]}: f16 d from the top nibbles of the 4 scales; entry k
+ * is qs[k] | 3 bits of nibble k of qh << 8, the nibble's bit 3 the delta's sign; 3-bit scale k / 2. */
+static void deq_iq1_m(const void *w, float *y, int64_t n) {
+    const uint8_t *b = w;
+    for (int64_t i = 0; i < n; i += 256, b += 56, y += 256) {
+        const uint8_t *qs = b, *qh = b + 32;
+        uint16_t sc[4];
+        memcpy(sc, b + 48, 8);
+        const float d = f16_to_f32((uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000)));
+        for (int j = 0; j < 16; j++) { /* 16 values: entries 2 j and 2 j + 1, nibbles of qh[j] */
+            const float dl = d * (float)(2 * ((sc[j / 4] >> (3 * (j % 4))) & 7) + 1);
+            const int lo = qh[j] & 0xF, hi = qh[j] >> 4;
+            const __m128i delta = _mm_unpacklo_epi64(_mm_set1_epi8(lo & 8 ? -1 : 1), _mm_set1_epi8(hi & 8 ? -1 : 1));
+            const int i0 = qs[2 * j] | (lo & 7) << 8, i1 = qs[2 * j + 1] | (hi & 7) << 8;
+            iq1_16(_mm_add_epi8(two8((const uint8_t *)GRID_IQ1_S8[i0], (const uint8_t *)GRID_IQ1_S8[i1]), delta), dl,
+                   y + 16 * j);
+        }
+    }
+}
+
 /* the own dequantizers by ggml type (the codebooks they read are qmm.c's, set at load) */
 static const pp_to_float OWN[PP_MAX_TYPES] = {
     [2] = deq_q4_0,     [3] = deq_q4_1,    [6] = deq_q5_0,     [7] = deq_q5_1,     [8] = deq_q8_0,
     [10] = deq_q2_k,    [11] = deq_q3_k,   [12] = deq_q4_k,    [13] = deq_q5_k,    [14] = deq_q6_k,
     [16] = deq_iq2_xxs, [17] = deq_iq2_xs, [20] = deq_iq4_nl,  [23] = deq_iq4_xs,  [39] = deq_mxfp4,
+    [18] = deq_iq3_xxs, [19] = deq_iq1_s,  [21] = deq_iq3_s,   [22] = deq_iq2_s,   [29] = deq_iq1_m,
 };
 
 /* ------------------------------------------------------------------ bf16 splitting */

@@ -4,8 +4,9 @@ call into bfloat16 tiles and multiplied by all rows of x, float32 accumulation.
 `matmul(x, w)` is `x @ w.T` for a 2-D CPU QTensor w; None where it does not apply (no AMX, no
 dequantizer for the type, a row length that is not a multiple of 32). `terms` 3 (the default) keeps
 about float32 accuracy (x and W each split into two bfloat16 parts); 1 is one bfloat16 product.
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, IQ2_XXS, IQ2_XS, IQ4_NL, IQ4_XS and MXFP4 have their own
-AVX-512 dequantizers; other types use ggml's to_float row by row when ggml is loaded. `swiglu` and
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
+IQ4_NL, IQ4_XS and MXFP4 have their own AVX-512 dequantizers; other types use ggml's to_float row by
+row when ggml is loaded. `swiglu` and
 `moe` are one expert / a layer's routed experts over a prompt in one C call.
 """
 
