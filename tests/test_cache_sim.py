@@ -86,6 +86,19 @@ def test_adaptive_evicts_a_key_of_the_layer_that_just_ran_before_one_of_a_layer_
     assert adaptive.victim({1}) == 0
 
 
+def test_adaptive_decides_alike_whatever_layers_its_keys_cover_beyond_those_that_run():
+    """The runtime sizes the key space by the model's expert layers (a draft layer that a plain
+    decode never runs included), the simulator by the trace's: the same routing must give the
+    same decisions, or the runtime's hit rate is not cache-sim's."""
+    E, rng = 8, np.random.default_rng(0)
+    steps = [[sorted(set((layer * E + rng.integers(0, E, 2)).tolist())) for layer in range(4)] for _ in range(60)]
+    placed = []
+    for n_layers in (4, 5):
+        slots = SlotMap(regions(make_policy("adaptive", 9, n_layers * E, n_experts=E)), n_experts=E)
+        placed.append([slots.request(keys, prefill=False) for step in steps for keys in step])
+    assert placed[0] == placed[1]
+
+
 def test_a_step_scores_the_resident_set_once_however_many_misses_it_places():
     """Ranks change only when a layer runs, so placing a batched step's misses scores the residents
     once (not once per miss, which made a wide step's placement cost misses x residents)."""
@@ -346,12 +359,13 @@ def test_a_prefetch_for_the_next_layer_may_evict_a_likelier_key_of_the_layer_tha
     away. A prediction for layer 1, right 7 times in 8, is needed now, so its expected wait is
     shorter and it may take the slot; the same prediction right once in 8 may not."""
     for right, evicted in ((7, True), (1, False)):
-        policy = make_policy("adaptive", 2, 80, n_experts=10)
+        policy = make_policy("adaptive", 3, 80, n_experts=10)
         slots = SlotMap(regions(policy), n_experts=10)
-        for step in range(24):
+        for step in range(24):  # a step of 8 layers: 0, 1, then 7 (the others dense)
             slots.request([0], prefill=False)
             slots.prefetch([11])
             slots.request([11] if step % 8 < right else [13], prefill=False)
+            slots.request([70], prefill=False)
         slots.request([0], prefill=False)
         assert policy.estimate(np.array([0]))[0] > slots.confidence(1)
         assert (slots.prefetch([12]) == [(12, slots.where.get(12))]) == evicted

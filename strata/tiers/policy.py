@@ -251,6 +251,7 @@ class Adaptive(Packed):
         n_layers = max(-(-n_keys // self.n_experts), 1)
         self.runs = np.zeros(n_layers, dtype=np.int64)  # runs of each layer so far
         self.now = -1  # the layer that ran last: keys of the layers after it run sooner in this step
+        self.span = 1  # layers in a step: the highest layer that has run, + 1 (a draft layer may never run)
         self.mean_share = np.zeros(n_layers)  # experts used per run / E, running mean
         self.last = np.full(n_layers * self.n_experts, -1, dtype=np.int64)  # run of the last use
         self.routed = np.zeros(n_layers * self.n_experts)  # sum over runs of the key's share of the run
@@ -300,7 +301,7 @@ class Adaptive(Packed):
             return
         layer = keys[0] // self.n_experts
         every = np.arange(layer * self.n_experts, (layer + 1) * self.n_experts)
-        self.now = layer
+        self.now, self.span = layer, max(self.span, layer + 1)
         used = np.asarray(keys, dtype=np.int64)
         if layer in self.inputs:  # one gradient step of the calibration on this run's outcome
             x, hit = self.inputs[layer], np.zeros(self.n_experts)
@@ -346,7 +347,7 @@ class Adaptive(Packed):
 
     def _wait(self, keys: np.ndarray) -> np.ndarray:
         """Steps until each key's layer runs next (1 for the layer that just ran)."""
-        return ((keys // self.n_experts - self.now - 1) % len(self.runs) + 1) / len(self.runs)
+        return ((keys // self.n_experts - self.now - 1) % self.span + 1) / self.span
 
 
 class Static(Policy):
