@@ -300,3 +300,44 @@ def test_prompt_experts_out_of_memory_part_way_is_one_named_error(monkeypatch):
     x, out = torch.randn(8, 256), torch.zeros(8, 256)
     with pytest.raises(StrataError, match="--prefill-chunk"):
         prompt.moe(x, torch.tensor([0, 1]), torch.tensor([4, 4]), torch.arange(8), torch.ones(8), stacked, out, 1)
+
+
+# --- a prompt's small operations in C: RMS norm (prefill.c) and the rotary embedding (qmm.c) ------
+
+@pytest.mark.parametrize("dim", [128, 72])  # 72: a tail after the 16-lane sums
+def test_prompt_rmsnorm_matches_float64(dim):
+    from strata.kernels import decode_ops
+    from strata.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(dim)
+    norm = RMSNorm(torch.randn(dim, generator=g), 1e-5)
+    x = torch.randn(3, 400, dim, generator=g) * torch.rand(3, 400, 1, generator=g) * 4  # rows of unequal size
+    assert x.numel() > decode_ops.DECODE_MAX
+    got = prompt.try_rmsnorm(x, norm.weight, norm.eps)
+    assert got is not None and got.shape == x.shape
+    xd = x.double()
+    want = norm.weight.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + norm.eps)
+    err = float(((got.double() - want).abs() / want.abs().amax(-1, keepdim=True)).max())
+    assert err < 1e-6, err
+    assert torch.equal(norm(x), got)  # the module takes it
+    assert prompt.try_rmsnorm(x[:, :2], norm.weight, norm.eps) is None  # decode-sized: torch's
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_prompt_rope_matches_float64(interleaved):
+    from strata.kernels import decode_ops
+
+    tokens, heads, dim, rot = 600, 4, 64, 48  # a partial rotation: the last 16 values pass through
+    g = torch.Generator().manual_seed(int(interleaved))
+    x = torch.randn(1, tokens, heads, dim, generator=g)
+    angle = torch.rand(1, tokens, 1, rot // 2, generator=g) * 6.3
+    cos, sin = angle.cos(), angle.sin()
+    assert x.numel() > decode_ops.DECODE_MAX
+    got = decode_ops.try_rope(x, cos, sin, rot, interleaved)
+    assert got is not None
+    xd, c, s = x.double(), cos.double(), sin.double()
+    x1, x2 = (xd[..., 0:rot:2], xd[..., 1:rot:2]) if interleaved else (xd[..., : rot // 2], xd[..., rot // 2: rot])
+    a, b = x1 * c - x2 * s, x2 * c + x1 * s
+    out = torch.stack((a, b), -1).flatten(-2) if interleaved else torch.cat((a, b), -1)
+    want = torch.cat((out, xd[..., rot:]), -1)
+    assert float((got.double() - want).abs().max()) < 1e-5

@@ -25,15 +25,17 @@ from strata.kernels import _build
 DECODE_MAX = 1 << 16
 
 
-def _ok(x: torch.Tensor) -> bool:
+def _ok(x: torch.Tensor, any_size: bool = False) -> bool:
     return (kernels.USE_KERNELS and x.dtype is torch.float32 and x.device.type == "cpu"
-            and x.numel() <= DECODE_MAX and x.is_contiguous())
+            and (any_size or x.numel() <= DECODE_MAX) and x.is_contiguous())
 
 
 def try_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int, interleaved: bool) -> torch.Tensor | None:
-    """x (B, T, H, D) rotated on its first `rot` values by cos/sin (B, T, 1, rot/2), or None."""
+    """x (B, T, H, D) rotated on its first `rot` values by cos/sin (B, T, 1, rot/2), or None. Any
+    number of tokens: for a prompt too the one C pass beats torch's six operators (512 x 32 x 128,
+    1 thread: 1.6 against 8 ms wall; 2 threads on a loaded machine: 2.6 against 89 ms)."""
     lib = _build.load()
-    if lib is None or not _ok(x) or x.dim() != 4 or cos.dtype is not torch.float32:
+    if lib is None or not _ok(x, any_size=True) or x.dim() != 4 or cos.dtype is not torch.float32:
         return None
     b, t, h, d = x.shape
     if cos.shape != (b, t, 1, rot // 2) or sin.shape != cos.shape or rot > d:

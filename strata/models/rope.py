@@ -23,7 +23,7 @@ class Rope:
         """Rotates in float32 (the tables are float32, as transformers keeps them) and returns x's
         dtype, so bf16/fp16 q and k stay in the dtype v and the cache have."""
         d = self.cfg.dim
-        y = decode_ops.try_rope(x, cos, sin, d, self.cfg.interleaved)  # a decode step: one C call
+        y = decode_ops.try_rope(x, cos, sin, d, self.cfg.interleaved)  # one C call
         if y is not None:
             return y
         rot, rest = x[..., :d].float(), x[..., d:]
