@@ -12,7 +12,9 @@ time outside them (Python, torch operators, attention) is the step's CPU time mi
 from __future__ import annotations
 
 import ctypes
+import os
 import statistics
+import threading
 import time
 from collections import defaultdict
 
@@ -259,6 +261,22 @@ def print_profile(engine, prompt: list[int], steps: int) -> None:
           f"= {100 * floor_ms / step_ms:.0f}% of bandwidth")
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of this process's threads, summed by kind: the calling thread, the
+    kernels' pool helpers (named strata-pool), and the others (torch's OpenMP team, I/O)."""
+    out: dict[str, float] = defaultdict(float)
+    me, tick = threading.get_native_id(), os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                name, fields = f.read().rsplit(")", 1)
+        except OSError:  # the thread ended meanwhile
+            continue
+        kind = "calling" if int(tid) == me else "pool helpers" if name.endswith("(strata-pool") else "other"
+        out[kind] += (int(fields.split()[11]) + int(fields.split()[12])) / tick
+    return out
+
+
 def replay_products(engine, prompt: list[int], repeats: int = 8) -> None:
     """CPU ms per token of one decode step's quantized products called alone (recorded from a real
     step, then replayed back to back), against the whole step's CPU ms: the rest is everything
@@ -310,10 +328,13 @@ def replay_products(engine, prompt: list[int], repeats: int = 8) -> None:
         tiles = (ctypes.c_int64 * 2)()
         lib.strata_pool_tiles(tiles)
         before = list(tiles)
+        threads_cpu = defaultdict(float)
         for _ in range(repeats):
-            t = time.process_time()
+            t, by_thread = time.process_time(), thread_cpu()
             token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
             steps.append(time.process_time() - t)
+            for kind, sec in thread_cpu().items():
+                threads_cpu[kind] += sec - by_thread.get(kind, 0.0)
             t = time.process_time()
             for fn, args in calls:
                 fn(*args)
@@ -324,3 +345,5 @@ def replay_products(engine, prompt: list[int], repeats: int = 8) -> None:
     step, kern = statistics.median(steps) * 1e3, statistics.median(alone) * 1e3
     print(f"\n  replayed: {len(calls)} product calls alone {kern:.2f} ms CPU per token; the whole step "
           f"{step:.2f} ms CPU; outside the products {step - kern:.2f} ms ({100 * (step - kern) / step:.0f}%){share}")
+    split = ", ".join(f"{kind} {1e3 * sec / repeats:.2f}" for kind, sec in sorted(threads_cpu.items()) if sec > 0)
+    print(f"  CPU ms per decode step by thread: {split} (clock ticks of /proc, {repeats} steps)")
