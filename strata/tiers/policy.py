@@ -231,7 +231,7 @@ class LFU(Scored):
 
 
 class Adaptive(Packed):
-    """Evicts the expert least likely to be used at its layer's next run, by a table learned online.
+    """Evicts the expert whose next use is expected latest, by a chance of use learned online.
 
     Each access of a layer first scores the table: for every expert of that layer, its cell
     (lag since last use, frequency share) saw one more run, and one more use if it was used.
@@ -328,10 +328,10 @@ class Adaptive(Packed):
         self.inputs[layer] = self.inputs_of(every)
 
     def ranks(self, resident):
-        """1 / (steps to the key's next run + 1 / its chance there - 1 + 1): the sooner the expected
-        next use, the higher. Within a step the cache sees the layers in order, so a key of the layer
-        that just ran waits a whole step for its next chance, while one of a layer still to run may
-        be used in this step: at equal chances the first is evicted."""
+        """1 / (expected wait + 1): the wait being the steps until the key's layer runs next plus
+        1 / p - 1 steps for its chance p of use at each run. Within a step the cache sees the layers
+        in order, so a key of the layer that just ran waits a whole step for its next chance, while
+        one of a layer still to run may be used in this step: at equal chances the first is evicted."""
         _, _, _, share = self._cells(resident)
         return 1 / (self._wait(resident) + 1 / np.maximum(self.estimate(resident), 1e-6)) + TIE * share + 1e-12 * self.last[resident]
 
