@@ -1119,7 +1119,7 @@ static float dot2_q6_k(int64_t n, const uint8_t *w, const uint8_t *prep, const u
         memcpy(&dr, yr, 4);
         const float d = rd_f16(b + 208);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(b + 192));
-        const __m512i sc32 = _mm512_cvtepi8_epi32(sc8);
+        const __m512i sc32 = _mm512_cvtepi8_epi32(sc8), sc16 = _mm512_and_si512(sc32, _mm512_set1_epi32(0xFFFF));
         __m512i sq = _mm512_setzero_si512(), sr = _mm512_setzero_si512();
         #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
@@ -1134,8 +1134,7 @@ static float dot2_q6_k(int64_t n, const uint8_t *w, const uint8_t *prep, const u
             const __m512i ia = _mm512_set_epi32(g + 3, g + 3, g + 3, g + 3, g + 2, g + 2, g + 2, g + 2, g + 1, g + 1,
                                                 g + 1, g + 1, g, g, g, g);
             const __m512i ib = _mm512_add_epi32(ia, _mm512_set1_epi32(4));
-            const __m512i sa = _mm512_and_si512(_mm512_permutexvar_epi32(ia, sc32), _mm512_set1_epi32(0xFFFF));
-            const __m512i sb = _mm512_and_si512(_mm512_permutexvar_epi32(ib, sc32), _mm512_set1_epi32(0xFFFF));
+            const __m512i sa = _mm512_permutexvar_epi32(ia, sc16), sb = _mm512_permutexvar_epi32(ib, sc16);
             const uint8_t *xa = yq + 4 + 128 * h, *ra = yr + 4 + 128 * h;
             sq = madd_lo16(sq, _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa, _mm512_loadu_si512(xa)), sa);
             sq = madd_lo16(sq, _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb, _mm512_loadu_si512(xa + 64)), sb);
