@@ -341,3 +341,25 @@ def test_prompt_rope_matches_float64(interleaved):
     out = torch.stack((a, b), -1).flatten(-2) if interleaved else torch.cat((a, b), -1)
     want = torch.cat((out, xd[..., rot:]), -1)
     assert float((got.double() - want).abs().max()) < 1e-5
+
+
+def test_prompt_delta_rule_solves_on_one_thread(monkeypatch):
+    """qwen3-next's chunked delta rule runs its batched triangular solve with torch on one thread
+    (at 2 threads on a shared machine MKL's took up to 1.5 s for a 512-token layer) and gives the
+    caller's thread count back."""
+    from strata.models import gated_deltanet
+
+    seen = []
+    real = torch.linalg.solve_triangular
+    monkeypatch.setattr(torch.linalg, "solve_triangular", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    b, h, t, dk, dv = 1, 2, 40, 8, 4
+    q, k = torch.randn(b, h, t, dk, generator=g), torch.nn.functional.normalize(torch.randn(b, h, t, dk, generator=g), dim=-1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gated_deltanet.chunk_gated_delta_rule(q, k, torch.randn(b, h, t, dv, generator=g), -torch.rand(b, h, t, generator=g),
+                                              torch.rand(b, h, t, generator=g), torch.zeros(b, h, dk, dv), 16)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -39,6 +39,7 @@ from torch import nn
 from strata import kernels
 from strata.kernels.causal_conv import try_causal_conv
 from strata.kernels.delta_rule import try_gdn_step
+from strata.kernels.threads import one_thread_if_small
 from strata.models.cache import StepInfo
 from strata.models.linear import apply_linear
 from strata.models.weights import WeightLoader
@@ -358,7 +359,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
     rhs = torch.empty(n, b, hv, dv + dk, chunk, dtype=q.dtype, device=q.device).transpose(-1, -2)
     torch.mul(v, beta[..., None], out=rhs[..., :dv])
     torch.mul(k[:, :, :, None], per_key(beta * cum_decay)[..., None], out=per_key(rhs[..., dv:]))
-    uw = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True, out=rhs)
+    # on one thread: torch's batched triangular solve (MKL) at 2 threads on a shared machine took
+    # 34 ms to 1.5 s for a 512-token qwen3-next layer's 256 systems, on one 3-7 ms
+    with one_thread_if_small(0, q.device):
+        uw = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True, out=rhs)
     u, w = uw[..., :dv], uw[..., dv:]
     # w's row i is exp(G_i) times an O(1) row (the solve's decays factor so): where that factor
     # was dropped, the row is zero too, not a sum of subnormal products
