@@ -355,6 +355,35 @@ def test_q8x2_keeps_its_accuracy_for_small_activations(isa):
 
 
 @needs_kernels
+def test_q8x2_through_ggmls_two_passes_keeps_its_accuracy_for_small_activations():
+    """The same through ggml's two passes (the path of a CPU without the one-pass kernels, and of
+    a type without one): its q8_0 / q8_1 blocks keep the f16 scales, so a row under 2 in size is
+    quantized times a power of two and its products scaled back (x ~ 1e-4 was 1e-2 from exact).
+    q8_1's own f16 block sums bound Q4_1 / Q5_1 at ~4e-4 whatever the scale (ggml's design)."""
+    lib = _build.load()
+    before = kernels.activations()
+    kernels.set_activations("q8x2")
+    lib.strata_set_fused(0)
+    try:
+        for qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4"):
+            w = random_qtensor(qtype, (48, 256), seed=3)
+            dense = w.dequantize(torch.float64)
+            bound = 1e-3 if qtype in ("Q4_1", "Q5_1") else 1e-4
+            for scale in (1e-30, 1e-4, 1e-2, 1.0, 100.0):
+                x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)) * scale
+                x[1] *= 1e-3  # rows of their own sizes
+                ref = x.double() @ dense.T
+                for threads in (1, 2):
+                    y = kernels.qmatmul_fast(x, w, threads=threads).double()
+                    for r in range(3):
+                        err = float((y[r] - ref[r]).abs().max() / ref[r].abs().max())
+                        assert err < bound, (qtype, scale, r, err)
+    finally:
+        lib.strata_set_fused(1)
+        kernels.set_activations(before)
+
+
+@needs_kernels
 @pytest.mark.parametrize("isa", list(_build.KERNEL_ISAS))
 @pytest.mark.parametrize("qtype", ONE_PASS_TYPES)
 def test_fused_residual_pass_equals_ggmls_two_passes(qtype, isa):

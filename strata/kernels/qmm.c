@@ -2047,6 +2047,7 @@ typedef struct {
     dot2_fn dot2;         /* the one-pass kernel, or NULL: ggml's dot (twice with XR) */
     ggml_vec_dot_fn dot;
     int burst;            /* prefetch each row's bytes before it (a kernel that does not stream_prefetch) */
+    const float *unscale; /* ggml's two passes: per x row, the inverse of the factor it was quantized at (or NULL) */
 } many_item;
 
 typedef struct {
@@ -2081,6 +2082,7 @@ static void tile_many(const void *a_, int64_t tile) {
                     m->dot((int)m->cols, &lo2, 0, m->W + r * m->wrow, 0, m->XR + xb, 0, 1);
                     *y += lo2;
                 }
+                if (m->unscale) *y *= m->unscale[m->pick ? m->pick[b] : b];
             }
         }
     }
@@ -2095,9 +2097,10 @@ typedef struct {
     int prep; /* fused2_prep's kinds: 0 blocks as they are, 1 q8_0_prep, 2 q4_1_prep, 3 prep256 */
     uint8_t *buf, *xq, *xr;
     int64_t xrow;
+    float *unscale; /* per row, 1 / small_row_scale where ggml's two passes take f16-scaled blocks (else NULL) */
 } many_act;
 
-/* "q8x2" with q8_0 / q8_1 activations (the prepared kinds 1-3) stores each block's scales as f16:
+/* "q8x2" with q8_0 / q8_1 activations (the prepared kinds 1-3, and ggml's blocks as they are) stores each block's scales as f16:
  * a row whose largest |x| is under 2 puts its residual's scale (about max|x| / 32258) below f16's
  * normal range (6.1e-5), where it keeps few bits, and the second pass adds little (x ~ 1e-3 came
  * out 30x further from exact than x ~ 1, x ~ 1e-4 as far as one pass). Such a row is quantized
@@ -2137,9 +2140,12 @@ static void prep_rescale(int kind, int64_t cols, uint8_t *row, float f) {
 static int prepare_act(many_act *p, const ext_kernel *k, int twice) {
     const int64_t cols = p->cols, B = p->B, brow = cols / k->qblk * k->qsize;
     const int64_t prow = fused2_prep_bytes(p->prep, cols);
-    const int rescale = twice && prep_f16_scales(p->prep, cols) > 0; /* the layouts prep_rescale undoes */
+    /* the layouts prep_rescale undoes; ggml's own q8_0 / q8_1 blocks (f16 scales), whose products
+     * are scaled back instead (tile_many) */
+    const int f16_blocks = p->prep == 0 && (k->qsize == 34 || k->qsize == 36) && k->qblk == 32;
+    const int rescale = twice && (prep_f16_scales(p->prep, cols) > 0 || f16_blocks);
     const int q8k = k->qblk == 256 && k->qsize == 292; /* strata_q8k_quantize: ggml's reference, vectorized */
-    uint8_t *blocks = malloc((size_t)((twice ? 2 : 1) * B * brow + B * prow) + 64);
+    uint8_t *blocks = malloc((size_t)((twice ? 2 : 1) * B * brow + B * prow + (rescale && f16_blocks ? 4 * B : 0)) + 64);
     float *tmp = twice ? malloc(sizeof(float) * (size_t)(rescale ? 2 * cols + B : cols)) : NULL;
     if (!blocks || (twice && !tmp)) {
         free(blocks);
@@ -2166,6 +2172,11 @@ static int prepare_act(many_act *p, const ext_kernel *k, int twice) {
         }
     }
     p->buf = blocks;
+    p->unscale = NULL;
+    if (rescale && f16_blocks) {
+        p->unscale = (float *)(blocks + (twice ? 2 : 1) * B * brow + B * prow);
+        for (int64_t b = 0; b < B; b++) p->unscale[b] = 1.0f / fs[b];
+    }
     if (p->prep) {
         uint8_t *prep = blocks + (twice ? 2 : 1) * B * brow;
         for (int64_t b = 0; b < B; b++) {
@@ -2212,7 +2223,7 @@ static int many_run(int n, const many_req *req, int nth, int twice) {
             for (int64_t i = 0; i < q->xB * q->cols; i++)
                 if (!(q->X[i] - q->X[i] == 0.0f)) ok = 0;
             if (!ok) break;
-            acts[a] = (many_act){q->X, q->cols, q->xB, k->quant, prep, NULL, NULL, NULL, 0};
+            acts[a] = (many_act){q->X, q->cols, q->xB, k->quant, prep, NULL, NULL, NULL, 0, NULL};
             if (!prepare_act(&acts[a], k, twice)) {
                 ok = 0;
                 break;
@@ -2220,7 +2231,7 @@ static int many_run(int n, const many_req *req, int nth, int twice) {
             n_act++;
         }
         it[j] = (many_item){q->W, q->rows, q->cols, q->wrow, acts[a].xrow, 0, q->B, q->pick,
-                            acts[a].xq, acts[a].xr, q->Y, dot2, k->dot, !dot2_streams(dot2)};
+                            acts[a].xq, acts[a].xr, q->Y, dot2, k->dot, !dot2_streams(dot2), acts[a].unscale};
         bytes += q->rows * q->wrow * q->B;
     }
     if (ok) {
