@@ -1280,6 +1280,7 @@ static float dot2_iq2_xs(int64_t n, const uint8_t *w, const uint8_t *xq, const u
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * 74, *yq = xq + i * 292, *yr = xr + i * 292;
+        stream_prefetch(b, 74);
         float dq, dr;
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
@@ -1873,14 +1874,6 @@ static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     return fused_isa == 3 ? fused2_512(type, qblk, qsize) : NULL;
 }
 
-/* Whether one-pass kernel f prefetches its own weight stream (stream_prefetch): all but AVX-512 IQ2_XS. */
-static int dot2_streams(dot2_fn f) {
-#if defined(HAVE_FUSED2)
-    if (f == dot2_iq2_xs) return 0;
-#endif
-    return f != NULL;
-}
-
 /* The 256-bit kernels' layout of the q8_0 / q8_1 activations of one row (the part every weight
  * row shares, built once per product): x's and its residual's int8 values (32 per block each),
  * their block scales as float, and for q8_1 x's exact d * sum(q) over each block (both
@@ -2046,7 +2039,7 @@ typedef struct {
     float *Y;
     dot2_fn dot2;         /* the one-pass kernel, or NULL: ggml's dot (twice with XR) */
     ggml_vec_dot_fn dot;
-    int burst;            /* prefetch each row's bytes before it (a kernel that does not stream_prefetch) */
+    int burst;            /* prefetch each row's bytes before it (ggml's dot; the one-pass kernels stream_prefetch) */
     const float *unscale; /* ggml's two passes: per x row, the inverse of the factor it was quantized at (or NULL) */
 } many_item;
 
@@ -2231,7 +2224,7 @@ static int many_run(int n, const many_req *req, int nth, int twice) {
             n_act++;
         }
         it[j] = (many_item){q->W, q->rows, q->cols, q->wrow, acts[a].xrow, 0, q->B, q->pick,
-                            acts[a].xq, acts[a].xr, q->Y, dot2, k->dot, !dot2_streams(dot2), acts[a].unscale};
+                            acts[a].xq, acts[a].xr, q->Y, dot2, k->dot, dot2 == NULL, acts[a].unscale};
         bytes += q->rows * q->wrow * q->B;
     }
     if (ok) {
