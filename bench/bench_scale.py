@@ -74,7 +74,7 @@ CHILD = textwrap.dedent("""
         return (sum(h.reader.bytes_read for h in homes), sum(h.hits for h in homes), sum(h.misses for h in homes),
                 sum(h.wait_s for h in homes), sum(h.read_ahead for h in homes), sum(h.ahead_used for h in homes))
     ids = [(7 * i + 3) % engine.config.vocab_size for i in range(n_prompt)]
-    t1 = time.perf_counter()
+    t1, cpu_t1 = time.perf_counter(), time.process_time()
     first = None
     out = []
     for r in engine.stream(ids, n_new, stop_at_eos=False):
@@ -92,7 +92,7 @@ CHILD = textwrap.dedent("""
         "prefill_tok_s": n_prompt / (first - t1), "decode_tok_s": (len(out) - 1) / (end - first),
         "prefill_bytes": at_first[0], "decode_bytes_per_token": d[0] / n_dec,
         "decode_hit_rate": d[1] / max(d[1] + d[2] + d[5], 1), "decode_ahead_rate": d[5] / max(d[1] + d[2] + d[5], 1),
-        "decode_wait_s_per_token": d[3] / n_dec, "decode_cpu_s_per_token": (cpu_end - cpu_first) / n_dec, "read_ahead_per_token": d[4] / n_dec,
+        "decode_wait_s_per_token": d[3] / n_dec, "decode_cpu_s_per_token": (cpu_end - cpu_first) / n_dec, "prefill_cpu_s": cpu_first - cpu_t1, "read_ahead_per_token": d[4] / n_dec,
         "ahead_used_per_token": d[5] / n_dec, "memory": engine.memory.as_dict(), "ctx": engine.ctx_size,
         "max_in_flight": max((h.get("max_reads_in_flight", 0) for h in homes_stats), default=0),
         "summary": engine.summary(), "tokens": out}))
@@ -297,6 +297,7 @@ def main(argv=None) -> int:
              ("  limit: (dense + prefill reads) / disk s",
               lambda r: f"{(dense + r['prefill_bytes']) / r['disk']:.1f}"),
              (f"prefill tok/s ({args.prompt_tokens} tokens)", lambda r: f"{r['prefill_tok_s']:.2f}"),
+             ("  prefill CPU time s (all threads)", lambda r: f"{r['prefill_cpu_s']:.2f}"),
              (f"decode tok/s ({args.tokens} tokens)", lambda r: f"{r['decode_tok_s']:.3f}"),
              ("  disk limit: disk bw / bytes read per token",
               lambda r: f"{r['disk'] / max(r['decode_bytes_per_token'], 1):.3f}"),
