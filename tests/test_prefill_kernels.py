@@ -313,14 +313,14 @@ def test_prompt_rmsnorm_matches_float64(dim):
     norm = RMSNorm(torch.randn(dim, generator=g), 1e-5)
     x = torch.randn(3, 400, dim, generator=g) * torch.rand(3, 400, 1, generator=g) * 4  # rows of unequal size
     assert x.numel() > decode_ops.DECODE_MAX
-    got = prompt.try_rmsnorm(x, norm.weight, norm.eps)
+    got = decode_ops.try_rmsnorm(x, norm.weight, norm.eps)
     assert got is not None and got.shape == x.shape
     xd = x.double()
     want = norm.weight.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + norm.eps)
     err = float(((got.double() - want).abs() / want.abs().amax(-1, keepdim=True)).max())
     assert err < 1e-6, err
     assert torch.equal(norm(x), got)  # the module takes it
-    assert prompt.try_rmsnorm(x[:, :2], norm.weight, norm.eps) is None  # decode-sized: torch's
+    assert decode_ops.try_rmsnorm(x[:, :2], norm.weight, norm.eps) is None  # decode-sized: torch's
 
 
 @pytest.mark.parametrize("interleaved", [False, True])

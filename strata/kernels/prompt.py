@@ -7,8 +7,7 @@ about float32 accuracy (x and W each split into two bfloat16 parts); 1 is one bf
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
 IQ4_NL, IQ4_XS and MXFP4 have their own AVX-512 dequantizers; other types use ggml's to_float row by
 row when ggml is loaded. `swiglu` and
-`moe` are one expert / a layer's routed experts over a prompt in one C call; `try_rmsnorm` a
-prompt's RMS norm.
+`moe` are one expert / a layer's routed experts over a prompt in one C call.
 """
 
 from __future__ import annotations
@@ -18,10 +17,9 @@ import ctypes
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from strata import kernels
 from strata.errors import StrataError
 from strata.formats.weights import QTensor
-from strata.kernels import _build, decode_ops
+from strata.kernels import _build
 
 _ready: bool | None = None
 
@@ -170,31 +168,3 @@ def dequant_row(w: torch.Tensor, qtype, n: int) -> torch.Tensor | None:
     raw = w.contiguous().view(torch.uint8)
     out = torch.empty(n, dtype=torch.float32)
     return out if lib.strata_pp_dequant_row(int(qtype), raw.data_ptr(), n, out.data_ptr()) else None
-
-
-_norm_lib: ctypes.CDLL | None | bool = None  # the library with strata_pp_rmsnorm declared; False: none
-
-
-def try_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """weight * x / sqrt(mean(x^2) + eps) over x's last dimension for a prompt-sized float32 x, in
-    one C call on this thread (torch's five operators are five OpenMP regions, each a wait for a
-    descheduled peer thread on a shared machine); None for a decode-sized x or where it does not
-    apply, and the caller runs torch."""
-    global _norm_lib
-    if (x.numel() <= decode_ops.DECODE_MAX or not kernels.USE_KERNELS or x.dtype is not torch.float32
-            or weight.dtype is not torch.float32 or x.device.type != "cpu" or not x.is_contiguous()
-            or weight.device.type != "cpu" or weight.numel() != x.shape[-1] or not weight.is_contiguous()):
-        return None
-    if _norm_lib is None:
-        lib = _build.load()
-        if lib is not None and hasattr(lib, "strata_pp_rmsnorm"):
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            lib.strata_pp_rmsnorm.argtypes = [p, i64, i64, p, ctypes.c_float, p]
-            lib.strata_pp_rmsnorm.restype = None
-        _norm_lib = lib if lib is not None and hasattr(lib, "strata_pp_rmsnorm") else False
-    if _norm_lib is False:
-        return None
-    n = x.shape[-1]
-    out = torch.empty_like(x)
-    _norm_lib.strata_pp_rmsnorm(x.data_ptr(), x.numel() // n, n, weight.data_ptr(), eps, out.data_ptr())
-    return out

@@ -15,7 +15,7 @@ from torch import nn
 from strata.models.cache import KVCache, StepInfo
 from strata.models.rope import Rope
 from strata.formats.weights import QTensor
-from strata.kernels import moe, prompt
+from strata.kernels import decode_ops, moe
 from strata.kernels.grouped import route_table
 from strata.models.linear import linear_group
 from strata.models.weights import WeightLoader
@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = prompt.try_rmsnorm(x, self.weight, self.eps)  # a prompt's rows: one C call
+        y = decode_ops.try_rmsnorm(x, self.weight, self.eps)  # a prompt's rows: one C call
         if y is not None:
             return y
         xf = x.float()
