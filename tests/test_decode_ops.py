@@ -77,6 +77,19 @@ def test_group_declines_what_it_cannot_take():
     assert decode_ops.try_rope(torch.randn(1, 1, 2, 8), torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), 6, True) is None
 
 
+def _counting(name: str):
+    """decode_ops.<name> wrapped to count the calls the C half took (returned something)."""
+    real = getattr(decode_ops, name)
+    calls = [0]
+
+    def counted(*a):
+        y = real(*a)
+        calls[0] += y is not None
+        return y
+
+    return calls, counted
+
+
 def _decode_block(qk_norm: bool, bias: bool, seed: int = 0, gated: bool = False):
     """A llama-style block of quantized weights (hidden 256, 8 query heads of 32, 2 kv heads,
     partial rotary), built without a file; q/k norms, q/k/v biases and Qwen3-Next's output gate
@@ -210,13 +223,7 @@ def test_decode_moe_half_in_one_call_matches_torch(normalize, shared, monkeypatc
         shexp.gate = torch.randn(1, 256, generator=g) / 16 if shared == "gated" else None
     block.ffn = MoE(torch.randn(16, 256, generator=g) / 16, experts, partial(softmax_topk, k=4, normalize=normalize),
                     shexp)
-    calls = [0]
-    moe_c = decode_ops.try_moe_block
-
-    def counted(*a):
-        y = moe_c(*a)
-        calls[0] += y is not None
-        return y
+    calls, counted = _counting("try_moe_block")
 
     outs = {}
     for fast in (True, False):
@@ -277,13 +284,7 @@ def test_deltanet_decode_half_in_one_call_matches_torch(gate_act, mode, monkeypa
     activations(mode)  # silu: Qwen3-Next's output gate; sigmoid: qwen4exp's
     block = _deltanet_block(gate_act)
     prompt = torch.randn(1, 5, 256, generator=torch.Generator().manual_seed(8))
-    calls = [0]
-    gdn_c = decode_ops.try_gdn_block
-
-    def counted(*a):
-        y = gdn_c(*a)
-        calls[0] += y is not None
-        return y
+    calls, counted = _counting("try_gdn_block")
 
     outs, caches = {}, {}
     for fast in (True, False):
