@@ -93,6 +93,14 @@ static inline void q3k_scales_u32(const uint8_t *s, uint32_t s4[4]) {
 /* Q3_K's signed scale of 16-value sub-block k from q3k_scales_u32's lanes. */
 static inline int q3k_scale(const uint32_t s4[4], int k) { return (int)((s4[k / 4] >> (8 * (k % 4))) & 0xFF) - 32; }
 
+/* Q3_K {hmask[32]; qs[64]; scales[12]; f16 d} at b: d times each 16-value sub-block's scale. */
+static inline void q3k_sub_scales(const uint8_t *b, float dl[16]) {
+    const float d = rd_f16(b + 108);
+    uint32_t s4[4];
+    q3k_scales_u32(b + 96, s4);
+    for (int k = 0; k < 16; k++) dl[k] = d * (float)q3k_scale(s4, k);
+}
+
 /* IQ4_XS {f16 d; u16 scales_h; u8 scales_l[4]; ...}: the signed scale of 32-value sub-block j,
  * (4 low bits | 2 high bits << 4) - 32. */
 static inline int iq4xs_scale(const uint8_t *b, int j) {

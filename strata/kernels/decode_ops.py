@@ -301,29 +301,19 @@ def try_gdn_block(x: torch.Tensor, norm, mixer, cache, step) -> torch.Tensor | N
     return out
 
 
-_norm_lib: ctypes.CDLL | None | bool = None  # the library with strata_pp_rmsnorm declared; False: none
-
-
 def try_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """weight * x / sqrt(mean(x^2) + eps) over x's last dimension for a prompt-sized float32 x, in
     one C call on this thread (torch's five operators are five OpenMP regions, each a wait for a
     descheduled peer thread on a shared machine); None for a decode-sized x or where it does not
     apply, and the caller runs torch."""
-    global _norm_lib
     if (x.numel() <= DECODE_MAX or not kernels.USE_KERNELS or x.dtype is not torch.float32
             or weight.dtype is not torch.float32 or x.device.type != "cpu" or not x.is_contiguous()
             or weight.device.type != "cpu" or weight.numel() != x.shape[-1] or not weight.is_contiguous()):
         return None
-    if _norm_lib is None:
-        lib = _build.load()
-        if lib is not None and hasattr(lib, "strata_pp_rmsnorm"):
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            lib.strata_pp_rmsnorm.argtypes = [p, i64, i64, p, ctypes.c_float, p]
-            lib.strata_pp_rmsnorm.restype = None
-        _norm_lib = lib if lib is not None and hasattr(lib, "strata_pp_rmsnorm") else False
-    if _norm_lib is False:
+    fn = _build.entry("strata_pp_rmsnorm", (_P, _I64, _I64, _P, _F32, _P))
+    if fn is None:
         return None
     n = x.shape[-1]
     out = torch.empty_like(x)
-    _norm_lib.strata_pp_rmsnorm(x.data_ptr(), x.numel() // n, n, weight.data_ptr(), eps, out.data_ptr())
+    fn(x.data_ptr(), x.numel() // n, n, weight.data_ptr(), eps, out.data_ptr())
     return out

@@ -263,12 +263,9 @@ static void deq_q3_k(const void *w, float *y, int64_t n) {
     const uint8_t *b = w;
     const __m128i m2 = _mm_set1_epi8(3);
     for (int64_t i = 0; i < n; i += 256, b += 110, y += 256) {
-        const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
-        const float d = rd_f16(b + 108);
-        uint32_t s4[4];
-        q3k_scales_u32(sc, s4);
+        const uint8_t *hm = b, *qs = b + 32;
         float dl[16];
-        for (int k = 0; k < 16; k++) dl[k] = d * (float)q3k_scale(s4, k);
+        q3k_sub_scales(b, dl);
         for (int h = 0; h < 2; h++)
             for (int s = 0; s < 4; s++)
                 for (int k = 0; k < 2; k++) {

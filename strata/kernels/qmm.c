@@ -195,12 +195,9 @@ BLOCK(q2_k) {
 }
 
 BLOCK(q3_k) {
-    const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
-    const float d = rd_f16(b + 108);
-    uint32_t s4[4];
-    q3k_scales_u32(sc, s4);
+    const uint8_t *hm = b, *qs = b + 32;
     float dl[16];
-    for (int k = 0; k < 16; k++) dl[k] = d * (float)q3k_scale(s4, k);
+    q3k_sub_scales(b, dl);
     for (int h = 0; h < 2; h++)
         for (int s = 0; s < 4; s++)
             #pragma GCC unroll 4
