@@ -393,9 +393,21 @@ static inline uint32_t st_epoch(uint64_t s) { return (uint32_t)(s >> 32); }
 static inline int64_t st_next(uint64_t s) { return (int64_t)((s >> 16) & 0xFFFF); }
 static inline int64_t st_count(uint64_t s) { return (int64_t)(s & 0xFFFF); }
 
+/* Where the pool's time goes (bench/decode_profile), counted only while strata_pool_timing(1):
+ * [0] ns the calling thread spent in its tiles, [1] ns it then waited for the helpers' last tiles,
+ * [2] ns helpers spent in tiles, [3] ns the calling thread spent in pool_run (the rest of its
+ * time is the serial work between jobs), [4] jobs shared with helpers, [5] jobs run alone. */
+static int pool_timing;
+static _Atomic int64_t pool_times[6];
+void strata_pool_timing(int on) { pool_timing = on; }
+void strata_pool_times(int64_t *out) {
+    for (int i = 0; i < 6; i++) out[i] = atomic_load(&pool_times[i]);
+}
+
 /* Claim and run tiles of the current job until none is left; returns how many were run. */
-static int64_t pool_work(void) {
+static int64_t pool_work(int who) {
     int64_t ran = 0;
+    const int64_t t0 = pool_timing ? now_ns() : 0;
     uint64_t s = atomic_load_explicit(&pool_state, memory_order_acquire);
     while (st_next(s) < st_count(s)) {
         if (atomic_compare_exchange_weak_explicit(&pool_state, &s, s + (1u << 16), memory_order_acq_rel,
@@ -406,6 +418,7 @@ static int64_t pool_work(void) {
             s = atomic_load_explicit(&pool_state, memory_order_acquire);
         }
     }
+    if (pool_timing) atomic_fetch_add_explicit(&pool_times[who], now_ns() - t0, memory_order_relaxed);
     return ran;
 }
 
@@ -420,7 +433,7 @@ static void *pool_helper(void *arg) {
         if (st_epoch(s) != seen) {
             seen = st_epoch(s);
             if (index < atomic_load_explicit(&pool_wanted, memory_order_relaxed))
-                atomic_fetch_add_explicit(&pool_helper_tiles, pool_work(), memory_order_relaxed);
+                atomic_fetch_add_explicit(&pool_helper_tiles, pool_work(2), memory_order_relaxed);
             continue;
         }
         const int64_t t0 = now_ns();
@@ -450,9 +463,16 @@ static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_
     atomic_fetch_add_explicit(&pool_jobs, 1, memory_order_relaxed);
     if (nth > n_tiles) nth = (int)n_tiles;
     if (nth > MAX_HELPERS + 1) nth = MAX_HELPERS + 1;
+    const int64_t t_in = pool_timing ? now_ns() : 0;
     /* One job at a time; a second caller (another Python thread) runs its job alone. */
     if (nth <= 1 || n_tiles > 0xFFFF || pthread_mutex_trylock(&call_mu) != 0) {
         for (int64_t t = 0; t < n_tiles; t++) fn(args, t);
+        if (pool_timing) {
+            const int64_t d = now_ns() - t_in;
+            atomic_fetch_add_explicit(&pool_times[0], d, memory_order_relaxed);
+            atomic_fetch_add_explicit(&pool_times[3], d, memory_order_relaxed);
+            atomic_fetch_add_explicit(&pool_times[5], 1, memory_order_relaxed);
+        }
         return;
     }
     while (pool_size < nth - 1) {
@@ -478,7 +498,8 @@ static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_
         pthread_cond_broadcast(&wake_cv);
         pthread_mutex_unlock(&wake_mu);
     }
-    atomic_fetch_add_explicit(&pool_caller_tiles, pool_work(), memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool_caller_tiles, pool_work(0), memory_order_relaxed);
+    const int64_t t_wait = pool_timing ? now_ns() : 0;
     /* A helper may hold a claimed tile while descheduled: poll briefly, then yield the core to it. */
     for (int spun = 0; atomic_load_explicit(&pool_done, memory_order_acquire) < n_tiles; spun++) {
         if (spun < SPIN_ROUNDS) {
@@ -488,6 +509,12 @@ static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_
         } else {
             sched_yield();
         }
+    }
+    if (pool_timing) {
+        const int64_t t_out = now_ns();
+        atomic_fetch_add_explicit(&pool_times[1], t_out - t_wait, memory_order_relaxed);
+        atomic_fetch_add_explicit(&pool_times[3], t_out - t_in, memory_order_relaxed);
+        atomic_fetch_add_explicit(&pool_times[4], 1, memory_order_relaxed);
     }
     pthread_mutex_unlock(&call_mu);
 }

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels import decode_ops
+from strata import kernels
+from strata.kernels import decode_ops, decode_stack
 from strata.kernels.threads import one_thread_if_small
 from strata.models.cache import KVCache, ModelCache, StepInfo
 from strata.models.gated_deltanet import GatedDeltaNet, GDNCache
@@ -20,7 +21,7 @@ from strata.models.layers import (Attention, DenseFFN, Experts, RMSNorm, Residen
                                   softmax_topk)
 from strata.models.linear import Linear
 from strata.models.rope import Rope
-from strata.models.seams import Seams
+from strata.models.seams import InPlace, Resident, Seams
 from strata.models.weights import WeightLoader
 
 
@@ -137,6 +138,52 @@ class DecoderLM(nn.Module):
         else:  # tied embeddings: the same table, blocks or floats
             self.output = Linear(self.tok_embd.weight)
         self.rope = rope
+        self._c_stack: decode_stack.Stack | None = None  # a decode token's layers in one C call
+
+    def _decode_layers(self):
+        """Each block's (attn_norm, attention, ffn_norm, ffn, route) for decode_stack, or None where a
+        block is not a plain attention + dense/MoE one (route: None for a dense FFN, else the
+        router's (k, normalize) of a one-C-call MoE)."""
+        layers = []
+        for b in self.blocks:
+            if type(b) is not Block or type(b.attn_norm) is not RMSNorm or type(b.ffn_norm) is not RMSNorm \
+                    or type(b.attn) is not Attention:
+                return None
+            ffn = b.ffn
+            if type(ffn) is DenseFFN:
+                route = None
+            elif type(ffn) is MoE and ffn.c_route is not None:
+                route = ffn.c_route
+            else:
+                return None
+            layers.append((b.attn_norm, b.attn, b.ffn_norm, ffn, route))
+        return layers
+
+    def _stack_decode(self, x, cache: ModelCache, step: StepInfo, rope_cs) -> torch.Tensor | None:
+        """x after every block for one decode token of one row in one C call (decode_stack), or None
+        where it does not apply: the caller runs the blocks one by one."""
+        if (not kernels.USE_KERNELS or x.dtype is not torch.float32 or x.device.type != "cpu"
+                or type(self.seams.experts) is not Resident or type(self.seams.placement) is not InPlace
+                or step.start.numel() != 1 or int(step.n_new[0]) != 1
+                or any(type(c) is not KVCache for c in cache.layers)):
+            return None
+        hidden, rot_half = x.shape[-1], rope_cs[0].numel()
+        stack = self.__dict__["_c_stack"]
+        if stack is not None and stack.layers is None:  # declined: until a block or the mode changes
+            if decode_stack.current(stack, self._block_kinds(), hidden, rot_half):
+                return None
+        elif stack is not None and decode_stack.current(stack, decode_stack.sources(self.blocks), hidden, rot_half):
+            return decode_stack.try_decode(stack, x, cache.layers, int(step.start[0]), rope_cs)
+        layers = self._decode_layers()
+        stack = decode_stack.build(decode_stack.sources(self.blocks), layers, hidden, rot_half) if layers else None
+        if stack is None or stack.layers is None:
+            stack = decode_stack.Stack(self._block_kinds(), None, [], hidden, rot_half)
+        self._c_stack = stack
+        return decode_stack.try_decode(stack, x, cache.layers, int(step.start[0]), rope_cs)
+
+    def _block_kinds(self) -> list:
+        """The blocks and their parts (a declined stack is tried again when one of these changes)."""
+        return [kernels.activations(), *(m for b in self.blocks for m in (b, *b._modules.values()))]
 
     def new_cache(self, batch: int = 1) -> ModelCache:
         return ModelCache([b.new_cache(self.seams.kv_cache) for b in self.blocks], batch)
@@ -152,11 +199,15 @@ class DecoderLM(nn.Module):
         x = self.tok_embd(tokens)  # (B, T, hidden)
         rope_cs = self.rope.cos_sin(step.positions)
         experts, place = self.seams.experts, self.seams.placement
-        for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
-            experts.begin_block(i, x, step)
-            x, block_step, block_cs = place.block_inputs(i, x, step, rope_cs)  # on the block's device
-            x = block(x, layer_cache, block_step, block_cs, _prefixed(tap, i))
-            tap(f"l_out-{i}", x)
+        y = self._stack_decode(x, cache, step, rope_cs) if tap is no_tap and tokens.shape == (1, 1) else None
+        if y is not None:
+            x = y
+        else:
+            for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
+                experts.begin_block(i, x, step)
+                x, block_step, block_cs = place.block_inputs(i, x, step, rope_cs)  # on the block's device
+                x = block(x, layer_cache, block_step, block_cs, _prefixed(tap, i))
+                tap(f"l_out-{i}", x)
         x = place.head_input(x)
         cache.advance(step)
         if hidden:

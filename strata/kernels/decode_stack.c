@@ -1,0 +1,97 @@
+/* A decode token through a stack of llama-style layers in one call (strata/kernels/decode_stack.py).
+ *
+ * Per layer, x + attention(norm(x)) then h + ffn(norm(h)) (a dense SwiGLU or a routed MoE with an
+ * optional shared expert), by the same layer halves the one-call-per-half path uses (qmm.c:
+ * strata_attn_decode, strata_ffn_decode, strata_moe_decode), so the result is that path's, bit for
+ * bit. What one call saves is the Python between the halves (the module checks, argument packing
+ * and ctypes trips: ~0.1 ms a layer), which ran on the calling thread while the pool's helper had
+ * nothing to do and fell asleep, to be woken again by the next product. Here the gaps between pool
+ * jobs are microseconds, so the helper stays awake through the whole stack.
+ *
+ * The layer descriptions are built once in Python (ctypes mirrors strata_layer field for field;
+ * every field is 8 bytes wide, so there is no padding to agree on). The KV cache pointers are
+ * rewritten there when a cache grows.
+ */
+#include <stdint.h>
+
+int strata_attn_decode(const float *x, int64_t hidden, const float *norm_w, float eps, void *const *fns,
+                       const void *const *W, const int64_t *rows, const float *const *bias, int64_t n_heads,
+                       int64_t n_kv, int64_t head_dim, const float *qn_w, const float *kn_w, float qk_eps,
+                       const float *cs, const float *sn, int64_t rot, int interleaved, float *kc, float *vc,
+                       int64_t cap, int64_t pos, void *o_fn, const void *o_W, int gated, float *out, int nth);
+int strata_ffn_decode(const float *h, int64_t hidden, const float *norm_w, float eps, void *const *fns,
+                      const void *const *W, int64_t ffn, void *down_fn, const void *down_W, float *out, int nth);
+int strata_moe_decode(const float *h, int64_t hidden, const float *norm_w, float eps, const float *router,
+                      int64_t n_exp, int k, int normalize, const uint8_t *gate, int64_t gs, const uint8_t *up,
+                      int64_t us, const uint8_t *down, int64_t ds, void *gate_fn, void *up_fn, void *down_fn,
+                      int64_t ffn, void *const *sh_fns, const void *const *sh_W, int64_t sh_ffn,
+                      const float *sh_gate, int64_t *ids_out, float *w_out, float *out, int nth);
+
+#define STACK_MAX_K 128
+
+typedef struct {
+    /* attention half: x + W_o attn(q, k, v), q/k/v = group(norm(x)) */
+    const float *attn_norm;
+    double attn_eps;
+    void *qkv_fn[3];
+    const void *qkv_w[3];
+    int64_t qkv_rows[3];
+    const float *qkv_bias[3];
+    int64_t n_heads, n_kv, head_dim;
+    const float *q_norm, *k_norm; /* per-head RMS norms (NULL: none) */
+    double qk_eps;
+    int64_t rot, interleaved, gated;
+    float *kc, *vc; /* [n_kv, cap, head_dim] */
+    int64_t cap;
+    void *o_fn;
+    const void *o_w;
+    /* FFN half: h + ffn(norm(h)) */
+    const float *ffn_norm;
+    double ffn_eps;
+    int64_t moe;        /* 0: the dense SwiGLU below; 1: routed experts (plus the shared one below, if ffn_rows) */
+    void *ffn_fn[3];    /* gate, up, down of the dense FFN or of the shared expert */
+    const void *ffn_w[3];
+    int64_t ffn_rows;   /* their intermediate size (0 in a MoE layer: no shared expert) */
+    const float *sh_gate; /* the shared expert's sigmoid gate row (NULL: none) */
+    const float *router; /* [n_exp, hidden] float32 */
+    int64_t n_exp, k, normalize;
+    const void *exp_w[3]; /* stacked experts: expert e's matrix j at exp_w[j] + e * exp_stride[j] */
+    int64_t exp_stride[3];
+    void *exp_fn[3];
+    int64_t exp_ffn;
+} strata_layer;
+
+int64_t strata_layer_size(void) { return (int64_t)sizeof(strata_layer); }
+
+/* x (hidden floats) through layers L[0..n) at cache position pos, in place; cs / sn: the token's
+ * rotary cos / sin (rot / 2 each, shared by the layers); tmp: hidden floats. 1 when done; 0 when a
+ * half found no memory (the layers before it have run). */
+int strata_decode_stack(const strata_layer *L, int64_t n, int64_t hidden, float *x, const float *cs,
+                        const float *sn, int64_t pos, float *tmp, int nth) {
+    int64_t ids[STACK_MAX_K];
+    float w[STACK_MAX_K];
+    for (int64_t i = 0; i < n; i++) {
+        const strata_layer *l = &L[i];
+        if (!strata_attn_decode(x, hidden, l->attn_norm, (float)l->attn_eps, l->qkv_fn, l->qkv_w, l->qkv_rows,
+                                l->qkv_bias, l->n_heads, l->n_kv, l->head_dim, l->q_norm, l->k_norm,
+                                (float)l->qk_eps, cs, sn, l->rot, (int)l->interleaved, l->kc, l->vc, l->cap, pos,
+                                l->o_fn, l->o_w, (int)l->gated, tmp, nth))
+            return 0;
+        int ok;
+        if (l->moe) {
+            if (l->k <= 0 || l->k > STACK_MAX_K) return 0;
+            ok = strata_moe_decode(tmp, hidden, l->ffn_norm, (float)l->ffn_eps, l->router, l->n_exp, (int)l->k,
+                                   (int)l->normalize, (const uint8_t *)l->exp_w[0], l->exp_stride[0],
+                                   (const uint8_t *)l->exp_w[1], l->exp_stride[1], (const uint8_t *)l->exp_w[2],
+                                   l->exp_stride[2], l->exp_fn[0], l->exp_fn[1], l->exp_fn[2], l->exp_ffn,
+                                   l->ffn_rows ? l->ffn_fn : (void *const *)0,
+                                   l->ffn_rows ? l->ffn_w : (const void *const *)0, l->ffn_rows, l->sh_gate, ids, w,
+                                   x, nth);
+        } else {
+            ok = strata_ffn_decode(tmp, hidden, l->ffn_norm, (float)l->ffn_eps, l->ffn_fn, l->ffn_w, l->ffn_rows,
+                                   l->ffn_fn[2], l->ffn_w[2], x, nth);
+        }
+        if (!ok) return 0;
+    }
+    return 1;
+}

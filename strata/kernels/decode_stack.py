@@ -1,0 +1,230 @@
+"""A decode token through all of a model's llama-style layers in one C call (decode_stack.c).
+
+The one-call-per-half path (decode_ops.try_attention_block / try_ffn_block / try_moe_block) left
+~0.1 ms of Python per layer (module checks, argument packing, two ctypes trips) on the calling
+thread, while the kernel pool's helper thread found no job, slept, and was woken by the next
+product: on SmolLM2 at 2 threads the calling thread did 12.5 ms of each token and the helper 6.3.
+Here the layer descriptions are built once (`Stack`), and a token is one call that runs the same
+halves back to back, so the result equals the per-half path's and the helper stays busy.
+
+Each `try_*` returns None where it does not apply, and the caller runs its per-block loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+import weakref
+
+import torch
+
+from strata import kernels
+from strata.kernels import _build
+from strata.kernels.decode_ops import _linear_plan, _ok, _swiglu_plans, _vec
+
+_P, _I64, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+
+
+class Layer(ctypes.Structure):
+    """decode_stack.c's strata_layer, field for field (all 8 bytes wide: no padding to agree on)."""
+    _fields_ = [
+        ("attn_norm", _P), ("attn_eps", _F64), ("qkv_fn", _P * 3), ("qkv_w", _P * 3), ("qkv_rows", _I64 * 3),
+        ("qkv_bias", _P * 3), ("n_heads", _I64), ("n_kv", _I64), ("head_dim", _I64), ("q_norm", _P),
+        ("k_norm", _P), ("qk_eps", _F64), ("rot", _I64), ("interleaved", _I64), ("gated", _I64), ("kc", _P),
+        ("vc", _P), ("cap", _I64), ("o_fn", _P), ("o_w", _P),
+        ("ffn_norm", _P), ("ffn_eps", _F64), ("moe", _I64), ("ffn_fn", _P * 3), ("ffn_w", _P * 3),
+        ("ffn_rows", _I64), ("sh_gate", _P), ("router", _P), ("n_exp", _I64), ("k", _I64), ("normalize", _I64),
+        ("exp_w", _P * 3), ("exp_stride", _I64 * 3), ("exp_fn", _P * 3), ("exp_ffn", _I64),
+    ]
+
+
+def _attention(lay: Layer, norm, attn, hidden: int, rot_half: int, keep: list) -> bool:
+    """Fill lay's attention half from the modules (what try_attention_block checks); False where it
+    does not apply."""
+    plans = [_linear_plan(lin) for lin in (attn.wq, attn.wk, attn.wv, attn.wo)]
+    if any(p is None for p in plans) or attn.wo.bias is not None:
+        return False
+    pq, pk, pv, po = plans
+    hq, hkv, d = attn.n_heads, attn.n_kv, attn.head_dim
+    q_rows = hq * d * (2 if attn.gated else 1)
+    if (pq.rows, pk.rows, pv.rows, po.rows, po.cols) != (q_rows, hkv * d, hkv * d, hidden, hq * d) or hq % hkv:
+        return False
+    if pq.cols != hidden or pk.cols != hidden or pv.cols != hidden:
+        return False
+    biases = (attn.wq.bias, attn.wk.bias, attn.wv.bias)
+    if any(b is not None and not (_vec(b) and b.numel() == r) for b, r in zip(biases, (pq.rows, pk.rows, pv.rows))):
+        return False
+    qn, kn = attn.q_norm, attn.k_norm
+    if (qn is None) != (kn is None) or (qn is not None and not (_vec(qn.weight) and _vec(kn.weight)
+                                                              and qn.weight.numel() == d and kn.weight.numel() == d)):
+        return False
+    rot = attn.rope.cfg.dim
+    if not _vec(norm.weight) or norm.weight.numel() != hidden or rot // 2 != rot_half or rot > d:
+        return False
+    keep += plans
+    lay.attn_norm, lay.attn_eps = norm.weight.data_ptr(), norm.eps
+    lay.qkv_fn[:] = [p.fnptr for p in plans[:3]]
+    lay.qkv_w[:] = [p.ptr for p in plans[:3]]
+    lay.qkv_rows[:] = [p.rows for p in plans[:3]]
+    lay.qkv_bias[:] = [None if b is None else b.data_ptr() for b in biases]
+    lay.n_heads, lay.n_kv, lay.head_dim = hq, hkv, d
+    lay.q_norm = qn.weight.data_ptr() if qn is not None else None
+    lay.k_norm = kn.weight.data_ptr() if kn is not None else None
+    lay.qk_eps = qn.eps if qn is not None else 0.0
+    lay.rot, lay.interleaved, lay.gated = rot, int(attn.rope.cfg.interleaved), int(attn.gated)
+    lay.o_fn, lay.o_w = po.fnptr, po.ptr
+    return True
+
+
+def _dense(lay: Layer, ffn, hidden: int, keep: list) -> bool:
+    plans = _swiglu_plans(ffn, hidden)
+    if plans is None:
+        return False
+    keep += plans
+    lay.ffn_fn[:] = [p.fnptr for p in plans]
+    lay.ffn_w[:] = [p.ptr for p in plans]
+    lay.ffn_rows = plans[0].rows
+    return True
+
+
+def _moe(lay: Layer, moe, k: int, normalize: bool, hidden: int, keep: list) -> bool:
+    """Fill lay's MoE half (what try_moe_block checks): the router, the stacked resident experts, a
+    `SharedExpert` (the caller checks the types and the router's rule)."""
+    router = moe.router
+    if not _vec(router) or router.dim() != 2 or router.shape[1] != hidden:
+        return False
+    b = moe.experts.backend
+    stacked = (b.gate, b.up, b.down)
+    plans = kernels.stacked_plans(stacked, hidden)
+    n_exp = router.shape[0]
+    if plans is None or stacked[0].shape[0] != n_exp or not 0 < k <= min(n_exp, 128):
+        return False
+    if moe.shared is not None:
+        if not _dense(lay, moe.shared.ffn, hidden, keep):
+            return False
+        gate = moe.shared.gate
+        if gate is not None:
+            if not _vec(gate) or gate.numel() != hidden:
+                return False
+            lay.sh_gate = gate.data_ptr()
+    keep += [pl for pl, _ in plans]
+    lay.moe, lay.router, lay.n_exp, lay.k, lay.normalize = 1, router.data_ptr(), n_exp, k, int(normalize)
+    lay.exp_w[:] = [pl.ptr for pl, _ in plans]
+    lay.exp_stride[:] = [s for _, s in plans]
+    lay.exp_fn[:] = [pl.fnptr for pl, _ in plans]
+    lay.exp_ffn = plans[0][0].rows
+    return True
+
+
+def _weight(norm):
+    return norm._parameters["weight"] if norm is not None else None
+
+
+def sources(blocks) -> list | None:
+    """What a Stack of these blocks is built from, compared by identity on each step (through the
+    modules' own dicts: nn.Module's attribute lookup cost ~1 us a name, which over a 30-layer model
+    was a millisecond per token): the blocks' norms, attentions and FFNs, their weight tensors and
+    Linears, and the activation mode. A replaced module or weight, or another mode, means a new Stack.
+    None: a block is not of the kind a Stack takes."""
+    try:
+        return _sources(blocks)
+    except (KeyError, AttributeError):
+        return None
+
+
+def _sources(blocks) -> list:
+    out = [kernels.activations()]
+    for b in blocks:
+        m = b._modules
+        an, at, fn_, ff = m["attn_norm"], m["attn"], m["ffn_norm"], m["ffn"]
+        ad, am, fd = at.__dict__, at._modules, ff.__dict__
+        q_norm, k_norm = am.get("q_norm"), am.get("k_norm")
+        out += (b, an, at, fn_, ff, _weight(an), _weight(fn_), q_norm, k_norm, _weight(q_norm), _weight(k_norm))
+        lins = [ad["wq"], ad["wk"], ad["wv"], ad["wo"]]
+        if "router" in fd:  # a MoE (the caller checks the types)
+            ex, shared = ff._modules["experts"], ff._modules.get("shared")
+            be = ex.__dict__["backend"]
+            out += (fd["router"], fd["route"], ex, be, be.gate, be.up, be.down, shared)
+            if shared is not None:
+                sd = shared._modules["ffn"].__dict__
+                lins += [sd["gate"], sd["up"], sd["down"]]
+                out.append(shared.__dict__["gate"])
+        else:
+            lins += [fd["gate"], fd["up"], fd["down"]]
+        out += lins
+        for lin in lins:
+            out += (lin.weight, lin.bias)
+    return out
+
+
+class Stack:
+    """The C descriptions of a model's layers, built once (`layers` None: some layer does not
+    apply, so the model runs its blocks one by one); the KV cache pointers are refreshed per call."""
+
+    __slots__ = ("sources", "layers", "keep", "hidden", "rot_half", "caches", "tmp")
+
+    def __init__(self, sources, layers: ctypes.Array | None, keep: list, hidden: int, rot_half: int):
+        self.sources, self.layers, self.keep, self.hidden, self.rot_half = sources, layers, keep, hidden, rot_half
+        self.caches: list = [None] * (len(layers) if layers is not None else 0)  # weak references to the
+        # (k, v) each layer's pointers name
+        self.tmp = torch.empty(hidden)
+
+
+def build(key: list | None, layers, hidden: int, rot_half: int) -> Stack:
+    """The Stack of `layers`, each (attn_norm, attention, ffn_norm, ffn, route): route None for a
+    dense SwiGLU `ffn`, else the MoE router's (k, normalize); `key`: their `sources`."""
+    sources = key
+    if key is None:
+        return Stack(None, None, [], hidden, rot_half)
+    arr = (Layer * len(layers))()
+    keep: list = []
+    for lay, (attn_norm, attn, ffn_norm, ffn, route) in zip(arr, layers):
+        ok = _attention(lay, attn_norm, attn, hidden, rot_half, keep) and _vec(ffn_norm.weight) \
+            and ffn_norm.weight.numel() == hidden
+        if ok:
+            lay.ffn_norm, lay.ffn_eps = ffn_norm.weight.data_ptr(), ffn_norm.eps
+            ok = _dense(lay, ffn, hidden, keep) if route is None else _moe(lay, ffn, *route, hidden, keep)
+        if not ok:
+            return Stack(sources, None, [], hidden, rot_half)
+    return Stack(sources, arr, keep, hidden, rot_half)
+
+
+def current(stack: Stack | None, key: list | None, hidden: int, rot_half: int) -> bool:
+    """Whether `stack` was built from these `sources` (`key`), hidden size and rotary width."""
+    if stack is None or key is None or stack.hidden != hidden or stack.rot_half != rot_half:
+        return False
+    return len(key) == len(stack.sources) and all(map(operator.is_, key, stack.sources))
+
+
+_ARGTYPES = (_P, _I64, _I64, _P, _P, _P, _I64, _P, ctypes.c_int)
+
+
+def try_decode(stack: Stack, x: torch.Tensor, caches, pos: int, rope_cs) -> torch.Tensor | None:
+    """x (1, 1, hidden) after every layer of `stack` for the token at `pos`, the keys and values
+    written into `caches` (one KVCache per layer), or None where it does not apply (not one float32
+    token on the CPU, a cache of another dtype or layout, kernels off)."""
+    if stack.layers is None or not _ok(x) or x.numel() != stack.hidden:
+        return None
+    fn = _build.entry("strata_decode_stack", _ARGTYPES, ctypes.c_int)
+    cos, sin = rope_cs
+    if fn is None or not (_vec(cos) and _vec(sin)) or cos.numel() != stack.rot_half or sin.numel() != stack.rot_half:
+        return None
+    for i, (lay, cache) in enumerate(zip(stack.layers, caches)):
+        kc = cache.k
+        if kc is None or pos + 1 > kc.shape[2]:  # the cache grows (else _reserve has nothing to do)
+            like = x.new_empty(1, 1, 1, lay.head_dim)  # what _reserve reads: dtype, device and head_dim
+            cache._reserve(1, lay.n_kv, pos + 1, like, like)
+            kc = cache.k
+        known = stack.caches[i]
+        if known is None or known[0]() is not kc or known[1]() is not cache.v:
+            vc = cache.v
+            if (kc.dtype is not torch.float32 or kc.device.type != "cpu" or kc.shape != (1, lay.n_kv, kc.shape[2], lay.head_dim)
+                    or vc.shape != kc.shape or vc.dtype is not torch.float32 or not (kc.is_contiguous() and vc.is_contiguous())):
+                return None
+            lay.kc, lay.vc, lay.cap = kc.data_ptr(), vc.data_ptr(), kc.shape[2]
+            stack.caches[i] = (weakref.ref(kc), weakref.ref(vc))  # not kept alive past their request
+    out = x.contiguous().clone()
+    if not fn(ctypes.addressof(stack.layers), len(stack.layers), stack.hidden, out.data_ptr(), cos.data_ptr(),
+              sin.data_ptr(), pos, stack.tmp.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("the decode step's layers found no memory for their scratch buffers")
+    return out

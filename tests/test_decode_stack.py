@@ -1,0 +1,153 @@
+"""A decode token through all layers in one C call (kernels/decode_stack.py) against transformers and
+against the block-by-block path it replaces."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+import strata
+from strata import kernels
+from strata.gguf.convert import convert_hf_to_gguf
+from strata.kernels import _build, decode_stack
+from reference import hf_logits, prompt, randomise, save_hf
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {_build.error()}")
+VOCAB = 256
+
+
+def llama():  # llama3 rope factors, tied head; sizes the 32-wide blocks divide
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        tie_word_embeddings=True))
+
+
+def qwen3moe():  # per-head q/k norms, NEOX rope, unnormalised top-k, one dense layer
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=3,
+        norm_topk_prob=False, mlp_only_layers=[1], max_position_embeddings=512))
+
+
+BUILDERS = {"llama": llama, "qwen3moe": qwen3moe}
+REAL_TRY_DECODE = decode_stack.try_decode
+
+
+def _quantized(name: str, tmp_path, monkeypatch):
+    """(the engine's model of a Q8_0 / Q5_1 GGUF of a randomised tiny model, transformers' model with
+    the same weights through gguf-py's quantize + dequantize)."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType as Q
+
+    torch.manual_seed(0)
+    model = randomise(BUILDERS[name]().eval(), seed=3)
+    if name == "qwen3moe":
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate") and hasattr(layer.mlp.gate, "norm_topk_prob"):
+                layer.mlp.gate.norm_topk_prob = False
+    save_hf(model, tmp_path / "hf")
+    convert_hf_to_gguf(tmp_path / "hf", tmp_path / "q.gguf", dense_type=Q.Q8_0, expert_type=Q.Q5_1)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for pname, p in ref.named_parameters():
+            if p.ndim < 2 or "norm" in pname or pname.endswith("mlp.gate.weight"):
+                continue
+            qtype = Q.Q5_1 if "experts" in pname else Q.Q8_0
+            w = p.detach().numpy()
+            p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)))
+    return strata.load(tmp_path / "q.gguf").model, ref
+
+
+def _counted(monkeypatch):
+    calls = [0]
+
+    def counted(*a):
+        y = REAL_TRY_DECODE(*a)
+        calls[0] += y is not None
+        return y
+
+    monkeypatch.setattr(decode_stack, "try_decode", counted)
+    return calls
+
+
+@torch.inference_mode()
+def _decode(model, ids: list[int], n_prompt: int) -> torch.Tensor:
+    """Logits of ids[n_prompt - 1:] with ids[:n_prompt] as one prompt, then one token per step."""
+    cache = model.new_cache(1)
+    out = [model(torch.tensor([ids[:n_prompt]]), cache, last_only=True)[0]]
+    for t in ids[n_prompt:]:
+        out.append(model(torch.tensor([[t]]), cache, last_only=True)[0])
+    return torch.cat(out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_stack_decode_matches_transformers_and_the_block_path(name, tmp_path, monkeypatch):
+    """14 prompt tokens, then 10 decode steps (the KV cache grows from 16 to 32 positions on the
+    way, so the layers' cache pointers are refreshed): every step's logits within 2e-3 of
+    transformers on the same dequantized weights (the 8-bit activations' rounding; argmax equal),
+    and equal, bit for bit, to the blocks called one by one (the same halves in the same order)."""
+    model, ref = _quantized(name, tmp_path, monkeypatch)
+    ids = prompt(VOCAB, 24, seed=5)
+    want = hf_logits(ref, ids)[13:]
+    calls = _counted(monkeypatch)
+    fast = _decode(model, ids, 14)
+    assert calls[0] == 10
+    assert (fast - want).abs().max().item() < 2e-3
+    assert torch.equal(fast.argmax(-1), want.argmax(-1))
+    monkeypatch.setattr(decode_stack, "try_decode", lambda *a: None)
+    blocks = _decode(model, ids, 14)
+    assert torch.equal(fast, blocks)
+    monkeypatch.setattr(kernels, "USE_KERNELS", False)  # the reference path: dequantize, then multiply
+    exact = _decode(model, ids, 14)
+    assert (exact - want).abs().max().item() < 1e-4
+
+
+@needs_kernels
+def test_stack_is_rebuilt_when_a_weight_changes(tmp_path, monkeypatch):
+    """A replaced output projection, and another activation mode, are picked up on the next step:
+    the one-call stack is built from the present modules, not the ones it first saw."""
+    from strata.models.linear import Linear
+
+    model, _ = _quantized("llama", tmp_path, monkeypatch)
+    ids = prompt(VOCAB, 20, seed=6)
+    before = _decode(model, ids, 16)
+    attn = model.blocks[1].attn
+    w = copy.deepcopy(attn.wo.weight)
+    half = w.raw.shape[0] // 2
+    w.raw[:half] = w.raw.flip(0)[:half].clone()  # other rows: other products
+    attn.wo = Linear(w)
+    calls = _counted(monkeypatch)
+    changed = _decode(model, ids, 16)
+    assert calls[0] == 4 and not torch.equal(before[1:], changed[1:])
+    monkeypatch.setattr(decode_stack, "try_decode", lambda *a: None)
+    assert torch.equal(changed, _decode(model, ids, 16))
+    mode = kernels.activations()
+    try:
+        kernels.set_activations("float32")
+        calls = _counted(monkeypatch)
+        f32 = _decode(model, ids, 16)
+        assert calls[0] == 4 and not torch.equal(f32, changed)
+        monkeypatch.setattr(decode_stack, "try_decode", lambda *a: None)
+        assert torch.equal(f32, _decode(model, ids, 16))
+    finally:
+        kernels.set_activations(mode)
+
+
+@needs_kernels
+def test_stack_declines_what_it_cannot_take(tmp_path, monkeypatch):
+    """A prompt, a tap, kernels off: the blocks run one by one (the C call never made)."""
+    model, _ = _quantized("llama", tmp_path, monkeypatch)
+    called = []
+    monkeypatch.setattr(decode_stack, "try_decode", lambda *a: called.append(1))
+    with torch.inference_mode():
+        cache = model.new_cache(1)
+        model(torch.tensor([prompt(VOCAB, 5)]), cache)
+        model(torch.tensor([[3]]), cache, tap=lambda name, t: None)
+    assert called == []
