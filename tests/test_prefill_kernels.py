@@ -1,6 +1,7 @@
 """The AMX prompt products (strata/kernels/prefill.c) against the exact dequantized math.
 
-Each type's own dequantizer must equal gguf-py's decoder value for value; each product, with 3
+Each type's own dequantizer must equal gguf-py's decoder value for value, and its decoding straight
+into bfloat16 parts must equal gguf-py's values split; each product, with 3
 terms (the default "q8x2"), must stay within 2e-5 of max |y| of float64 math on gguf-py's
 dequantized weights, and within 1e-2 with 1 term ("q8": bfloat16 rounding);
 odd row counts (a partial 16-row tile, a partial 64-row panel), row counts of x that are not a
@@ -79,6 +80,32 @@ def test_own_dequantizer_equals_reference(name):
         got = prompt.dequant_row(w.raw[r], w.qtype, w.shape[1])
         assert got is not None
         torch.testing.assert_close(got, ref[r], rtol=0, atol=0)
+
+
+def _bf16_parts(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """v's bfloat16 parts as AVX-512's conversion makes them: hi = v to nearest even, lo = v - hi
+    likewise, float32 subnormals taken as zero (that instruction's rule)."""
+    def bf(t):
+        return torch.where(t.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(t), t).to(torch.bfloat16)
+
+    hi = bf(v)
+    return hi, bf(v - hi.float())
+
+
+@pytest.mark.parametrize("name", OWN)
+def test_own_decoder_writes_reference_bf16_parts(name):
+    """The prompt products decode blocks straight into bfloat16 parts: they must be gguf-py's
+    values split to nearest even, bit for bit."""
+    w = random_blocks(name, 3, _cols(name), seed=5)
+    ref = gguf_dequantized(w)
+    for r in range(3):
+        got = prompt.decode_bf16(w.raw[r], w.qtype, w.shape[1])
+        assert got is not None
+        want = _bf16_parts(ref[r])
+        assert (want[1] != 0).any() or name == "MXFP4"  # lo carries something (MXFP4's values are bf16)
+        for part, g, e in zip(("hi", "lo"), got, want):
+            bad = (g.float() != e.float()).nonzero().flatten()
+            assert not bad.numel(), (name, r, part, bad[:4].tolist(), g[bad[:4]].tolist(), e[bad[:4]].tolist())
 
 
 @pytest.mark.parametrize("name", OWN)

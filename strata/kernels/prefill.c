@@ -44,44 +44,106 @@ void *strata_to_float_fn(int type);
 
 #ifdef PP_AMX
 
-/* ------------------------------------------------------------------ own row dequantizers
+/* ------------------------------------------------------------------ own row decoders
  * Field for field as gguf-py's numpy decoders (strata/quant mirrors them): float32 scale products
- * first, then the integer value times the scale (minus the minimum). */
+ * first, then the integer value times the scale (minus the minimum).
+ *
+ * Each decoder is written once (PP_BODY) against a sink and built twice: deq_* writes a float32
+ * row (tests compare it with gguf-py), tiles_* writes the values straight into a panel's AMX
+ * A tiles as their bfloat16 hi and lo parts (split16 below), so a prompt's weights are not
+ * stored as float32 and read back before the product. Both see the same float32 value. */
 
-static inline __m512 u8x16(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+/* Where a decoder's vectors go: float32 at y[o], or (tiles) value o's bfloat16 parts at
+ * hi / lo [(o / 32) * stride + o % 32]: a 32-value chunk is one 64-byte tile row, the next chunk
+ * `stride` values on (512 in a panel: the next tile). lo NULL: hi only (terms 1). In tiles a
+ * chunk's first 16 (8) values wait in `half` (`quarter`) for the rest, so each tile row is written
+ * whole, once: chunks lie 1 KiB apart, and half-written rows were evicted before their other half
+ * came (L1 sets alias at that stride). A decoder emits each chunk's halves in order, with at most
+ * the next chunk's first half between them (Q4_K, Q5_K). */
+typedef struct {
+    int tiles; /* a constant in each build of a decoder, so each keeps one kind of store */
+    float *y;
+    uint16_t *hi, *lo;
+    int64_t stride;
+    __m512 half[2]; /* by chunk parity */
+    __m256 quarter;
+} pp_sink;
 
-static void deq_q8_0(const void *w, float *y, int64_t n) {
+#define PP_INLINE static inline __attribute__((always_inline))
+
+/* 32 floats -> 32 bf16 hi (nearest even) and 32 bf16 lo = bf16(v - hi) */
+PP_INLINE void split_pair(__m512 a, __m512 b, uint16_t *hi, uint16_t *lo) {
+    const __m512bh h = _mm512_cvtne2ps_pbh(b, a);
+    _mm512_storeu_si512(hi, (__m512i)h);
+    if (!lo) return;
+    const __m512i hw = (__m512i)h;
+    /* hi back to float32: each bf16 is the upper half of its float */
+    const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hw)), 16));
+    const __m512 hb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hw, 1)), 16));
+    _mm512_storeu_si512(lo, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha)));
+}
+
+PP_INLINE void put16(pp_sink *out, int64_t o, __m512 v) {
+    if (!out->tiles) {
+        _mm512_storeu_ps(out->y + o, v);
+        return;
+    }
+    const int parity = (int)((o >> 5) & 1);
+    if (!(o & 16)) {
+        out->half[parity] = v;
+        return;
+    }
+    const int64_t at = (o >> 5) * out->stride;
+    split_pair(out->half[parity], v, out->hi + at, out->lo ? out->lo + at : NULL);
+}
+
+PP_INLINE void put8(pp_sink *out, int64_t o, __m256 v) {
+    if (!out->tiles) {
+        _mm256_storeu_ps(out->y + o, v);
+        return;
+    }
+    if (!(o & 8)) {
+        out->quarter = v;
+        return;
+    }
+    put16(out, o - 8, _mm512_insertf32x8(_mm512_castps256_ps512(out->quarter), v, 1));
+}
+
+#define PP_BODY(name) PP_INLINE void body_##name(const void *w, pp_sink *out, int64_t n)
+
+
+PP_BODY(q8_0) {
     const uint8_t *b = w;
-    for (int64_t i = 0; i < n; i += 32, b += 34, y += 32) {
+    for (int64_t o = 0; o < n; o += 32, b += 34) {
         const __m512 d = _mm512_set1_ps(rd_f16(b));
         const __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2)), q1 = _mm_loadu_si128((const __m128i *)(b + 18));
-        _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d));
-        _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d));
+        put16(out, o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d));
+        put16(out, o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d));
     }
 }
 
-static void deq_q4_0(const void *w, float *y, int64_t n) {
+PP_BODY(q4_0) {
     const uint8_t *b = w;
     const __m128i m4 = _mm_set1_epi8(15);
-    for (int64_t i = 0; i < n; i += 32, b += 18, y += 32) {
+    for (int64_t o = 0; o < n; o += 32, b += 18) {
         const __m512 d = _mm512_set1_ps(rd_f16(b)), off = _mm512_set1_ps(-8.0f);
         const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, m4)));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), m4)));
-        _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_add_ps(lo, off), d));
-        _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_add_ps(hi, off), d));
+        put16(out, o, _mm512_mul_ps(_mm512_add_ps(lo, off), d));
+        put16(out, o + 16, _mm512_mul_ps(_mm512_add_ps(hi, off), d));
     }
 }
 
 /* 16 values q (as floats) * d - m, stored at y */
-static inline void fms16(float *y, __m512 q, float d, float m) {
-    _mm512_storeu_ps(y, _mm512_sub_ps(_mm512_mul_ps(q, _mm512_set1_ps(d)), _mm512_set1_ps(m)));
+PP_INLINE void fms16(pp_sink *out, int64_t o, __m512 q, float d, float m) {
+    put16(out, o, _mm512_sub_ps(_mm512_mul_ps(q, _mm512_set1_ps(d)), _mm512_set1_ps(m)));
 }
 
-static void deq_q4_k(const void *w, float *y, int64_t n) {
+PP_BODY(q4_k) {
     const uint8_t *b = w;
     const __m128i m4 = _mm_set1_epi8(15);
-    for (int64_t i = 0; i < n; i += 256, b += 144, y += 256) {
+    for (int64_t o = 0; o < n; o += 256, b += 144) {
         const float d = rd_f16(b), dmin = rd_f16(b + 2);
         uint8_t sc[8], mn[8];
         scale_min_k4(b + 4, sc, mn);
@@ -93,17 +155,17 @@ static void deq_q4_k(const void *w, float *y, int64_t n) {
                 const __m128i q = _mm_loadu_si128((const __m128i *)(qs + 32 * p + 16 * h));
                 const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, m4)));
                 const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), m4)));
-                fms16(y + 64 * p + 16 * h, lo, d0, m0);
-                fms16(y + 64 * p + 32 + 16 * h, hi, d1, m1);
+                fms16(out, o + 64 * p + 16 * h, lo, d0, m0);
+                fms16(out, o + 64 * p + 32 + 16 * h, hi, d1, m1);
             }
         }
     }
 }
 
-static void deq_q5_k(const void *w, float *y, int64_t n) {
+PP_BODY(q5_k) {
     const uint8_t *b = w;
     const __m128i m4 = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
-    for (int64_t i = 0; i < n; i += 256, b += 176, y += 256) {
+    for (int64_t o = 0; o < n; o += 256, b += 176) {
         const float d = rd_f16(b), dmin = rd_f16(b + 2);
         uint8_t sc[8], mn[8];
         scale_min_k4(b + 4, sc, mn);
@@ -118,18 +180,18 @@ static void deq_q5_k(const void *w, float *y, int64_t n) {
                 const __m128i h1 = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hb, 2 * p + 1), one), 4);
                 const __m128i lo = _mm_or_si128(_mm_and_si128(q, m4), h0);
                 const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q, 4), m4), h1);
-                fms16(y + 64 * p + 16 * h, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d0, m0);
-                fms16(y + 64 * p + 32 + 16 * h, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d1, m1);
+                fms16(out, o + 64 * p + 16 * h, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d0, m0);
+                fms16(out, o + 64 * p + 32 + 16 * h, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d1, m1);
             }
         }
     }
 }
 
-static void deq_q6_k(const void *w, float *y, int64_t n) {
+PP_BODY(q6_k) {
     const uint8_t *b = w;
     const __m128i m4 = _mm_set1_epi8(15), m2 = _mm_set1_epi8(3);
     const __m512 off = _mm512_set1_ps(32.0f);
-    for (int64_t i = 0; i < n; i += 256, b += 210, y += 256) {
+    for (int64_t o = 0; o < n; o += 256, b += 210) {
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192);
         const float d = rd_f16(b + 208);
@@ -142,7 +204,7 @@ static void deq_q6_k(const void *w, float *y, int64_t n) {
                     const __m128i hb = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(ph + 16 * s)), 2 * t), m2);
                     const __m128i q = _mm_or_si128(_mm_and_si128(l, m4), _mm_slli_epi16(hb, 4));
                     const __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), off);
-                    _mm512_storeu_ps(y + h * 128 + t * 32 + 16 * s,
+                    put16(out, o + h * 128 + t * 32 + 16 * s,
                                      _mm512_mul_ps(v, _mm512_set1_ps(d * (float)sc[h * 8 + t * 2 + s])));
                 }
             }
@@ -153,9 +215,9 @@ static inline __m256 grid8(const uint8_t *g) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)g)));
 }
 
-static void deq_iq2_xs(const void *w, float *y, int64_t n) {
+PP_BODY(iq2_xs) {
     const uint8_t *b = w;
-    for (int64_t i = 0; i < n; i += 256, b += 74, y += 256) {
+    for (int64_t o = 0; o < n; o += 256, b += 74) {
         const float d = rd_f16(b);
         const uint8_t *sc = b + 66;
         for (int p = 0; p < 8; p++) {
@@ -166,15 +228,15 @@ static void deq_iq2_xs(const void *w, float *y, int64_t n) {
                 memcpy(&q, b + 2 + 8 * p + 2 * k, 2);
                 const __m256 v = _mm256_mul_ps(_mm256_mul_ps(k < 2 ? db0 : db1, grid8(GRID_IQ2_XS[q & 511])),
                                                _mm256_load_ps(KSIGNS[q >> 9]));
-                _mm256_storeu_ps(y + 32 * p + 8 * k, v);
+                put8(out, o + 32 * p + 8 * k, v);
             }
         }
     }
 }
 
-static void deq_iq2_xxs(const void *w, float *y, int64_t n) {
+PP_BODY(iq2_xxs) {
     const uint8_t *b = w;
-    for (int64_t i = 0; i < n; i += 256, b += 66, y += 256) {
+    for (int64_t o = 0; o < n; o += 256, b += 66) {
         const float d = rd_f16(b);
         for (int s = 0; s < 8; s++) {
             const uint8_t *q = b + 2 + 8 * s;
@@ -182,22 +244,22 @@ static void deq_iq2_xxs(const void *w, float *y, int64_t n) {
             memcpy(&aux, q + 4, 4);
             const __m256 db = _mm256_set1_ps(d * (0.5f + (float)(aux >> 28)) * 0.25f);
             for (int k = 0; k < 4; k++)
-                _mm256_storeu_ps(y + 32 * s + 8 * k, _mm256_mul_ps(_mm256_mul_ps(db, grid8(GRID_IQ2_XXS[q[k]])),
+                put8(out, o + 32 * s + 8 * k, _mm256_mul_ps(_mm256_mul_ps(db, grid8(GRID_IQ2_XXS[q[k]])),
                                                                   _mm256_load_ps(KSIGNS[(aux >> (7 * k)) & 0x7F])));
         }
     }
 }
 
-static void deq_q4_1(const void *w, float *y, int64_t n) {
+PP_BODY(q4_1) {
     const uint8_t *b = w;
     const __m128i m4 = _mm_set1_epi8(15);
-    for (int64_t i = 0; i < n; i += 32, b += 20, y += 32) {
+    for (int64_t o = 0; o < n; o += 32, b += 20) {
         const __m512 d = _mm512_set1_ps(rd_f16(b)), m = _mm512_set1_ps(rd_f16(b + 2));
         const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, m4)));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), m4)));
-        _mm512_storeu_ps(y, _mm512_add_ps(_mm512_mul_ps(lo, d), m));
-        _mm512_storeu_ps(y + 16, _mm512_add_ps(_mm512_mul_ps(hi, d), m));
+        put16(out, o, _mm512_add_ps(_mm512_mul_ps(lo, d), m));
+        put16(out, o + 16, _mm512_add_ps(_mm512_mul_ps(hi, d), m));
     }
 }
 
@@ -207,7 +269,7 @@ static inline __m128i fifth_bits(uint32_t h, int from) {
     return _mm_maskz_mov_epi8(k, _mm_set1_epi8(16));
 }
 
-static inline void deq_q5(const uint8_t *qs, uint32_t h, float d, float m, int with_min, float *y) {
+PP_INLINE void deq_q5(const uint8_t *qs, uint32_t h, float d, float m, int with_min, pp_sink *out, int64_t o) {
     const __m128i m4 = _mm_set1_epi8(15);
     const __m128i q = _mm_loadu_si128((const __m128i *)qs);
     const __m128i lo = _mm_or_si128(_mm_and_si128(q, m4), fifth_bits(h, 0));
@@ -215,37 +277,37 @@ static inline void deq_q5(const uint8_t *qs, uint32_t h, float d, float m, int w
     __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
     const __m512 dv = _mm512_set1_ps(d);
     if (with_min) {
-        _mm512_storeu_ps(y, _mm512_add_ps(_mm512_mul_ps(a, dv), _mm512_set1_ps(m)));
-        _mm512_storeu_ps(y + 16, _mm512_add_ps(_mm512_mul_ps(c, dv), _mm512_set1_ps(m)));
+        put16(out, o, _mm512_add_ps(_mm512_mul_ps(a, dv), _mm512_set1_ps(m)));
+        put16(out, o + 16, _mm512_add_ps(_mm512_mul_ps(c, dv), _mm512_set1_ps(m)));
     } else {
         const __m512 off = _mm512_set1_ps(16.0f);
-        _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_sub_ps(a, off), dv));
-        _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_sub_ps(c, off), dv));
+        put16(out, o, _mm512_mul_ps(_mm512_sub_ps(a, off), dv));
+        put16(out, o + 16, _mm512_mul_ps(_mm512_sub_ps(c, off), dv));
     }
 }
 
-static void deq_q5_0(const void *w, float *y, int64_t n) {
+PP_BODY(q5_0) {
     const uint8_t *b = w;
-    for (int64_t i = 0; i < n; i += 32, b += 22, y += 32) {
+    for (int64_t o = 0; o < n; o += 32, b += 22) {
         uint32_t h;
         memcpy(&h, b + 2, 4);
-        deq_q5(b + 6, h, rd_f16(b), 0.0f, 0, y);
+        deq_q5(b + 6, h, rd_f16(b), 0.0f, 0, out, o);
     }
 }
 
-static void deq_q5_1(const void *w, float *y, int64_t n) {
+PP_BODY(q5_1) {
     const uint8_t *b = w;
-    for (int64_t i = 0; i < n; i += 32, b += 24, y += 32) {
+    for (int64_t o = 0; o < n; o += 32, b += 24) {
         uint32_t h;
         memcpy(&h, b + 4, 4);
-        deq_q5(b + 8, h, rd_f16(b), rd_f16(b + 2), 1, y);
+        deq_q5(b + 8, h, rd_f16(b), rd_f16(b + 2), 1, out, o);
     }
 }
 
-static void deq_q2_k(const void *w, float *y, int64_t n) {
+PP_BODY(q2_k) {
     const uint8_t *b = w;
     const __m128i m2 = _mm_set1_epi8(3);
-    for (int64_t i = 0; i < n; i += 256, b += 84, y += 256) {
+    for (int64_t o = 0; o < n; o += 256, b += 84) {
         const uint8_t *sc = b, *qs = b + 16;
         const float d = rd_f16(b + 80), dmin = rd_f16(b + 82);
         for (int h = 0; h < 2; h++)
@@ -253,16 +315,16 @@ static void deq_q2_k(const void *w, float *y, int64_t n) {
                 for (int k = 0; k < 2; k++) { /* 16 values of one sub-block */
                     const int sub = h * 8 + s * 2 + k;
                     const __m128i q = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qs + h * 32 + 16 * k)), 2 * s), m2);
-                    fms16(y + h * 128 + s * 32 + 16 * k, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)),
+                    fms16(out, o + h * 128 + s * 32 + 16 * k, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)),
                           d * (float)(sc[sub] & 0xF), dmin * (float)(sc[sub] >> 4));
                 }
     }
 }
 
-static void deq_q3_k(const void *w, float *y, int64_t n) {
+PP_BODY(q3_k) {
     const uint8_t *b = w;
     const __m128i m2 = _mm_set1_epi8(3);
-    for (int64_t i = 0; i < n; i += 256, b += 110, y += 256) {
+    for (int64_t o = 0; o < n; o += 256, b += 110) {
         const uint8_t *hm = b, *qs = b + 32;
         float dl[16];
         q3k_sub_scales(b, dl);
@@ -275,39 +337,39 @@ static void deq_q3_k(const void *w, float *y, int64_t n) {
                     const __mmask16 clear = _mm_testn_epi8_mask(hb, _mm_set1_epi8((char)(1 << (h * 4 + s))));
                     const __m512i v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(ql),
                                                        _mm512_maskz_mov_epi32(clear, _mm512_set1_epi32(4)));
-                    _mm512_storeu_ps(y + h * 128 + s * 32 + 16 * k,
+                    put16(out, o + h * 128 + s * 32 + 16 * k,
                                      _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(dl[h * 8 + s * 2 + k])));
                 }
     }
 }
 
 /* 32 table values of 16 packed nibbles (low nibbles first, then high), times d */
-static inline void lut32(const uint8_t *q, __m128i table, float d, float *y) {
+PP_INLINE void lut32(const uint8_t *q, __m128i table, float d, pp_sink *out, int64_t o) {
     const __m128i raw = _mm_loadu_si128((const __m128i *)q), m4 = _mm_set1_epi8(15);
     const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(raw, m4));
     const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
     const __m512 dv = _mm512_set1_ps(d);
-    _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), dv));
-    _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), dv));
+    put16(out, o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), dv));
+    put16(out, o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), dv));
 }
 
-static void deq_iq4_nl(const void *w, float *y, int64_t n) {
+PP_BODY(iq4_nl) {
     const uint8_t *b = w;
-    for (int64_t i = 0; i < n; i += 32, b += 18, y += 32) lut32(b + 2, (__m128i)IQ4_NL_I8, rd_f16(b), y);
+    for (int64_t o = 0; o < n; o += 32, b += 18) lut32(b + 2, (__m128i)IQ4_NL_I8, rd_f16(b), out, o);
 }
 
-static void deq_iq4_xs(const void *w, float *y, int64_t n) {
+PP_BODY(iq4_xs) {
     const uint8_t *b = w;
-    for (int64_t i = 0; i < n; i += 256, b += 136, y += 256) {
+    for (int64_t o = 0; o < n; o += 256, b += 136) {
         const float d = rd_f16(b);
         const uint8_t *qs = b + 8;
-        for (int j = 0; j < 8; j++) lut32(qs + 16 * j, (__m128i)IQ4_NL_I8, d * (float)iq4xs_scale(b, j), y + 32 * j);
+        for (int j = 0; j < 8; j++) lut32(qs + 16 * j, (__m128i)IQ4_NL_I8, d * (float)iq4xs_scale(b, j), out, o + 32 * j);
     }
 }
 
-static void deq_mxfp4(const void *w, float *y, int64_t n) {
+PP_BODY(mxfp4) {
     const uint8_t *b = w;
-    for (int64_t i = 0; i < n; i += 32, b += 17, y += 32) lut32(b + 1, (__m128i)E2M1_I8, e8m0_half(b[0]), y);
+    for (int64_t o = 0; o < n; o += 32, b += 17) lut32(b + 1, (__m128i)E2M1_I8, e8m0_half(b[0]), out, o);
 }
 
 /* ------------------------------------------------------------------ IQ codebook dequantizers
@@ -318,9 +380,9 @@ static void deq_mxfp4(const void *w, float *y, int64_t n) {
 static const __m512 ZERO16 = {0};
 
 /* 16 bytes (as unsigned ints) * db, negated where `neg` has a bit, stored at y */
-static inline void grid16_u8(__m128i g, float db, __mmask16 neg, float *y) {
+PP_INLINE void grid16_u8(__m128i g, float db, __mmask16 neg, pp_sink *out, int64_t o) {
     const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(g)), _mm512_set1_ps(db));
-    _mm512_storeu_ps(y, _mm512_mask_sub_ps(v, neg, ZERO16, v));
+    put16(out, o, _mm512_mask_sub_ps(v, neg, ZERO16, v));
 }
 
 static inline __m128i two8(const uint8_t *g0, const uint8_t *g1) {
@@ -333,9 +395,9 @@ static inline __m128i four4(const uint8_t *g0, const uint8_t *g1, const uint8_t 
 
 /* IQ2_S {f16 d; u8 qs[32], signs[32], qh[8], scales[8]}: 8-value entry k of sub-block ib is
  * qs[4 ib + k] | 2 bits of qh[ib] << 8; scale nibble 0 (k < 2) or 1 of scales[ib]. */
-static void deq_iq2_s(const void *w, float *y, int64_t n) {
+PP_BODY(iq2_s) {
     const uint8_t *b = w;
-    for (int64_t i = 0; i < n; i += 256, b += 82, y += 256) {
+    for (int64_t o = 0; o < n; o += 256, b += 82) {
         const float d = rd_f16(b);
         const uint8_t *qs = b + 2, *sg = b + 34, *qh = b + 66, *sc = b + 74;
         for (int ib = 0; ib < 8; ib++)
@@ -343,16 +405,16 @@ static void deq_iq2_s(const void *w, float *y, int64_t n) {
                 const int k = 4 * ib + 2 * h;
                 const float db = d * (0.5f + (float)((sc[ib] >> (4 * h)) & 0xF)) * 0.25f;
                 const int i0 = qs[k] | ((qh[ib] >> (4 * h)) & 3) << 8, i1 = qs[k + 1] | ((qh[ib] >> (4 * h + 2)) & 3) << 8;
-                grid16_u8(two8(GRID_IQ2_S[i0], GRID_IQ2_S[i1]), db, rd_u16(sg + k), y + 32 * ib + 16 * h);
+                grid16_u8(two8(GRID_IQ2_S[i0], GRID_IQ2_S[i1]), db, rd_u16(sg + k), out, o + 32 * ib + 16 * h);
             }
     }
 }
 
 /* IQ3_S {f16 d; u8 qs[64], qh[8], signs[32], scales[4]}: 4-value entry k of sub-block ib is
  * qs[8 ib + k] | bit k of qh[ib] << 8; scale 1 + 2 * nibble ib of scales. */
-static void deq_iq3_s(const void *w, float *y, int64_t n) {
+PP_BODY(iq3_s) {
     const uint8_t *b = w;
-    for (int64_t i = 0; i < n; i += 256, b += 110, y += 256) {
+    for (int64_t o = 0; o < n; o += 256, b += 110) {
         const float d = rd_f16(b);
         const uint8_t *qs = b + 2, *qh = b + 66, *sg = b + 74, *sc = b + 106;
         for (int ib = 0; ib < 8; ib++) {
@@ -362,7 +424,7 @@ static void deq_iq3_s(const void *w, float *y, int64_t n) {
                 const int hb = qh[ib] >> (4 * h);
                 grid16_u8(four4(GRID_IQ3_S[q[0] | (hb & 1) << 8], GRID_IQ3_S[q[1] | (hb >> 1 & 1) << 8],
                                 GRID_IQ3_S[q[2] | (hb >> 2 & 1) << 8], GRID_IQ3_S[q[3] | (hb >> 3 & 1) << 8]),
-                          db, rd_u16(sg + 4 * ib + 2 * h), y + 32 * ib + 16 * h);
+                          db, rd_u16(sg + 4 * ib + 2 * h), out, o + 32 * ib + 16 * h);
             }
         }
     }
@@ -370,9 +432,9 @@ static void deq_iq3_s(const void *w, float *y, int64_t n) {
 
 /* IQ3_XXS {f16 d; u8 qs[64]; u32 aux[8]}: sub-block ib takes 8 4-value entries qs[8 ib ..], the
  * scale aux >> 28 and four 7-bit sign indices into ksigns (KSIGNS8). */
-static void deq_iq3_xxs(const void *w, float *y, int64_t n) {
+PP_BODY(iq3_xxs) {
     const uint8_t *b = w;
-    for (int64_t i = 0; i < n; i += 256, b += 98, y += 256) {
+    for (int64_t o = 0; o < n; o += 256, b += 98) {
         const float d = rd_f16(b);
         for (int ib = 0; ib < 8; ib++) {
             const uint8_t *q = b + 2 + 8 * ib;
@@ -381,7 +443,7 @@ static void deq_iq3_xxs(const void *w, float *y, int64_t n) {
             for (int h = 0; h < 2; h++, q += 4) {
                 const __mmask16 neg = (__mmask16)(KSIGNS8[(aux >> (14 * h)) & 0x7F] | KSIGNS8[(aux >> (14 * h + 7)) & 0x7F] << 8);
                 grid16_u8(four4(GRID_IQ3_XXS[q[0]], GRID_IQ3_XXS[q[1]], GRID_IQ3_XXS[q[2]], GRID_IQ3_XXS[q[3]]), db, neg,
-                          y + 32 * ib + 16 * h);
+                          out, o + 32 * ib + 16 * h);
             }
         }
     }
@@ -389,15 +451,15 @@ static void deq_iq3_xxs(const void *w, float *y, int64_t n) {
 
 /* 16 int8 values (8 * grid + the delta's sign, exact) * dl / 8, stored at y: gguf-py's
  * dl * (grid + delta) with delta = +-1/8, the same float product since dl / 8 is exact. */
-static inline void iq1_16(__m128i v, float dl, float *y) {
-    _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), _mm512_set1_ps(dl * 0.125f)));
+PP_INLINE void iq1_16(__m128i v, float dl, pp_sink *out, int64_t o) {
+    put16(out, o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), _mm512_set1_ps(dl * 0.125f)));
 }
 
 /* IQ1_S {f16 d; u8 qs[32]; u16 qh[8]}: entry k of sub-block ib is qs[4 ib + k] | 3 bits of qh[ib]
  * << 8; qh's bits 12-14 are the scale, bit 15 the delta's sign. */
-static void deq_iq1_s(const void *w, float *y, int64_t n) {
+PP_BODY(iq1_s) {
     const uint8_t *b = w;
-    for (int64_t i = 0; i < n; i += 256, b += 50, y += 256) {
+    for (int64_t o = 0; o < n; o += 256, b += 50) {
         const float d = rd_f16(b);
         const uint8_t *qs = b + 2;
         for (int ib = 0; ib < 8; ib++) {
@@ -408,7 +470,7 @@ static void deq_iq1_s(const void *w, float *y, int64_t n) {
                 const int k = 4 * ib + 2 * h;
                 const int i0 = qs[k] | ((q >> (6 * h)) & 7) << 8, i1 = qs[k + 1] | ((q >> (6 * h + 3)) & 7) << 8;
                 iq1_16(_mm_add_epi8(two8((const uint8_t *)GRID_IQ1_S8[i0], (const uint8_t *)GRID_IQ1_S8[i1]), delta), dl,
-                       y + 32 * ib + 16 * h);
+                       out, o + 32 * ib + 16 * h);
             }
         }
     }
@@ -416,9 +478,9 @@ static void deq_iq1_s(const void *w, float *y, int64_t n) {
 
 /* IQ1_M {u8 qs[32], qh[16]; u16 scales[4]}: f16 d from the top nibbles of the 4 scales; entry k
  * is qs[k] | 3 bits of nibble k of qh << 8, the nibble's bit 3 the delta's sign; 3-bit scale k / 2. */
-static void deq_iq1_m(const void *w, float *y, int64_t n) {
+PP_BODY(iq1_m) {
     const uint8_t *b = w;
-    for (int64_t i = 0; i < n; i += 256, b += 56, y += 256) {
+    for (int64_t o = 0; o < n; o += 256, b += 56) {
         const uint8_t *qs = b, *qh = b + 32;
         uint16_t sc[4];
         memcpy(sc, b + 48, 8);
@@ -429,12 +491,44 @@ static void deq_iq1_m(const void *w, float *y, int64_t n) {
             const __m128i delta = _mm_unpacklo_epi64(_mm_set1_epi8(lo & 8 ? -1 : 1), _mm_set1_epi8(hi & 8 ? -1 : 1));
             const int i0 = qs[2 * j] | (lo & 7) << 8, i1 = qs[2 * j + 1] | (hi & 7) << 8;
             iq1_16(_mm_add_epi8(two8((const uint8_t *)GRID_IQ1_S8[i0], (const uint8_t *)GRID_IQ1_S8[i1]), delta), dl,
-                   y + 16 * j);
+                   out, o + 16 * j);
         }
     }
 }
 
-/* the own dequantizers by ggml type (the codebooks they read are qmm.c's, set at load) */
+typedef void (*pp_to_tiles)(const void *row, uint16_t *hi, uint16_t *lo, int64_t stride, int64_t n);
+
+#define PP_BUILD(name)                                                                               \
+    static void deq_##name(const void *w, float *y, int64_t n) {                                     \
+        pp_sink out = {.tiles = 0, .y = y};                                                          \
+        body_##name(w, &out, n);                                                                     \
+    }                                                                                                \
+    static void tiles_##name(const void *w, uint16_t *hi, uint16_t *lo, int64_t stride, int64_t n) { \
+        pp_sink out = {.tiles = 1, .hi = hi, .lo = lo, .stride = stride};                            \
+        body_##name(w, &out, n);                                                                     \
+    }
+PP_BUILD(q4_0)
+PP_BUILD(q4_1)
+PP_BUILD(q5_0)
+PP_BUILD(q5_1)
+PP_BUILD(q8_0)
+PP_BUILD(q2_k)
+PP_BUILD(q3_k)
+PP_BUILD(q4_k)
+PP_BUILD(q5_k)
+PP_BUILD(q6_k)
+PP_BUILD(iq2_xxs)
+PP_BUILD(iq2_xs)
+PP_BUILD(iq4_nl)
+PP_BUILD(iq4_xs)
+PP_BUILD(mxfp4)
+PP_BUILD(iq3_xxs)
+PP_BUILD(iq1_s)
+PP_BUILD(iq3_s)
+PP_BUILD(iq2_s)
+PP_BUILD(iq1_m)
+
+/* the own decoders by ggml type (the codebooks they read are qmm.c's, set at load) */
 static const pp_to_float OWN[PP_MAX_TYPES] = {
     [2] = deq_q4_0,     [3] = deq_q4_1,    [6] = deq_q5_0,     [7] = deq_q5_1,     [8] = deq_q8_0,
     [10] = deq_q2_k,    [11] = deq_q3_k,   [12] = deq_q4_k,    [13] = deq_q5_k,    [14] = deq_q6_k,
@@ -442,19 +536,19 @@ static const pp_to_float OWN[PP_MAX_TYPES] = {
     [18] = deq_iq3_xxs, [19] = deq_iq1_s,  [21] = deq_iq3_s,   [22] = deq_iq2_s,   [29] = deq_iq1_m,
 };
 
+
+static const pp_to_tiles OWN_TILES[PP_MAX_TYPES] = {
+    [2] = tiles_q4_0,     [3] = tiles_q4_1,    [6] = tiles_q5_0,     [7] = tiles_q5_1,     [8] = tiles_q8_0,
+    [10] = tiles_q2_k,    [11] = tiles_q3_k,   [12] = tiles_q4_k,    [13] = tiles_q5_k,    [14] = tiles_q6_k,
+    [16] = tiles_iq2_xxs, [17] = tiles_iq2_xs, [20] = tiles_iq4_nl,  [23] = tiles_iq4_xs,  [39] = tiles_mxfp4,
+    [18] = tiles_iq3_xxs, [19] = tiles_iq1_s,  [21] = tiles_iq3_s,   [22] = tiles_iq2_s,   [29] = tiles_iq1_m,
+};
+
 /* ------------------------------------------------------------------ bf16 splitting */
 
-/* 32 floats -> 32 bf16 hi (nearest even) and 32 bf16 lo = bf16(v - hi) */
+/* 32 floats -> their bf16 hi and lo parts (split_pair) */
 static inline void split32(const float *v, uint16_t *hi, uint16_t *lo) {
-    const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
-    const __m512bh h = _mm512_cvtne2ps_pbh(b, a);
-    _mm512_storeu_si512(hi, (__m512i)h);
-    if (!lo) return;
-    const __m512i hw = (__m512i)h;
-    /* hi back to float32: each bf16 is the upper half of its float */
-    const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hw)), 16));
-    const __m512 hb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hw, 1)), 16));
-    _mm512_storeu_si512(lo, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha)));
+    split_pair(_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16), hi, lo);
 }
 
 /* ------------------------------------------------------------------ AMX */
@@ -495,7 +589,8 @@ typedef struct {
     int64_t groups, tokens;
     float *Y; /* tokens x rows */
     int terms;
-    pp_to_float f;
+    pp_to_tiles t; /* this file's decoder, or NULL: */
+    pp_to_float f; /* ggml's to_float, then split32 */
 } pp_args;
 
 static __thread uint16_t *panel_buf;
@@ -553,23 +648,26 @@ static void pp_panel(const void *a_, int64_t panel) {
         panel_buf = aligned_alloc(64, (size_t)need * sizeof(uint16_t));
         panel_cap = panel_buf ? need : 0;
     }
-    if (row_cap < a->cols) {
+    if (!a->t && row_cap < a->cols) {
         free(row_buf);
         row_buf = aligned_alloc(64, (size_t)((a->cols + 15) / 16 * 16) * sizeof(float));
         row_cap = row_buf ? a->cols : 0;
     }
-    if (!panel_buf || !row_buf) return; /* out of memory: the caller checks nothing, Y keeps its zeros */
+    if (!panel_buf || (!a->t && !row_buf)) return; /* out of memory: the caller checks nothing, Y keeps its zeros */
     uint16_t *ah = panel_buf, *al = panel_buf + (int64_t)nt * 16 * a->cols;
     for (int r = 0; r < nt * 16; r++) {
-        const int64_t tile = r / 16, in = r % 16;
-        if (r < nr) {
-            a->f(a->W + (r0 + r) * a->wrow, row_buf, a->cols);
+        const int64_t tile = r / 16, in = r % 16, at0 = tile * kcn * 512 + in * 32;
+        uint16_t *lo = a->terms > 1 ? al + at0 : NULL;
+        if (r >= nr) { /* rows past the weight's end: zero */
+            for (int64_t kc = 0; kc < kcn; kc++) {
+                memset(ah + at0 + kc * 512, 0, 64);
+                if (lo) memset(lo + kc * 512, 0, 64);
+            }
+        } else if (a->t) {
+            a->t(a->W + (r0 + r) * a->wrow, ah + at0, lo, 512, a->cols);
         } else {
-            memset(row_buf, 0, sizeof(float) * (size_t)a->cols);
-        }
-        for (int64_t kc = 0; kc < kcn; kc++) {
-            const int64_t at = (tile * kcn + kc) * 512 + in * 32;
-            split32(row_buf + kc * 32, ah + at, a->terms > 1 ? al + at : NULL);
+            a->f(a->W + (r0 + r) * a->wrow, row_buf, a->cols);
+            for (int64_t kc = 0; kc < kcn; kc++) split32(row_buf + kc * 32, ah + at0 + kc * 512, lo ? lo + kc * 512 : NULL);
         }
     }
     configure_tiles();
@@ -582,10 +680,19 @@ static void pp_panel(const void *a_, int64_t panel) {
             case 3: pp_group3(ah, al, bh, bl, kcn, a->terms, cbuf); break;
             default: pp_group4(ah, al, bh, bl, kcn, a->terms, cbuf); break;
         }
+        /* C tile I holds [weight row 16 I + i][token t] at cbuf[256 I + 16 i + t]: token t's 16 values
+         * of tile I are a column, gathered at stride 16 and stored as one row piece of Y */
         const int64_t t0 = g * 16, tn = a->tokens - t0 < 16 ? a->tokens - t0 : 16;
+        const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32(16));
         for (int64_t t = 0; t < tn; t++) {
             float *y = a->Y + (t0 + t) * a->rows + r0;
-            for (int64_t r = 0; r < nr; r++) y[r] = cbuf[(r / 16) * 256 + (r % 16) * 16 + t];
+            const __m512i idx = _mm512_add_epi32(col, _mm512_set1_epi32((int)t));
+            for (int i = 0; i < nt; i++) {
+                const int64_t left = nr - 16 * i;
+                const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+                _mm512_mask_storeu_ps(y + 16 * i, m, _mm512_i32gather_ps(idx, cbuf + 256 * i, 4));
+            }
         }
     }
     _tile_release();
@@ -647,9 +754,10 @@ static int pack(const float *X, int64_t tokens, int64_t cols, int terms, packed_
     return 1;
 }
 
-static void run_packed(pp_to_float f, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, const packed_x *p,
+static void run_packed(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, const packed_x *p,
                        float *Y, int terms, int nth) {
-    const pp_args a = {W, rows, cols, wrow, p->h, p->l, p->groups, p->tokens, Y, terms > 1 ? 3 : 1, f};
+    const pp_args a = {W, rows, cols, wrow, p->h, p->l, p->groups, p->tokens, Y, terms > 1 ? 3 : 1, OWN_TILES[type],
+                       OWN_TILES[type] ? NULL : dequantizer(type)};
     strata_pool_run(pp_panel, &a, (rows + 63) / 64, nth < 1 ? 1 : nth);
 }
 
@@ -657,11 +765,10 @@ static void run_packed(pp_to_float f, const uint8_t *W, int64_t rows, int64_t co
  * row; cols a multiple of 32). Returns 0 (Y untouched) when AMX, the type or memory is missing. */
 int strata_pp_matmul(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, const float *X,
                      int64_t tokens, float *Y, int terms, int nth) {
-    pp_to_float f = dequantizer(type);
-    if (!amx_ok() || !f || cols % 32 || rows <= 0 || tokens <= 0) return 0;
+    if (!amx_ok() || !dequantizer(type) || cols % 32 || rows <= 0 || tokens <= 0) return 0;
     packed_x p;
     if (!pack(X, tokens, cols, terms, &p)) return 0;
-    run_packed(f, W, rows, cols, wrow, &p, Y, terms, nth);
+    run_packed(type, W, rows, cols, wrow, &p, Y, terms, nth);
     free(p.h);
     return 1;
 }
@@ -676,7 +783,7 @@ int strata_pp_matmul(int type, const uint8_t *W, int64_t rows, int64_t cols, int
 typedef void (*qmm_fn)(const uint8_t *W, int64_t rows, int64_t cols, const float *X, int64_t B, float *Y, int nth);
 
 typedef struct {
-    pp_to_float f[3];
+    int type[3];
     int64_t wrow[3];
     qmm_fn small[3];
     int min_rows[3];
@@ -691,15 +798,15 @@ static int swiglu(const swiglu_spec *s, const uint8_t *G, const uint8_t *U, cons
     const int amx_g = !s->small[0] || n >= s->min_rows[0], amx_u = !s->small[1] || n >= s->min_rows[1];
     packed_x p = {0};
     if ((amx_g || amx_u) && !pack(x, n, s->hidden, s->terms, &p)) return 0;
-    if (amx_g) run_packed(s->f[0], G, s->ffn, s->hidden, s->wrow[0], &p, g, s->terms, s->nth);
+    if (amx_g) run_packed(s->type[0], G, s->ffn, s->hidden, s->wrow[0], &p, g, s->terms, s->nth);
     else s->small[0](G, s->ffn, s->hidden, x, n, g, s->nth);
-    if (amx_u) run_packed(s->f[1], U, s->ffn, s->hidden, s->wrow[1], &p, u, s->terms, s->nth);
+    if (amx_u) run_packed(s->type[1], U, s->ffn, s->hidden, s->wrow[1], &p, u, s->terms, s->nth);
     else s->small[1](U, s->ffn, s->hidden, x, n, u, s->nth);
     free(p.h);
     for (int64_t i = 0; i < n * s->ffn; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     if (!s->small[2] || n >= s->min_rows[2]) {
         if (!pack(g, n, s->ffn, s->terms, &p)) return 0;
-        run_packed(s->f[2], D, s->hidden, s->ffn, s->wrow[2], &p, y, s->terms, s->nth);
+        run_packed(s->type[2], D, s->hidden, s->ffn, s->wrow[2], &p, y, s->terms, s->nth);
         free(p.h);
     } else {
         s->small[2](D, s->hidden, s->ffn, g, n, y, s->nth);
@@ -711,8 +818,8 @@ static int make_spec(swiglu_spec *s, const int *types, const int64_t *wrow, void
                      int64_t hidden, int64_t ffn, int terms, int nth) {
     if (!amx_ok() || hidden % 32 || ffn % 32) return 0;
     for (int m = 0; m < 3; m++) {
-        s->f[m] = dequantizer(types[m]);
-        if (!s->f[m]) return 0;
+        s->type[m] = types[m];
+        if (!dequantizer(types[m])) return 0;
         s->wrow[m] = wrow[m];
         s->small[m] = small ? (qmm_fn)small[m] : NULL;
         s->min_rows[m] = min_rows ? min_rows[m] : 0;
@@ -775,6 +882,14 @@ int strata_pp_dequant_row(int type, const uint8_t *w, int64_t n, float *y) {
     return 1;
 }
 
+/* hi, lo (n bfloat16 each) = one row of W by the decoder prompt products use, straight into
+ * bfloat16 parts (tests compare them with gguf-py's values split the same way); lo may be NULL */
+int strata_pp_decode_bf16(int type, const uint8_t *w, int64_t n, uint16_t *hi, uint16_t *lo) {
+    if (type < 0 || type >= PP_MAX_TYPES || !OWN_TILES[type] || n % 32) return 0;
+    OWN_TILES[type](w, hi, lo, 32, n);
+    return 1;
+}
+
 #else /* no AMX-BF16 at build time */
 
 int strata_pp_available(void) { return 0; }
@@ -786,6 +901,10 @@ int strata_pp_matmul(int type, const uint8_t *W, int64_t rows, int64_t cols, int
 }
 int strata_pp_dequant_row(int type, const uint8_t *w, int64_t n, float *y) {
     (void)type, (void)w, (void)n, (void)y;
+    return 0;
+}
+int strata_pp_decode_bf16(int type, const uint8_t *w, int64_t n, uint16_t *hi, uint16_t *lo) {
+    (void)type, (void)w, (void)n, (void)hi, (void)lo;
     return 0;
 }
 int strata_pp_swiglu(const int *types, const int64_t *wrow, void *const *small, const int *min_rows,

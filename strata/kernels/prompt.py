@@ -5,9 +5,9 @@ call into bfloat16 tiles and multiplied by all rows of x, float32 accumulation.
 dequantizer for the type, a row length that is not a multiple of 32). `terms` 3 (the default) keeps
 about float32 accuracy (x and W each split into two bfloat16 parts); 1 is one bfloat16 product.
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,
-IQ4_NL, IQ4_XS and MXFP4 have their own AVX-512 dequantizers; other types use ggml's to_float row by
-row when ggml is loaded. `swiglu` and
-`moe` are one expert / a layer's routed experts over a prompt in one C call.
+IQ4_NL, IQ4_XS and MXFP4 have their own AVX-512 decoders, which write each weight's bfloat16 parts
+straight into the tiles; other types use ggml's to_float row by row when ggml is loaded, then a
+split. `swiglu` and `moe` are one expert / a layer's routed experts over a prompt in one C call.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def _lib() -> ctypes.CDLL | None:
         lib.strata_pp_matmul.restype = c_int
         lib.strata_pp_dequant_row.argtypes = [c_int, p, i64, p]
         lib.strata_pp_dequant_row.restype = c_int
+        lib.strata_pp_decode_bf16.argtypes = [c_int, p, i64, p, p]
+        lib.strata_pp_decode_bf16.restype = c_int
         lib.strata_pp_swiglu.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i64, p, c_int, c_int]
         lib.strata_pp_swiglu.restype = c_int
         lib.strata_pp_moe.argtypes = [p, p, p, p, p, p, p, p, c_int, p, p, p, i64, i64, p, c_int, c_int]
@@ -168,3 +170,15 @@ def dequant_row(w: torch.Tensor, qtype, n: int) -> torch.Tensor | None:
     raw = w.contiguous().view(torch.uint8)
     out = torch.empty(n, dtype=torch.float32)
     return out if lib.strata_pp_dequant_row(int(qtype), raw.data_ptr(), n, out.data_ptr()) else None
+
+
+def decode_bf16(w: torch.Tensor, qtype, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One row of `n` values as the prompt products decode it, straight into bfloat16 (hi, lo)
+    parts (for tests), or None without this file's decoder for the type."""
+    lib = _lib()
+    if lib is None:
+        return None
+    raw = w.contiguous().view(torch.uint8)
+    hi, lo = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    ok = lib.strata_pp_decode_bf16(int(qtype), raw.data_ptr(), n, hi.data_ptr(), lo.data_ptr())
+    return (hi, lo) if ok else None
