@@ -96,3 +96,40 @@ def cached_engine(path, **options):
     import strata
 
     return strata.load(path, **options)
+
+
+@torch.inference_mode()
+def batch_and_verify_logits(model, seqs: list[list[int]], lens: list[int]) -> list[list[tuple[int, torch.Tensor]]]:
+    """Two sequences decoded as one batch after their right-padded prompts (`lens` tokens each):
+    two batch steps, a speculative verify pass (the cache tracking, 3 and 2 positions, row 0 then
+    dropping 1 by `ModelCache.rollback`), two more batch steps from the kept tokens. Returns per
+    row the (position, logits) of every position fed after the prompt, to compare with each
+    sequence decoded alone (each row feeds seqs[r] in order; at least lens[r] + 6 tokens)."""
+    got = [[], []]
+
+    def feed(cache, pos, n):  # row r feeds seqs[r][pos[r] : pos[r] + n[r]]
+        tokens = torch.zeros(2, max(n), dtype=torch.long)
+        for r in range(2):
+            tokens[r, :n[r]] = torch.tensor(seqs[r][pos[r]:pos[r] + n[r]])
+        logits = model(tokens, cache, n_new=torch.tensor(n))
+        for r in range(2):
+            got[r] += [(pos[r] + j, logits[r, j]) for j in range(n[r])]
+
+    cache = model.new_cache(2)
+    tokens = torch.zeros(2, max(lens), dtype=torch.long)
+    for r in range(2):
+        tokens[r, :lens[r]] = torch.tensor(seqs[r][:lens[r]])
+    model(tokens, cache, n_new=torch.tensor(lens))
+    pos = list(lens)
+    for _ in range(2):
+        feed(cache, pos, [1, 1])
+        pos = [p + 1 for p in pos]
+    cache.track()
+    feed(cache, pos, [3, 2])
+    cache.rollback(torch.tensor([1, 0]))
+    pos = [pos[0] + 2, pos[1] + 2]
+    cache.track(False)
+    for _ in range(2):
+        feed(cache, pos, [1, 1])
+        pos = [p + 1 for p in pos]
+    return got

@@ -304,27 +304,121 @@ def test_deltanet_decode_half_in_one_call_matches_torch(gate_act, mode, monkeypa
     torch.testing.assert_close(caches[True].conv, caches[False].conv, rtol=1e-4, atol=1e-6)
 
 
+def _gdn_schedule(call, seed: int = 30):
+    """Run `call(x, cache, step) -> output` over one GDNCache of 3 rows: a right-padded prompt (the
+    torch form's chunks), two batch decode steps, two speculative verify passes (tracked, padded,
+    rolled back by a different count per row, one all the way to the pass's start), a plain step.
+    Returns each pass's output at its real positions and the cache's (conv, state) after each
+    pass and each rollback."""
+    from strata.models.cache import StepInfo
+    from strata.models.gated_deltanet import GDNCache
+
+    g = torch.Generator().manual_seed(seed)
+    cache, lengths = GDNCache(), torch.zeros(3, dtype=torch.long)
+    outs, states = [], []
+
+    def run(t, n_new, drop=None):
+        nonlocal lengths
+        n_new = torch.tensor(n_new)
+        x = torch.randn(3, t, 256, generator=g)
+        y = call(x, cache, StepInfo(lengths.clone(), n_new, t))
+        real = torch.arange(t)[None, :] < n_new[:, None]
+        outs.append(y[real])
+        lengths = lengths + n_new
+        states.append((cache.conv.clone(), cache.state.clone()))  # padding left them as the row's last real token
+        if drop is not None:
+            cache.rollback(torch.tensor(drop))
+            lengths = lengths - torch.tensor(drop)
+            states.append((cache.conv.clone(), cache.state.clone()))
+
+    run(5, [5, 3, 4])
+    run(1, [1, 1, 1])
+    run(1, [1, 1, 1])
+    cache.track()
+    run(3, [3, 2, 3], drop=[1, 0, 3])
+    run(4, [4, 4, 1], drop=[0, 3, 1])
+    cache.track(False)
+    run(1, [1, 1, 1])
+    return outs, states
+
+
+def _assert_schedules_match(fast, ref, bound: float = 2e-5):
+    """Every output, conv window and state within `bound` of the reference's largest value."""
+    pairs = list(zip(fast[0], ref[0])) + [p for f, r in zip(fast[1], ref[1]) for p in zip(f, r)]
+    for a, b in pairs:
+        assert float((a - b).abs().max()) < bound * float(b.abs().max())
+
+
 @needs_kernels
-def test_deltanet_decode_half_declines_what_it_cannot_take():
-    """A speculative (tracked) step, a prompt, bfloat16, an input-permuted out projection and a float
-    in-projection keep the torch path."""
+@pytest.mark.parametrize("mode", ["float32", "int16"])
+def test_deltanet_decode_half_batch_and_verify_match_torch(mode, monkeypatch, activations):
+    """Decode batches of 3 rows and speculative verify passes of 3-4 positions, right-padded, in
+    one C call each (the state stepped row by row, position by position; a verify pass keeping
+    the state after each position and the conv window), against the torch module: outputs at
+    real positions, and the state and conv window after each pass and each rollback."""
+    from strata.models.layers import no_tap
+
+    activations(mode)
+    block = _deltanet_block(seed=3)
+    calls, counted = _counting("try_gdn_block")
+    got = {}
+    for fast in (True, False):
+        monkeypatch.setattr(decode_ops, "try_gdn_block", counted if fast else (lambda *a: None))
+        got[fast] = _gdn_schedule(lambda x, cache, step: block(x, cache, step, None, no_tap))
+    assert calls[0] == 5  # all but the prompt
+    # int16: x on its grid, where a norm's rounding can move a value one step (as above)
+    _assert_schedules_match(got[True], got[False], 2e-5 if mode == "float32" else 1e-4)
+
+
+@needs_kernels
+def test_deltanet_mixer_in_one_call_with_permuted_out_projection(activations):
+    """qwen4exp's form: the mixer without input norm or residual, its sigmoid gate, and ssm_out
+    taking its input in the file's tiled order (an `InputPermutedLinear`), through
+    `try_gdn_mixer`, against the torch module over the same batch and verify passes."""
+    from strata.models.linear import InputPermutedLinear
+
+    activations("float32")
+    m = _deltanet_block("sigmoid", seed=4).attn
+    m.wo = InputPermutedLinear(m.wo.weight, torch.randperm(m.value_dim, generator=torch.Generator().manual_seed(5)))
+    n = [0]
+
+    def fast(x, cache, step):
+        y = decode_ops.try_gdn_mixer(x, m, cache, step)
+        n[0] += y is not None
+        return m(x, cache, step) if y is None else y
+
+    got = _gdn_schedule(fast)
+    assert n[0] == 5
+    _assert_schedules_match(got, _gdn_schedule(lambda x, cache, step: m(x, cache, step)))
+
+
+@needs_kernels
+def test_deltanet_decode_half_declines_what_it_cannot_take(monkeypatch):
+    """A prompt, a tracked pass whose per-position states pass STEP_BYTES (the torch form replays
+    instead), more than FAST_BATCH_MAX tokens, bfloat16, an ssm_out order that is not a
+    permutation and a float in-projection keep the torch path."""
     from strata.models.gated_deltanet import GDNCache
     from strata.models.cache import StepInfo
 
     block = _deltanet_block()
     norm, m = block.attn_norm, block.attn
     one = StepInfo(torch.tensor([0]), torch.tensor([1]), 1)
+    three = StepInfo(torch.tensor([0]), torch.tensor([3]), 3)
     x = torch.randn(1, 1, 256)
     assert decode_ops.try_gdn_block(x, norm, m, GDNCache(), one) is not None
     tracked = GDNCache()
     tracked.track()
-    assert decode_ops.try_gdn_block(x, norm, m, tracked, one) is None
-    assert decode_ops.try_gdn_block(torch.randn(1, 3, 256), norm, m, GDNCache(), StepInfo(torch.tensor([0]), torch.tensor([3]), 3)) is None
+    assert decode_ops.try_gdn_block(torch.randn(1, 3, 256), norm, m, tracked, three) is not None
+    monkeypatch.setattr(GDNCache, "STEP_BYTES", 2 * m.nv * m.dk * m.dv * 4)
+    assert decode_ops.try_gdn_block(torch.randn(1, 3, 256), norm, m, tracked, three) is None
+    assert decode_ops.try_gdn_block(torch.randn(1, 3, 256), norm, m, GDNCache(), three) is None
+    wide = StepInfo(torch.zeros(65, dtype=torch.long), torch.ones(65, dtype=torch.long), 1)
+    assert decode_ops.try_gdn_block(torch.randn(65, 1, 256), norm, m, GDNCache(), wide) is None
     assert decode_ops.try_gdn_block(x.bfloat16(), norm, m, GDNCache(), one) is None
     from strata.models.linear import InputPermutedLinear
 
     wo = m.wo
-    m.wo = InputPermutedLinear(wo.weight, torch.arange(m.value_dim).flip(0))  # qwen4exp's tiled heads
+    m.wo = InputPermutedLinear(wo.weight, torch.zeros(m.value_dim, dtype=torch.long))  # not a permutation
     assert decode_ops.try_gdn_block(x, norm, m, GDNCache(), one) is None
     m.wo = wo
     m.wb = Linear(m.wb.dense())

@@ -15,12 +15,15 @@ import torch
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 import strata
-from reference import cached_engine, cached_hf_greedy, check_merge_and_leave, hf_logits, prompt, randomise, save_hf
+from reference import (batch_and_verify_logits, cached_engine, cached_hf_greedy, check_merge_and_leave, hf_logits, prompt,
+                       randomise, save_hf)
 from strata.gguf.convert import convert_hf_to_gguf
 from strata.gguf.reader import GGUFFile
 from strata.gguf.source import GGUFSource
 from strata.gguf.writer import write_gguf
 from strata.formats import qwen3next
+from strata import kernels
+from strata.kernels import decode_ops
 from strata.models.gated_deltanet import (GDNCache, chunk_gated_delta_rule, recurrent_gated_delta_rule,
                                           split_ssm_in)
 
@@ -286,45 +289,75 @@ def test_chunked_and_recurrent_delta_rule_agree():
     torch.testing.assert_close(new_state.double(), ref_state, atol=1e-5, rtol=1e-5)
 
 
-def test_quantized_decode_layer_halves_match_transformers(checkpoint, tmp_path, monkeypatch):
-    """A Q8_0 file of the tiny model decodes through the one-call C layer halves (DeltaNet:
-    strata_gdn_decode; gated attention: strata_attn_decode with its output gate), float32
-    activations, and matches transformers' own prefill-then-decode given the same weights through
-    gguf-py's quantize and dequantize (the DeltaNet state and conv window carried from the prompt)."""
+def _q8_file_and_reference(checkpoint, tmp_path):
+    """The tiny model as a Q8_0 file, and transformers' model given the same weights through
+    gguf-py's quantize and dequantize (whole-block matrices but norms, routers, experts)."""
     import copy
 
     import gguf.quants
-
-    from strata import kernels
-    from strata.kernels import decode_ops
 
     ref_model, paths = checkpoint
     q8 = gguf.GGMLQuantizationType.Q8_0
     convert_hf_to_gguf(paths["safetensors"], tmp_path / "q8.gguf", dense_type=q8)
     ref = copy.deepcopy(ref_model)
-    with torch.no_grad():  # what the converter stores as Q8_0: whole-block matrices but norms, routers, experts
+    with torch.no_grad():
         for name, p in ref.named_parameters():
             if p.ndim == 2 and p.shape[-1] % 32 == 0 and "experts" not in name and "shared_expert_gate" not in name \
                     and not name.endswith("mlp.gate.weight"):
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q8), q8)))
-    calls = {"try_gdn_block": 0, "try_attention_block": 0}
+    return tmp_path / "q8.gguf", ref
+
+
+def _count_halves(monkeypatch, names):
+    calls = dict.fromkeys(names, 0)
     for name in calls:
         def counted(*a, _fn=getattr(decode_ops, name), _name=name):
             y = _fn(*a)
             calls[_name] += y is not None
             return y
         monkeypatch.setattr(decode_ops, name, counted)
-    ids = torch.tensor([prompt(VOCAB, 24) + prompt(VOCAB, 8, seed=7)])
+    return calls
+
+
+@pytest.fixture
+def float_activations():
     before = kernels.activations()
     kernels.set_activations("float32")
-    try:
-        model = strata.load(tmp_path / "q8.gguf", draft="off").model
-        with torch.inference_mode():
-            cache = model.new_cache(1)
-            steps = [model(ids[:, :24], cache)[0]]
-            steps += [model(ids[:, i:i + 1], cache)[0] for i in range(24, ids.shape[1])]
-    finally:
-        kernels.set_activations(before)
+    yield
+    kernels.set_activations(before)
+
+
+def test_quantized_decode_layer_halves_match_transformers(checkpoint, tmp_path, monkeypatch, float_activations):
+    """A Q8_0 file of the tiny model decodes through the one-call C layer halves (DeltaNet:
+    strata_gdn_decode; gated attention: strata_attn_decode with its output gate), float32
+    activations, and matches transformers' own prefill-then-decode given the same weights through
+    gguf-py's quantize and dequantize (the DeltaNet state and conv window carried from the prompt)."""
+    path, ref = _q8_file_and_reference(checkpoint, tmp_path)
+    calls = _count_halves(monkeypatch, ("try_gdn_block", "try_attention_block"))
+    ids = torch.tensor([prompt(VOCAB, 24) + prompt(VOCAB, 8, seed=7)])
+    model = strata.load(path, draft="off").model
+    with torch.inference_mode():
+        cache = model.new_cache(1)
+        steps = [model(ids[:, :24], cache)[0]]
+        steps += [model(ids[:, i:i + 1], cache)[0] for i in range(24, ids.shape[1])]
     assert calls == {"try_gdn_block": 2 * 8, "try_attention_block": 2 * 8}  # 2 layers of each kind, 8 steps
     diff = (torch.cat(steps[1:]) - hf_prefill_then_decode(ref, ids, 24)[24:]).abs().max().item()
     assert diff < 1e-4, diff  # 3.9e-5 (the torch modules: 4.0e-5), max |logit| 8.5
+
+
+def test_quantized_batch_and_verify_passes_match_transformers(checkpoint, tmp_path, monkeypatch, float_activations):
+    """Two sequences of a Q8_0 file decoded as one batch, with a speculative verify pass between
+    (tracked, right-padded: 3 and 2 positions; row 0 then drops 1), the DeltaNet layers in one C
+    call per pass: every position's logits against transformers' prefill-then-decode of each
+    sequence alone, and the decode after the rollback continues from the kept tokens' state."""
+    path, ref = _q8_file_and_reference(checkpoint, tmp_path)
+    calls = _count_halves(monkeypatch, ("try_gdn_block",))
+    seqs = [prompt(VOCAB, 24) + prompt(VOCAB, 6, seed=7), prompt(VOCAB, 17, seed=3) + prompt(VOCAB, 6, seed=9)]
+    got = batch_and_verify_logits(strata.load(path, draft="off").model, seqs, [24, 17])
+    assert calls["try_gdn_block"] == 2 * 5  # 2 DeltaNet layers, 5 passes (the prompt: the chunked form)
+    for r in range(2):
+        want = hf_prefill_then_decode(ref, torch.tensor([seqs[r]]), [24, 17][r])
+        diff = max((logits - want[p]).abs().max().item() for p, logits in got[r])
+        assert diff < 1e-4, (r, diff)
+
+

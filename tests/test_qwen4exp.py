@@ -23,7 +23,8 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import (Qwen4ExpTextRMSNor
                                                               _find_nth_prime_after)
 
 import strata
-from reference import cached_engine, cached_hf_greedy, check_merge_and_leave, hf_logits, prompt, randomise, save_hf
+from reference import (batch_and_verify_logits, cached_engine, cached_hf_greedy, check_merge_and_leave, hf_logits, prompt,
+                       randomise, save_hf)
 from strata.errors import BadModelFile
 from strata.formats import qwen4exp
 from strata.gguf.convert import convert_hf_to_gguf
@@ -248,6 +249,63 @@ def test_prefill_then_decode_equals_one_forward(checkpoint, fmt):
     assert (steps - hf_prefill_then_decode(ref_model, ids, 64)).abs().max().item() < 1e-4
     assert (steps - whole).abs().max().item() < 5e-5 * whole.abs().max().item()
     assert torch.equal(steps.argmax(-1), whole.argmax(-1))
+
+
+def test_quantized_deltanet_decode_in_c_matches_transformers(checkpoint, tmp_path, monkeypatch):
+    """The tiled DeltaNet layers of a file whose DeltaNet projections are Q8_0 decode through the
+    one-call C mixer (`decode_ops.try_gdn_mixer`: no input norm or residual, the hyper-connections
+    around it; ssm_out's columns in the file's tiled order), float32 activations: one sequence,
+    then two as a batch with a speculative verify pass and a rollback, against transformers'
+    prefill-then-decode given the same weights through gguf-py's quantize and dequantize."""
+    import copy
+
+    import gguf.quants
+
+    from strata import kernels
+    from strata.gguf.writer import write_gguf
+    from strata.kernels import decode_ops
+
+    ref_model, paths = checkpoint
+    f32, q8 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
+    file = GGUFFile(paths["gguf"])
+    source = GGUFSource(file)
+    mixer = (".attn_qkv.", ".attn_gate.", ".ssm_alpha.", ".ssm_beta.", ".ssm_out.")
+    write_gguf(tmp_path / "q8.gguf", qwen4exp.ARCH, file.metadata,
+               [(n, source.get(n).dequantize(), q8 if any(m in n for m in mixer) else f32) for n in source.names()])
+    ref = copy.deepcopy(ref_model)  # Q8_0 blocks run along rows, so the file's row and column tiling commutes
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if ".linear_attn." in name and name.split(".")[-2] in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
+                                                                     "out_proj"):
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q8), q8)))
+    calls = [0]
+
+    def counted(*a, _fn=decode_ops.try_gdn_mixer):
+        y = _fn(*a)
+        calls[0] += y is not None
+        return y
+
+    monkeypatch.setattr(decode_ops, "try_gdn_mixer", counted)
+    before = kernels.activations()
+    kernels.set_activations("float32")
+    try:
+        model = strata.load(tmp_path / "q8.gguf", draft="off").model
+        ids = torch.tensor([eos_prompt() + eos_prompt(16, seed=7)])
+        with torch.inference_mode():
+            cache = model.new_cache(1)
+            model(ids[:, :64], cache)
+            steps = torch.cat([model(ids[:, i:i + 1], cache)[0] for i in range(64, ids.shape[1])])
+        assert calls[0] == 6 * 16  # 6 DeltaNet layers, 16 steps
+        assert (steps - hf_prefill_then_decode(ref, ids, 64)[64:]).abs().max().item() < 1e-4
+        seqs = [eos_prompt(24, seed=2) + eos_prompt(6, seed=8), eos_prompt(17, seed=3) + eos_prompt(6, seed=9)]
+        got = batch_and_verify_logits(model, seqs, [24, 17])
+    finally:
+        kernels.set_activations(before)
+    assert calls[0] == 6 * 16 + 6 * 5  # and 5 passes of the batch (the prompt: the chunked form)
+    for r in range(2):
+        want = hf_prefill_then_decode(ref, torch.tensor([seqs[r]]), [24, 17][r])
+        diff = max((logits - want[p]).abs().max().item() for p, logits in got[r])
+        assert diff < 1e-4, (r, diff)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

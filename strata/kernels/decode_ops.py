@@ -224,81 +224,134 @@ def try_moe_block(h: torch.Tensor, norm, moe, k: int, normalize: bool) -> torch.
 
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-_GDN_ARGTYPES = (_P, _I64, _P, _F32, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _F32, _INT,
-                 _P, _P, _P, _INT)
+_GDN_ARGTYPES = (_P, _I64, _I64, _P, _I64, _P, _F32, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _P, _P, _P,
+                 _P, _P, _F32, _INT, _P, _P, _P, _INT, _P, _INT)
 
 
 class _GDNArgs:
-    """What strata_gdn_decode reads of one GatedDeltaNet and its input norm, built once: its
-    weights' kernel plans (kept: a plan may own the bytes it points to) as ctypes arrays, and the
-    conv taps tap-major. `of` names the activation mode, tensors and linears it was built from; a
-    layer whose weights were replaced or moved, or another mode, builds a new one."""
+    """What strata_gdn_decode reads of one GatedDeltaNet (and its input norm, if any), built once:
+    its weights' kernel plans (kept: a plan may own the bytes it points to) as ctypes arrays, the
+    conv taps tap-major, and ssm_out's input order (qwen4exp's tiled value heads: an
+    `InputPermutedLinear`), int64. `of` names the activation mode, tensors and linears it was built
+    from; a layer whose weights were replaced or moved, or another mode, builds a new one."""
 
-    __slots__ = ("of", "plans", "fns", "ws", "rows", "taps")
+    __slots__ = ("of", "plans", "fns", "ws", "rows", "taps", "order")
 
-    def __init__(self, of, plans, taps):
-        self.of, self.plans, self.taps = of, plans, taps
+    def __init__(self, of, plans, taps, order):
+        self.of, self.plans, self.taps, self.order = of, plans, taps, order
         self.fns = (_P * 4)(*(p.fnptr for p in plans[:4]))
         self.ws = (_P * 4)(*(p.ptr for p in plans[:4]))
         self.rows = (_I64 * 4)(*(p.rows for p in plans[:4]))
 
 
+def _gdn_order(wo, value_dim: int) -> torch.Tensor | None | bool:
+    """ssm_out's input order as a contiguous int64 permutation (None: its own order), or False
+    where it is not one (what the C half cannot take)."""
+    order = getattr(wo, "order", None)
+    if order is None:
+        return None
+    if order.device.type != "cpu" or order.shape != (value_dim,):
+        return False
+    order = order.to(torch.int64).contiguous()
+    if not torch.equal(order.sort().values, torch.arange(value_dim)):
+        return False
+    return order
+
+
 def _gdn_args(norm, mixer, hidden: int) -> _GDNArgs | None:
     lins = (mixer.wqkv, mixer.wz, mixer.wb, mixer.wa, mixer.wo)
-    of = (kernels.activations(), norm.weight, mixer.conv_w, mixer.dt_bias, mixer.a, mixer.norm, *lins,
-          *(getattr(lin, "weight", None) for lin in lins))
+    of = (kernels.activations(), None if norm is None else norm.weight, mixer.conv_w, mixer.dt_bias, mixer.a,
+          mixer.norm, *lins, *(getattr(lin, "weight", None) for lin in lins), getattr(mixer.wo, "order", None))
     got = getattr(mixer, "_c_decode", None)
     if got is not None and got.of[0] == of[0] and all(a is b for a, b in zip(got.of[1:], of[1:])):
         return got
     plans = [_linear_plan(lin) for lin in lins]
     if any(p is None for p in plans) or any(lin.bias is not None for lin in lins):
         return None
-    if any(getattr(lin, "order", None) is not None for lin in lins):  # an InputPermutedLinear reorders x first
+    if any(getattr(lin, "order", None) is not None for lin in lins[:4]):  # an InputPermutedLinear reorders x first
+        return None
+    order = _gdn_order(mixer.wo, mixer.value_dim)
+    if order is False:
         return None
     rows = (mixer.conv_dim, mixer.value_dim, mixer.nv, mixer.nv, hidden)
     if tuple(p.rows for p in plans) != rows or any(p.cols != hidden for p in plans[:4]) or plans[4].cols != mixer.value_dim:
         return None
-    vecs = ((norm.weight, hidden), (mixer.dt_bias, mixer.nv), (mixer.a, mixer.nv), (mixer.norm, mixer.dv))
+    vecs = ((mixer.dt_bias, mixer.nv), (mixer.a, mixer.nv), (mixer.norm, mixer.dv))
+    if norm is not None:
+        vecs += ((norm.weight, hidden),)
     if any(not (_vec(t) and t.numel() == n) for t, n in vecs) or mixer.conv_w.shape != (mixer.conv_dim, mixer.kernel):
         return None
     if mixer.conv_w.dtype is not torch.float32 or mixer.conv_w.device.type != "cpu":
         return None
-    args = _GDNArgs(of, plans, mixer.conv_w.t().contiguous())
+    args = _GDNArgs(of, plans, mixer.conv_w.t().contiguous(), order)
     mixer._c_decode = args
     return args
 
 
-def try_gdn_block(x: torch.Tensor, norm, mixer, cache, step) -> torch.Tensor | None:
-    """x + mixer(norm(x)) of a Gated DeltaNet layer (`models.gated_deltanet`) for one decode token
-    in one C call (deltanet_decode.c: norm, the in-projections, the causal conv step, the gated
-    delta rule step on the cache's state in place, the gated RMS norm, the out projection, the
-    residual), or None where it does not apply (not one float32 token of one row on the CPU, a
-    cache that tracks a speculative step, a weight without an own kernel). The caller checks the
-    module and cache types."""
-    if not _ok(x) or x.shape[0] != 1 or x.shape[1] != 1 or cache.tracking:
+def _gdn_decode(x: torch.Tensor, norm, mixer, cache, step) -> torch.Tensor | None:
+    """strata_gdn_decode over x (B, T, hidden) on the cache (see try_gdn_block), or None."""
+    if not _ok(x, any_size=True) or x.dim() != 3:
+        return None
+    b, t, hidden = x.shape
+    if b * t > kernels.FAST_BATCH_MAX or (t > 1 and not cache.tracking):  # a prompt: the chunked form
+        return None
+    n_new = step.n_new
+    if n_new.device.type != "cpu" or n_new.shape != (b,):
         return None
     fn = _build.entry("strata_gdn_decode", _GDN_ARGTYPES, _INT)
-    if fn is None or int(step.n_new[0]) != 1:
+    if fn is None:
         return None
-    hidden = x.shape[-1]
     args = _gdn_args(norm, mixer, hidden)
     if args is None:
         return None
-    cache.ensure(1, mixer.kernel, mixer.conv_dim, mixer.nv, mixer.dk, mixer.dv, x.dtype, x.device)
+    cache.ensure(b, mixer.kernel, mixer.conv_dim, mixer.nv, mixer.dk, mixer.dv, x.dtype, x.device)
     conv, state = cache.conv, cache.state
-    if conv.shape != (1, mixer.kernel - 1, mixer.conv_dim) or state.shape != (1, mixer.nv, mixer.dk, mixer.dv) \
+    if conv.shape != (b, mixer.kernel - 1, mixer.conv_dim) or state.shape != (b, mixer.nv, mixer.dk, mixer.dv) \
             or not (_vec(conv) and _vec(state)):
         return None
+    window = steps = None
+    if cache.tracking:  # what a rollback needs: the conv window, the state after each position
+        if t * state.nbytes > cache.STEP_BYTES:  # the torch form replays instead
+            return None
+        window = torch.empty(b, mixer.kernel - 1 + t, mixer.conv_dim)
+        steps = torch.empty(t, *state.shape)
+    n_new = n_new.to(torch.int64).contiguous()
     out = torch.empty_like(x)
     po = args.plans[4]
-    ok = fn(x.data_ptr(), hidden, norm.weight.data_ptr(), norm.eps, args.fns, args.ws, args.rows, mixer.nk, mixer.nv,
-            mixer.dk, mixer.dv, conv.data_ptr(), args.taps.data_ptr(), mixer.kernel, mixer.dt_bias.data_ptr(),
-            mixer.a.data_ptr(), state.data_ptr(), mixer.norm.data_ptr(), mixer.eps, int(mixer.gate_act == "sigmoid"),
-            po.fnptr, po.ptr, out.data_ptr(), torch.get_num_threads())
+    ptr = (lambda u: None if u is None else u.data_ptr())
+    ok = fn(x.data_ptr(), b, t, n_new.data_ptr(), hidden, ptr(None if norm is None else norm.weight),
+            norm.eps if norm is not None else 0.0, args.fns, args.ws, args.rows, mixer.nk, mixer.nv, mixer.dk, mixer.dv,
+            conv.data_ptr(), ptr(window), args.taps.data_ptr(), mixer.kernel, mixer.dt_bias.data_ptr(), mixer.a.data_ptr(),
+            state.data_ptr(), ptr(steps), mixer.norm.data_ptr(), mixer.eps, int(mixer.gate_act == "sigmoid"), po.fnptr,
+            po.ptr, ptr(args.order), int(norm is not None), out.data_ptr(), torch.get_num_threads())
     if not ok:
         return None
-    cache.window = None
+    if cache.tracking:
+        cache.state = steps[-1]
+        cache.keep_undo(state, window, n_new, list(steps.unbind(0)))
+    else:
+        cache.window = None
     return out
+
+
+def try_gdn_block(x: torch.Tensor, norm, mixer, cache, step) -> torch.Tensor | None:
+    """x + mixer(norm(x)) of a Gated DeltaNet layer (`models.gated_deltanet`) for decode tokens
+    in one C call (deltanet_decode.c: norm, the in-projections, the causal conv step, the gated
+    delta rule stepped row by row and position by position on the cache's state, the gated RMS
+    norm, the out projection, the residual), or None where it does not apply (not float32 on the
+    CPU; more than one position per row but in a speculative verify pass, the cache tracking;
+    more than FAST_BATCH_MAX tokens; a tracked pass whose per-position states would pass the
+    cache's STEP_BYTES; a weight without an own kernel). A verify pass keeps, as the torch form
+    does, the conv window and the state after each position for `GDNCache.rollback`. The caller
+    checks the module and cache types."""
+    return _gdn_decode(x, norm, mixer, cache, step)
+
+
+def try_gdn_mixer(x: torch.Tensor, mixer, cache, step) -> torch.Tensor | None:
+    """mixer(x) of a Gated DeltaNet layer without input norm or residual (qwen4exp: its
+    hyper-connections make the input and take the output), ssm_out's input order included (its
+    `InputPermutedLinear`), in the same one C call as `try_gdn_block`, or None where it does not apply."""
+    return _gdn_decode(x, None, mixer, cache, step)
 
 
 def try_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

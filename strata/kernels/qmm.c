@@ -2704,6 +2704,7 @@ void strata_qmm_group(int n, void *const *fns, const void *const *W, const int64
  * torch needs five over a state tensor 4x the size of L2. Sums over dk run j = 0, 1, ... */
 typedef struct {
     float *S;
+    const float *src; /* the state read: S itself (in place), or another (S is then written whole) */
     const float *q, *k, *v, *decay, *beta;
     float *out;
     int64_t dk, dv;
@@ -2713,6 +2714,7 @@ static void gdn_head(const void *a_, int64_t h) {
     const gdn_args *a = (const gdn_args *)a_;
     const int64_t dk = a->dk, dv = a->dv;
     float *S = a->S + h * dk * dv;
+    const float *src = a->src + h * dk * dv;
     const float *q = a->q + h * dk, *k = a->k + h * dk, *v = a->v + h * dv;
     float *out = a->out + h * dv;
     /* A decay under float32's normal range (g < -87: random or strongly forgetting heads) would
@@ -2723,7 +2725,7 @@ static void gdn_head(const void *a_, int64_t h) {
     for (int64_t c = 0; c < dv; c++) delta[c] = 0.0f;
     for (int64_t j = 0; j < dk; j++) {
         const float kj = k[j];
-        const float *row = S + j * dv;
+        const float *row = src + j * dv;
         for (int64_t c = 0; c < dv; c++) delta[c] += kj * (row[c] * d);
     }
     for (int64_t c = 0; c < dv; c++) {
@@ -2732,18 +2734,35 @@ static void gdn_head(const void *a_, int64_t h) {
     }
     for (int64_t j = 0; j < dk; j++) {
         const float kj = k[j], qj = q[j];
-        float *row = S + j * dv;
-        for (int64_t c = 0; c < dv; c++) {
-            const float s = row[c] * d + kj * delta[c];
-            row[c] = s;
-            out[c] += qj * s;
-        }
+        const float *row = src + j * dv;
+        float *dst = S + j * dv;
+        if (dst == row) /* in place: its own loop, so the compiler needs no overlap check */
+            for (int64_t c = 0; c < dv; c++) {
+                const float s = dst[c] * d + kj * delta[c];
+                dst[c] = s;
+                out[c] += qj * s;
+            }
+        else
+            for (int64_t c = 0; c < dv; c++) {
+                const float s = row[c] * d + kj * delta[c];
+                dst[c] = s;
+                out[c] += qj * s;
+            }
     }
 }
 
 void strata_gdn_step(float *S, const float *q, const float *k, const float *v, const float *decay,
                      const float *beta, float *out, int64_t bh, int64_t dk, int64_t dv, int nth) {
-    const gdn_args a = {S, q, k, v, decay, beta, out, dk, dv};
+    const gdn_args a = {S, S, q, k, v, decay, beta, out, dk, dv};
+    pool_run(gdn_head, &a, bh, nth < 1 ? 1 : nth);
+}
+
+/* The same step from the state `src` into `S` (a verify pass keeps the state after each token:
+ * one pass writes the next, no copy first); src == S is the in-place step. */
+void strata_gdn_step_from(const float *src, float *S, const float *q, const float *k, const float *v,
+                          const float *decay, const float *beta, float *out, int64_t bh, int64_t dk, int64_t dv,
+                          int nth) {
+    const gdn_args a = {S, src, q, k, v, decay, beta, out, dk, dv};
     pool_run(gdn_head, &a, bh, nth < 1 ? 1 : nth);
 }
 

@@ -97,6 +97,13 @@ class GDNCache:
         self.tracking = on
         self.pending = None
 
+    def keep_undo(self, start: torch.Tensor, window: torch.Tensor, n_new: torch.Tensor, steps: list[torch.Tensor]) -> None:
+        """A tracked forward made elsewhere (the C decode half, `kernels.decode_ops`): its
+        starting state, conv window, real tokens per row and the state after each position, so
+        `rollback` picks one as it does after the torch form's."""
+        self.window = window
+        self.pending = _Undo(start, None, None, None, None, None, window, n_new, steps)
+
     def rollback(self, n_drop) -> None:
         """Undo the last `n_drop` real tokens of the last (tracked) forward: the state becomes
         the one that forward held after each row's kept tokens (kept while it ran, `STEP_BYTES`),
@@ -129,11 +136,11 @@ class _Undo(NamedTuple):
     """A tracked forward, as `GDNCache.rollback` replays it."""
 
     state: torch.Tensor  # the state before the forward
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor  # padding already zeroed
-    beta: torch.Tensor
+    q: torch.Tensor | None  # the replay's inputs (None when `steps` holds every state: the C half's)
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    g: torch.Tensor | None  # padding already zeroed
+    beta: torch.Tensor | None
     window: torch.Tensor  # (B, K-1+T, C): the conv state, then this forward's conv inputs
     n_new: torch.Tensor  # (B,) real tokens per row
     steps: list[torch.Tensor] | None  # the state after each position (None: over `STEP_BYTES`)

@@ -32,10 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.formats.ngram_hash import TABLE
+from strata.kernels import decode_ops
 from strata.kernels.gpu.graphs import boundary
 from strata.formats.qwen4exp import Config, check_hash_buffers, tile_value_heads, untile_value_heads
 from strata.models.cache import LayerCache, ModelCache, PLECache, StepInfo
-from strata.models.gated_deltanet import GatedDeltaNet
+from strata.models.gated_deltanet import GatedDeltaNet, GDNCache
 from strata.models.hyper_connections import HyperConnection, grouped_rms_norm
 from strata.models.layers import Experts, SharedExpert, Tap, no_tap, softmax_topk
 from strata.models.linear import InputPermutedLinear, Linear
@@ -151,7 +152,10 @@ class Block(nn.Module):
             x = x + self.ple(x, ple_emb.to(x.device), cache.ple, step)
             cache = cache.mixer
         mixed, weights = self.attn_hc.mix(x)
-        x = HyperConnection.combine(x, self.attn(mixed, cache, step, rope_cs, tap), weights)
+        y = None
+        if tap is no_tap and type(self.attn) is TiledGatedDeltaNet and type(cache) is GDNCache:
+            y = decode_ops.try_gdn_mixer(mixed, self.attn, cache, step)  # decode tokens: one C call
+        x = HyperConnection.combine(x, self.attn(mixed, cache, step, rope_cs, tap) if y is None else y, weights)
         tap("ffn_inp", x)
         mixed, weights = self.ffn_hc.mix(x)
         out = self.ffn(mixed, None if step.all_real else step.token_mask.to(x.device, non_blocking=True), tap)
