@@ -71,6 +71,22 @@ def test_adaptive_ranks_a_key_in_a_burst_above_a_one_off_of_the_same_cell():
     assert adaptive.victim(set()) == one_off
 
 
+def test_adaptive_calibrates_each_layer_to_its_own_reuse():
+    """Two layers of 4 experts routed uniformly, one top-2 and one top-1: each expert gets the same
+    lifetime share (1/E) in both, but is used at the next run with chance 1/2 in the first and 1/4
+    in the second. The shared calibration alone puts both near the middle (0.40 and 0.35); each
+    layer's own offset brings them to their rates."""
+    E, rng = 4, np.random.default_rng(0)
+    adaptive = make_policy("adaptive", 4, 2 * E, n_experts=E)
+    seen = {0: [], 1: []}
+    for run_ in range(600):
+        for layer, top in ((0, 2), (1, 1)):
+            if run_ >= 300:
+                seen[layer].append(adaptive.estimate(np.arange(layer * E, (layer + 1) * E)).mean())
+            adaptive.access([layer * E + int(e) for e in rng.choice(E, top, replace=False)])
+    assert abs(np.mean(seen[0]) - 0.5) < 0.03 and abs(np.mean(seen[1]) - 0.25) < 0.03
+
+
 def test_adaptive_evicts_a_key_of_the_layer_that_just_ran_before_one_of_a_layer_still_to_run():
     """The cache sees a step's layers in order: a key of the layer that just ran waits a whole step
     for its next chance, one of a later layer may be used in this very step. So the first is

@@ -63,6 +63,7 @@ TIE = 1e-3  # weight of the lifetime share beside the estimate: equal estimates 
 SHARE_PRIOR = 2.0  # pseudo-runs at the mean share (1 / E) in a key's own share, so two runs cannot make it top
 BURST_HALF_LIVES = (2.0, 16.0)  # runs of the key's layer: the recent-share features of the calibration
 CALIBRATION_RATE = 0.02  # step of the calibration's online logistic regression (per run of a layer)
+LAYER_RATE = 0.3  # step of a layer's own offset to the shared calibration's log-odds (per run of that layer)
 NEVER_LAG = 50  # the lag feature of a key never used
 
 Placement = tuple[list[tuple[int, int | None]], list[int]]  # (admitted (key, victim)), rejected
@@ -261,6 +262,7 @@ class Adaptive(Packed):
         self.burst = np.zeros((len(BURST_HALF_LIVES), len(self.last)))  # recent share of the layer's routings
         self.weights = np.zeros(len(BURST_HALF_LIVES) + 4)  # the calibration: starts as the table itself
         self.weights[0] = 1.0
+        self.offset = np.zeros(n_layers)  # per layer, added to the shared log-odds; centred over the layers that ran
         self.inputs: dict[int, np.ndarray] = {}  # layer -> its keys' calibration inputs after its last run
         self.observed = None  # the table's use rates, running maximum over share (cached between runs)
 
@@ -293,8 +295,9 @@ class Adaptive(Packed):
                                 np.ones(len(keys))])
 
     def estimate(self, keys: np.ndarray) -> np.ndarray:
-        """Per key: the chance of a use at its layer's next run, the table calibrated."""
-        return 1 / (1 + np.exp(-self.inputs_of(keys) @ self.weights))
+        """Per key: the chance of a use at its layer's next run, the table calibrated, plus its layer's
+        offset (layers differ in how often a key with the same inputs is used again: top-k, skew)."""
+        return 1 / (1 + np.exp(-(self.inputs_of(keys) @ self.weights + self.offset[keys // self.n_experts])))
 
     def access(self, keys, counts=None):
         if not keys:
@@ -303,10 +306,14 @@ class Adaptive(Packed):
         every = np.arange(layer * self.n_experts, (layer + 1) * self.n_experts)
         self.now, self.span = layer, max(self.span, layer + 1)
         used = np.asarray(keys, dtype=np.int64)
-        if layer in self.inputs:  # one gradient step of the calibration on this run's outcome
+        if layer in self.inputs:  # one gradient step of the calibration and of the layer's offset on this run's outcome
             x, hit = self.inputs[layer], np.zeros(self.n_experts)
             hit[used - every[0]] = 1.0
-            self.weights += CALIBRATION_RATE * x.T @ (hit - 1 / (1 + np.exp(-x @ self.weights))) / len(x)
+            error = hit - 1 / (1 + np.exp(-(x @ self.weights + self.offset[layer])))
+            self.weights += CALIBRATION_RATE * x.T @ error / len(x)
+            self.offset[layer] += LAYER_RATE * error.mean()
+            ran = self.runs > 0  # centred: the shared intercept keeps the common level (one layer: offset 0)
+            self.offset[ran] -= self.offset[ran].mean()
         lag, freq, _, _ = self._cells(every)
         waiting = self.waiting.setdefault(layer, deque())
         waiting.append((int(self.runs[layer]), lag, freq))
