@@ -372,11 +372,19 @@ void strata_pool_tiles(int64_t *out) {
     out[1] = atomic_load(&pool_caller_tiles);
 }
 
-/* How long an idle helper polls for the next job before it sleeps (a wake-up costs a futex call
- * and, on a busy machine, a wait for the scheduler). The gaps between a decode step's products
- * (Python, torch's small ops) are 20-100 us on a small model; a poll window past them keeps the
- * helper awake through a layer, so even small products can be shared (`pool_awake`). */
+/* How an idle helper waits for the next job: it polls (pause) for spin_ns, then polls between
+ * sched_yield calls (which hand the core to any other runnable thread) until yield_ns have passed
+ * without a job, then sleeps on a condition variable. Waking a sleeper is the calling thread's
+ * futex call, and on a busy machine the woken helper then tends to take the caller's core: at load
+ * 7 on 2 cores each of a SmolLM2 token's 121 shared jobs woke the helper, and the wakes took 15 ms
+ * of a 30 ms token. A decode step's jobs follow each other within microseconds (its layers run in
+ * C: decode_stack.c) and the Python between two tokens takes about a millisecond, so a helper that
+ * yields instead of sleeping is there for the next job without a wake, and costs no other process
+ * its core. Idle for longer (between requests), it sleeps. */
 static const int64_t spin_ns = 40000;
+static int64_t yield_ns = 4000000;
+/* bench/decode_profile compares policies in one process: 0 sleeps right after the pause phase. */
+void strata_set_pool_yield(int64_t ns) { yield_ns = ns; }
 
 static inline int64_t now_ns(void) {
     struct timespec t;
@@ -394,20 +402,27 @@ static inline int64_t st_next(uint64_t s) { return (int64_t)((s >> 16) & 0xFFFF)
 static inline int64_t st_count(uint64_t s) { return (int64_t)(s & 0xFFFF); }
 
 /* Where the pool's time goes (bench/decode_profile), counted only while strata_pool_timing(1):
- * [0] ns the calling thread spent in its tiles, [1] ns it then waited for the helpers' last tiles,
+ * (CPU ns of the thread counted) [0] ns the calling thread spent in its tiles, [1] ns it then waited for the helpers' last tiles,
  * [2] ns helpers spent in tiles, [3] ns the calling thread spent in pool_run (the rest of its
- * time is the serial work between jobs), [4] jobs shared with helpers, [5] jobs run alone. */
+ * time is the serial work between jobs), [4] jobs shared with helpers, [5] jobs run alone, [6] jobs
+ * that had to wake a sleeping helper, [7] ns the calling thread spent waking them. */
 static int pool_timing;
-static _Atomic int64_t pool_times[6];
+static _Atomic int64_t pool_times[8];
+/* This thread's CPU time: on a shared machine a wall clock would count the time it was descheduled. */
+static inline int64_t cpu_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
 void strata_pool_timing(int on) { pool_timing = on; }
 void strata_pool_times(int64_t *out) {
-    for (int i = 0; i < 6; i++) out[i] = atomic_load(&pool_times[i]);
+    for (int i = 0; i < 8; i++) out[i] = atomic_load(&pool_times[i]);
 }
 
 /* Claim and run tiles of the current job until none is left; returns how many were run. */
 static int64_t pool_work(int who) {
     int64_t ran = 0;
-    const int64_t t0 = pool_timing ? now_ns() : 0;
+    const int64_t t0 = pool_timing ? cpu_ns() : 0;
     uint64_t s = atomic_load_explicit(&pool_state, memory_order_acquire);
     while (st_next(s) < st_count(s)) {
         if (atomic_compare_exchange_weak_explicit(&pool_state, &s, s + (1u << 16), memory_order_acq_rel,
@@ -418,7 +433,7 @@ static int64_t pool_work(int who) {
             s = atomic_load_explicit(&pool_state, memory_order_acquire);
         }
     }
-    if (pool_timing) atomic_fetch_add_explicit(&pool_times[who], now_ns() - t0, memory_order_relaxed);
+    if (pool_timing) atomic_fetch_add_explicit(&pool_times[who], cpu_ns() - t0, memory_order_relaxed);
     return ran;
 }
 
@@ -443,10 +458,17 @@ static void *pool_helper(void *arg) {
                 changed = 1;
                 break;
             }
+            if (spun % 64 == 0) {
+                const int64_t idle = now_ns() - t0;
+                if (idle > yield_ns) break;
+                if (idle > spin_ns) {
+                    sched_yield();
+                    continue;
+                }
+            }
 #if defined(__x86_64__) || defined(__i386__)
             __builtin_ia32_pause();
 #endif
-            if (spun % 64 == 0 && now_ns() - t0 > spin_ns) break;
         }
         if (changed) continue;
         pthread_mutex_lock(&wake_mu);
@@ -463,12 +485,12 @@ static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_
     atomic_fetch_add_explicit(&pool_jobs, 1, memory_order_relaxed);
     if (nth > n_tiles) nth = (int)n_tiles;
     if (nth > MAX_HELPERS + 1) nth = MAX_HELPERS + 1;
-    const int64_t t_in = pool_timing ? now_ns() : 0;
+    const int64_t t_in = pool_timing ? cpu_ns() : 0;
     /* One job at a time; a second caller (another Python thread) runs its job alone. */
     if (nth <= 1 || n_tiles > 0xFFFF || pthread_mutex_trylock(&call_mu) != 0) {
         for (int64_t t = 0; t < n_tiles; t++) fn(args, t);
         if (pool_timing) {
-            const int64_t d = now_ns() - t_in;
+            const int64_t d = cpu_ns() - t_in;
             atomic_fetch_add_explicit(&pool_times[0], d, memory_order_relaxed);
             atomic_fetch_add_explicit(&pool_times[3], d, memory_order_relaxed);
             atomic_fetch_add_explicit(&pool_times[5], 1, memory_order_relaxed);
@@ -494,12 +516,17 @@ static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_
      * the helper sees the new epoch or we see it about to sleep and wake it. */
     atomic_store(&pool_state, ((uint64_t)(st_epoch(old) + 1) << 32) | (uint64_t)n_tiles);
     if (atomic_load(&pool_sleepers) > 0) {
+        const int64_t t_wake = pool_timing ? cpu_ns() : 0;
         pthread_mutex_lock(&wake_mu);
         pthread_cond_broadcast(&wake_cv);
         pthread_mutex_unlock(&wake_mu);
+        if (pool_timing) {
+            atomic_fetch_add_explicit(&pool_times[6], 1, memory_order_relaxed);
+            atomic_fetch_add_explicit(&pool_times[7], cpu_ns() - t_wake, memory_order_relaxed);
+        }
     }
     atomic_fetch_add_explicit(&pool_caller_tiles, pool_work(0), memory_order_relaxed);
-    const int64_t t_wait = pool_timing ? now_ns() : 0;
+    const int64_t t_wait = pool_timing ? cpu_ns() : 0;
     /* A helper may hold a claimed tile while descheduled: poll briefly, then yield the core to it. */
     for (int spun = 0; atomic_load_explicit(&pool_done, memory_order_acquire) < n_tiles; spun++) {
         if (spun < SPIN_ROUNDS) {
@@ -511,7 +538,7 @@ static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_
         }
     }
     if (pool_timing) {
-        const int64_t t_out = now_ns();
+        const int64_t t_out = cpu_ns();
         atomic_fetch_add_explicit(&pool_times[1], t_out - t_wait, memory_order_relaxed);
         atomic_fetch_add_explicit(&pool_times[3], t_out - t_in, memory_order_relaxed);
         atomic_fetch_add_explicit(&pool_times[4], 1, memory_order_relaxed);
