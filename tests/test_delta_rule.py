@@ -74,3 +74,21 @@ def test_recurrence_through_the_kernel_equals_torch_and_keeps_the_start_state_un
     out2, new2 = gated_delta_rule(q, k, v, gate, beta, state, recurrent=True, in_place=True)
     assert torch.equal(out2, out) and torch.equal(new2, new)
     assert torch.equal(state, new) and new2.data_ptr() == state.data_ptr()  # written into the cache's own state
+
+
+def test_a_prompts_chunked_rule_runs_on_one_torch_thread(monkeypatch):
+    """At 2 threads each of the chunked form's small torch ops waits at an OpenMP barrier (a pp512
+    layer took 5x the CPU of one thread on a shared machine): it runs on one, and the count is back after."""
+    import strata.models.gated_deltanet as gdn
+
+    seen = []
+    real = gdn.chunk_gated_delta_rule
+    monkeypatch.setattr(gdn, "chunk_gated_delta_rule", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, k, v, gate, beta, state = _inputs(t=5)
+        gated_delta_rule(q, k, v, gate, beta, state, chunk=4)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
