@@ -22,7 +22,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from strata import kernels
-from strata.kernels import decode_ops
+from strata.kernels import decode_ops, decode_stack
+from strata.formats.weights import QTensor
 from strata.models.layers import Experts
 from strata.models.linear import Embedding, Linear
 from strata.models.transformer import MoE
@@ -139,8 +140,38 @@ def _half_label(name: str, args) -> tuple[str, int]:
     return f"half moe k{k} {b.gate.qtype.name}/{b.up.qtype.name}/{b.down.qtype.name}" + (" +shared" if moe.shared else ""), n
 
 
+def _stack_label(stack) -> tuple[str, int]:
+    """A one-call layer stack's label (its weights' types) and the weight bytes one call reads:
+    each 2-D weight it was built from (the layers' Linears, the routers) in full, and k experts of
+    each MoE layer's stacks."""
+    kinds, seen, n = set(), set(), 0
+    for obj in stack.sources:
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, QTensor):
+            kinds.add(obj.qtype.name)
+            n += obj.nbytes if len(obj.shape) == 2 else 0
+        elif isinstance(obj, torch.Tensor) and obj.dim() == 2:
+            n += obj.nbytes
+    n += sum(sum(lay.exp_stride) * lay.k for lay in stack.layers if lay.moe)
+    return f"stack of {len(stack.layers)} layers " + "/".join(sorted(kinds)), n
+
+
 def _label_halves():
-    """Label the one-call layer halves (decode_ops.try_*_block) as kernels; `_unlabel_halves` undoes it."""
+    """Label the one-call layer halves (decode_ops.try_*_block) and layer stacks
+    (decode_stack.try_decode) as kernels; `_unlabel_halves` undoes it."""
+    inner_stack = _half_originals["try_decode"] = decode_stack.try_decode
+
+    def labelled_stack(stack, *rest):
+        if stack.layers is None:
+            return inner_stack(stack, *rest)
+        label, nbytes = _stack_label(stack)
+        KERNEL_BYTES["qmm " + label] = nbytes
+        with record_function("part: blocks (all of each layer)"), record_function("qmm " + label):
+            return inner_stack(stack, *rest)
+
+    decode_stack.try_decode = labelled_stack
     for name in HALVES:
         inner = _half_originals[name] = getattr(decode_ops, name)
 
@@ -155,7 +186,7 @@ def _label_halves():
 
 def _unlabel_halves():
     for name, fn in _half_originals.items():
-        setattr(decode_ops, name, fn)
+        setattr(decode_stack if name == "try_decode" else decode_ops, name, fn)
 
 
 def bytes_per_token(model, k: int) -> dict[str, int]:
@@ -297,6 +328,12 @@ def replay_products(engine, prompt: list[int], repeats: int = 8) -> None:
             return halves[name](x, *rest)
         return rec
 
+    stack_original = decode_stack.try_decode
+
+    def rec_stack(stack, x, *rest):  # replayed at the same position: the same keys and values rewritten
+        calls.append((stack_original, (stack, x.clone(), *rest)))
+        return stack_original(stack, x, *rest)
+
     def rec_q(x, w, threads=None):
         calls.append((originals[0], (x.clone(), w, threads)))
         return originals[0](x, w, threads)
@@ -317,28 +354,39 @@ def replay_products(engine, prompt: list[int], repeats: int = 8) -> None:
             rec_q, rec_m, rec_g, rec_s)
         for name in HALVES:
             setattr(decode_ops, name, rec_half(name))
+        decode_stack.try_decode = rec_stack
         try:
             token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
         finally:
             kernels.try_qmatmul, kernels._moe_token, decode_ops.try_qmatmul_group, kernels._moe_token_stacked = originals
             for name, fn in halves.items():
                 setattr(decode_ops, name, fn)
+            decode_stack.try_decode = stack_original
         steps, alone = [], []
         lib = kernels._build.load()
         tiles = (ctypes.c_int64 * 2)()
         lib.strata_pool_tiles(tiles)
         before = list(tiles)
         threads_cpu = defaultdict(float)
+        pool = (ctypes.c_int64 * 8)(), (ctypes.c_int64 * 8)()
+        caller_cpu = 0.0
+        lib.strata_pool_times(pool[0])
+        lib.strata_pool_timing(1)
         for _ in range(repeats):
-            t, by_thread = time.process_time(), thread_cpu()
+            t, by_thread, tt = time.process_time(), thread_cpu(), time.thread_time()
             token = model(token[:, None], cache, last_only=True)[:, 0].argmax(-1)
             steps.append(time.process_time() - t)
+            caller_cpu += time.thread_time() - tt
             for kind, sec in thread_cpu().items():
                 threads_cpu[kind] += sec - by_thread.get(kind, 0.0)
+            lib.strata_pool_timing(0)
             t = time.process_time()
             for fn, args in calls:
                 fn(*args)
             alone.append(time.process_time() - t)
+            lib.strata_pool_timing(1)
+        lib.strata_pool_timing(0)
+        lib.strata_pool_times(pool[1])
     lib.strata_pool_tiles(tiles)
     helper, caller = tiles[0] - before[0], tiles[1] - before[1]
     share = f"; helper threads ran {100 * helper / (helper + caller):.0f}% of the shared tiles" if helper + caller else ""
@@ -347,3 +395,9 @@ def replay_products(engine, prompt: list[int], repeats: int = 8) -> None:
           f"{step:.2f} ms CPU; outside the products {step - kern:.2f} ms ({100 * (step - kern) / step:.0f}%){share}")
     split = ", ".join(f"{kind} {1e3 * sec / repeats:.2f}" for kind, sec in sorted(threads_cpu.items()) if sec > 0)
     print(f"  CPU ms per decode step by thread: {split} (clock ticks of /proc, {repeats} steps)")
+    d = [(pool[1][i] - pool[0][i]) / repeats for i in range(8)]
+    ms = [v / 1e6 for v in d]
+    print(f"  the kernel pool per step (CPU ms): calling thread {1e3 * caller_cpu / repeats:.2f}, of it in its tiles "
+          f"{ms[0]:.2f}, waiting for a helper's last tile {ms[1]:.2f}, waking helpers {ms[7]:.2f}, serial outside pool "
+          f"jobs {1e3 * caller_cpu / repeats - ms[3]:.2f}; helpers in tiles {ms[2]:.2f}; jobs shared {d[4]:.0f}, run "
+          f"alone {d[5]:.0f}, that woke a sleeping helper {d[6]:.0f}")

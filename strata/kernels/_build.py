@@ -186,6 +186,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_moe_decode.restype = c_int
     lib.strata_pool_tiles.argtypes = [p]
     lib.strata_pool_tiles.restype = None
+    lib.strata_pool_times.argtypes = [p]
+    lib.strata_pool_times.restype = None
+    lib.strata_pool_timing.argtypes = [ctypes.c_int]
+    lib.strata_pool_timing.restype = None
+    lib.strata_set_pool_yield.argtypes = [i64]
+    lib.strata_set_pool_yield.restype = None
     lib.strata_set_min_parallel.argtypes = [i64]
     lib.strata_set_min_parallel.restype = None
     lib.strata_set_fused.argtypes = [ctypes.c_int]
