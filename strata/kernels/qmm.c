@@ -372,18 +372,18 @@ void strata_pool_tiles(int64_t *out) {
     out[1] = atomic_load(&pool_caller_tiles);
 }
 
-/* How an idle helper waits for the next job: it polls (pause) for spin_ns, then polls between
- * sched_yield calls (which hand the core to any other runnable thread) until yield_ns have passed
- * without a job, then sleeps on a condition variable. Waking a sleeper is the calling thread's
- * futex call, and on a busy machine the woken helper then tends to take the caller's core: at load
- * 7 on 2 cores each of a SmolLM2 token's 121 shared jobs woke the helper, and the wakes took 15 ms
- * of a 30 ms token. A decode step's jobs follow each other within microseconds (its layers run in
- * C: decode_stack.c) and the Python between two tokens takes about a millisecond, so a helper that
- * yields instead of sleeping is there for the next job without a wake, and costs no other process
- * its core. Idle for longer (between requests), it sleeps. */
+/* How an idle helper waits for the next job: it polls (pause) for spin_ns, then, for yield_ns more,
+ * polls between sched_yield calls (handing the core to any other runnable thread), then sleeps on a
+ * condition variable until the next job wakes it. The gaps between a decode step's jobs are
+ * microseconds (its layers run in C: decode_stack.c), so on an idle machine the poll keeps the
+ * helper through a token and it sleeps once per token, in the Python between two. On a loaded
+ * machine (load 8 on 2 cores) a yielding helper spends the process's share of the cores on polling:
+ * SmolLM2 at 2 threads, 9 alternating runs, decoded 20.8 tok/s with a 4 ms yield phase, 23.5 with
+ * 0.3 ms and 27.2 with none, though without one nearly every job has to wake the helper (its 40 us
+ * poll runs out while it or the caller is descheduled). So by default it does not yield-poll;
+ * strata_set_pool_yield sets the phase for such comparisons. */
 static const int64_t spin_ns = 40000;
-static int64_t yield_ns = 4000000;
-/* bench/decode_profile compares policies in one process: 0 sleeps right after the pause phase. */
+static int64_t yield_ns = 0;
 void strata_set_pool_yield(int64_t ns) { yield_ns = ns; }
 
 static inline int64_t now_ns(void) {
@@ -460,7 +460,7 @@ static void *pool_helper(void *arg) {
             }
             if (spun % 64 == 0) {
                 const int64_t idle = now_ns() - t0;
-                if (idle > yield_ns) break;
+                if (idle > spin_ns + yield_ns) break;
                 if (idle > spin_ns) {
                     sched_yield();
                     continue;
