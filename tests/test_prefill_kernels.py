@@ -263,6 +263,39 @@ def test_prompt_experts_match_reference(types, threads, monkeypatch):
         assert float((y.double() - ref).abs().max()) < 2e-4 * scale
 
 
+@pytest.mark.parametrize("tokens", [100, 2100])  # 2100 x 2 pair rows of 512 floats: two batches of them
+def test_prompt_experts_whole_on_the_pool_equal_one_thread_bit_for_bit(tokens):
+    """At 2 threads a layer's many experts go to the pool whole (each on one thread), and their rows
+    are summed token by token in the route table's order: out must equal the 1-thread result (one
+    expert after another, each product split) bit for bit. One expert has 3 rows (its decode
+    kernels), one none."""
+    from strata.kernels import grouped
+
+    n_exp, hidden, ffn = 12, 512, 256
+    stacked = [random_blocks(t, n_exp * rows, cols, seed=i) for i, (t, rows, cols) in
+               enumerate(zip(("Q4_K", "IQ2_XS", "Q6_K"), (ffn, ffn, hidden), (hidden, hidden, ffn)))]
+    stacked = tuple(QTensor(q.raw.reshape(n_exp, q.shape[0] // n_exp, -1), q.qtype, (n_exp, q.shape[0] // n_exp, q.shape[1]))
+                    for q in stacked)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g) * 0.1
+    ids = torch.stack([torch.randint(0, 5, (tokens,), generator=g), torch.randint(5, 10, (tokens,), generator=g)], dim=1)
+    ids[:3, 1] = 11  # expert 11: three rows; expert 10: none
+    table = grouped.route_table(ids, torch.rand(tokens, 2, generator=g))
+    used, counts = torch.unique_consecutive(table.expert, return_counts=True)
+    before = kernels.activations()
+    kernels.set_activations("q8x2")
+    try:
+        spec = kernels._prompt_experts(x, stacked)
+        outs = []
+        for threads in (1, 2):
+            out = torch.zeros(tokens, hidden)
+            assert prompt.moe(x, used, counts, table.token, table.weight, stacked, out, threads, *spec)
+            outs.append(out)
+    finally:
+        kernels.set_activations(before)
+    assert outs[0].abs().max() > 0 and torch.equal(outs[0], outs[1])
+
+
 def test_prefill_logits_match_transformers(tmp_path, monkeypatch):
     """A tiny Qwen3-MoE (transformers' class, randomised norms) stored as Q8_0 / Q4_0 experts: its
     prefill logits through the AMX products ("q8x2", a 100-token prompt: the dense products and the

@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 #include "blocks.h"
 
@@ -593,6 +594,15 @@ typedef struct {
     pp_to_float f; /* ggml's to_float, then split32 */
 } pp_args;
 
+/* grow a thread's buffer to n elements of `size` bytes (64-byte aligned); 0 when out of memory */
+static int grow(void **buf, int64_t *cap, int64_t n, size_t size) {
+    if (*cap >= n) return 1;
+    free(*buf);
+    *buf = aligned_alloc(64, ((size_t)n * size + 63) / 64 * 64);
+    *cap = *buf ? n : 0;
+    return *buf != NULL;
+}
+
 static __thread uint16_t *panel_buf;
 static __thread float *row_buf;
 static __thread int64_t panel_cap, row_cap;
@@ -842,15 +852,133 @@ int strata_pp_swiglu(const int *types, const int64_t *wrow, void *const *small, 
     return ok;
 }
 
+/* ------------------------------------------------------------------ a layer's experts on the pool
+ *
+ * A prompt's experts are many and small (qwen3-next: 512 used, ~10 rows each): split matrix by
+ * matrix over the pool, each took 3 pool calls and left its gather, packing, SwiGLU and weighted
+ * sum to the calling thread while the helpers waited. Here the pool takes whole experts (each
+ * expert on one thread, its products inline), writing each route pair's output row; then the rows
+ * are summed into out token by token, in the route table's order: the same additions in the same
+ * order as one expert after another, so out is bit for bit the same. The pair rows are kept for a
+ * batch of experts at a time (PP_PAIR_BYTES). */
+#define PP_PAIR_BYTES ((int64_t)8 << 20)
+
+typedef struct {
+    const swiglu_spec *s; /* nth 1 */
+    const void *const *G, *const *U, *const *D;
+    const int64_t *counts, *starts, *token;
+    const float *X;
+    int e0;
+    int64_t pair0;
+    float *ys; /* pair rows of the batch, from pair0 */
+    atomic_int *failed;
+} experts_job;
+
+static __thread float *expert_buf;
+static __thread int64_t expert_cap;
+
+static void expert_tile(const void *a_, int64_t tile) {
+    const experts_job *a = a_;
+    const swiglu_spec *s = a->s;
+    const int i = a->e0 + (int)tile;
+    const int64_t n = a->counts[i], start = a->starts[i];
+    if (n <= 0 || atomic_load_explicit(a->failed, memory_order_relaxed)) return;
+    if (!grow((void **)&expert_buf, &expert_cap, n * (s->hidden + 2 * s->ffn), sizeof(float))) {
+        atomic_store(a->failed, 1);
+        return;
+    }
+    float *xs = expert_buf, *scratch = xs + n * s->hidden;
+    for (int64_t j = 0; j < n; j++)
+        memcpy(xs + j * s->hidden, a->X + a->token[start + j] * s->hidden, sizeof(float) * (size_t)s->hidden);
+    if (!swiglu(s, a->G[i], a->U[i], a->D[i], xs, n, a->ys + (start - a->pair0) * s->hidden, scratch))
+        atomic_store(a->failed, 1);
+}
+
+typedef struct {
+    const int64_t *by_token, *token_start; /* pair ids sorted by token (stable), each token's first */
+    int64_t *cursor;                       /* each token's next pair in by_token */
+    const float *weight, *ys; /* ys: pair rows from pair0 */
+    int64_t pair0, pair1, hidden, tokens;
+    float *out;
+} pair_sum_job;
+
+/* 16 tokens: out[token] += weight * row for the token's pairs below pair1, in table order */
+static void pair_sum_tile(const void *a_, int64_t tile) {
+    const pair_sum_job *a = a_;
+    const int64_t t1 = (tile + 1) * 16 < a->tokens ? (tile + 1) * 16 : a->tokens;
+    for (int64_t t = tile * 16; t < t1; t++) {
+        float *o = a->out + t * a->hidden;
+        int64_t c = a->cursor[t];
+        for (; c < a->token_start[t + 1] && a->by_token[c] < a->pair1; c++) {
+            const int64_t p = a->by_token[c];
+            const float w = a->weight[p], *yj = a->ys + (p - a->pair0) * a->hidden;
+            for (int64_t k = 0; k < a->hidden; k++) o[k] += w * yj[k];
+        }
+        a->cursor[t] = c;
+    }
+}
+
+static __thread float *pair_buf;
+static __thread int64_t pair_cap;
+
+/* strata_pp_moe on the pool by whole experts; 0 (out untouched) if memory ran out before any sum */
+static int moe_by_expert(const swiglu_spec *spec, const void *const *G, const void *const *U, const void *const *D,
+                         const int64_t *counts, int n_used, const int64_t *token, const float *weight, const float *X,
+                         float *out, int nth) {
+    const int64_t hidden = spec->hidden;
+    int64_t pairs = 0, tokens = 0, most = 0;
+    for (int i = 0; i < n_used; i++) pairs += counts[i] > 0 ? counts[i] : 0, most = counts[i] > most ? counts[i] : most;
+    for (int64_t p = 0; p < pairs; p++) tokens = token[p] + 1 > tokens ? token[p] + 1 : tokens;
+    int64_t *idx = malloc(sizeof(int64_t) * (size_t)(n_used + pairs + 2 * (tokens + 1)));
+    if (!idx) return 0;
+    int64_t *starts = idx, *by_token = starts + n_used, *token_start = by_token + pairs, *cursor = token_start + tokens + 1;
+    for (int64_t i = 0, s = 0; i < n_used; s += counts[i] > 0 ? counts[i] : 0, i++) starts[i] = s;
+    memset(token_start, 0, sizeof(int64_t) * (size_t)(tokens + 1));
+    for (int64_t p = 0; p < pairs; p++) token_start[token[p] + 1]++;
+    for (int64_t t = 0; t < tokens; t++) token_start[t + 1] += token_start[t];
+    memcpy(cursor, token_start, sizeof(int64_t) * (size_t)tokens);
+    for (int64_t p = 0; p < pairs; p++) by_token[cursor[token[p]]++] = p; /* stable: pairs in table order */
+    memcpy(cursor, token_start, sizeof(int64_t) * (size_t)tokens);
+    const int64_t batch_pairs = PP_PAIR_BYTES / (int64_t)sizeof(float) / hidden;
+    if (!grow((void **)&pair_buf, &pair_cap, (most > batch_pairs ? most : batch_pairs) * hidden, sizeof(float))) {
+        free(idx);
+        return 0;
+    }
+    swiglu_spec one = *spec;
+    one.nth = 1;
+    atomic_int failed = 0;
+    int rc = 1;
+    for (int e0 = 0; e0 < n_used && rc == 1;) {
+        int e1 = e0;
+        int64_t in_batch = 0;
+        while (e1 < n_used && (e1 == e0 || in_batch + counts[e1] <= batch_pairs)) in_batch += counts[e1] > 0 ? counts[e1] : 0, e1++;
+        const experts_job ej = {&one, G, U, D, counts, starts, token, X, e0, starts[e0], pair_buf, &failed};
+        strata_pool_run(expert_tile, &ej, e1 - e0, nth);
+        if (atomic_load(&failed)) {
+            rc = e0 == 0 ? 0 : -1; /* -1: out already holds the earlier batches */
+            break;
+        }
+        const int64_t pair1 = starts[e0] + in_batch;
+        const pair_sum_job sj = {by_token, token_start, cursor, weight, pair_buf, starts[e0], pair1, hidden, tokens, out};
+        strata_pool_run(pair_sum_tile, &sj, (tokens + 15) / 16, nth);
+        e0 = e1;
+    }
+    free(idx);
+    return rc;
+}
+
 /* A layer's routed experts over a prompt: expert i (matrices G[i], U[i], D[i]) takes the counts[i]
  * consecutive pairs of the route table (token, weight), in order; out (tokens x hidden) +=
- * weight * expert(X[token]), expert by expert. Returns 0 (out untouched) where it cannot run. */
+ * weight * expert(X[token]), expert by expert. Returns 0 (out untouched) where it cannot run, -1
+ * when memory ran out part way (out holds some experts' rows). With more than one thread and
+ * enough experts the pool takes whole experts (moe_by_expert), else each product is split. */
 int strata_pp_moe(const int *types, const int64_t *wrow, void *const *small, const int *min_rows,
                   const void *const *G, const void *const *U, const void *const *D, const int64_t *counts, int n_used,
                   const int64_t *token, const float *weight, const float *X, int64_t hidden, int64_t ffn, float *out,
                   int terms, int nth) {
     swiglu_spec s;
     if (!make_spec(&s, types, wrow, small, min_rows, hidden, ffn, terms, nth)) return 0;
+    if (nth > 1 && n_used >= 4 * nth) return moe_by_expert(&s, G, U, D, counts, n_used, token, weight, X, out, nth);
     int64_t most = 0;
     for (int i = 0; i < n_used; i++) most = counts[i] > most ? counts[i] : most;
     float *xs = malloc(sizeof(float) * (size_t)(most * (2 * hidden + 2 * ffn)));
