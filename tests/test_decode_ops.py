@@ -195,11 +195,14 @@ def test_decode_embedding_rows_by_ggml_equal_the_torch_decode(qtype, monkeypatch
 
 
 @needs_kernels
-@pytest.mark.parametrize("normalize,shared", [(True, None), (False, "gated"), (True, "plain")])
-def test_decode_moe_half_in_one_call_matches_torch(normalize, shared, monkeypatch):
+@pytest.mark.parametrize("normalize,shared,mode", [(True, None, "int16"), (False, "gated", "int16"),
+                                                   (True, "plain", "int16"), (False, "gated", "q8x2")])
+def test_decode_moe_half_in_one_call_matches_torch(normalize, shared, mode, monkeypatch, activations):
     """A decode token's h + moe(norm(h)) in one C call (strata_moe_decode: norm, float32 router,
-    softmax top-k, the resident stacked experts, a shared expert with or without its sigmoid gate)
+    softmax top-k, the resident stacked experts, a shared expert with or without its sigmoid gate;
+    in the 8-bit modes the shared expert's products share the routed experts' parallel regions)
     against MoE's torch path, at 6 tokens."""
+    activations(mode)
     from functools import partial
 
     from torch import nn

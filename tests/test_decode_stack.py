@@ -86,13 +86,21 @@ def _decode(model, ids: list[int], n_prompt: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+@pytest.fixture
+def activations():
+    before = kernels.activations()
+    yield kernels.set_activations
+    kernels.set_activations(before)
+
+
 @needs_kernels
-@pytest.mark.parametrize("name", list(BUILDERS))
-def test_stack_decode_matches_transformers_and_the_block_path(name, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name,mode", [("llama", "int16"), ("qwen3moe", "int16"), ("qwen3moe", "q8x2")])
+def test_stack_decode_matches_transformers_and_the_block_path(name, mode, tmp_path, monkeypatch, activations):
     """14 prompt tokens, then 10 decode steps (the KV cache grows from 16 to 32 positions on the
     way, so the layers' cache pointers are refreshed): every step's logits within 2e-3 of
     transformers on the same dequantized weights (the 8-bit activations' rounding; argmax equal),
     and equal, bit for bit, to the blocks called one by one (the same halves in the same order)."""
+    activations(mode)  # the suite's int16, and the 8-bit default of a real run
     model, ref = _quantized(name, tmp_path, monkeypatch)
     ids = prompt(VOCAB, 24, seed=5)
     want = hf_logits(ref, ids)[13:]

@@ -2480,17 +2480,30 @@ static int qmm_type_of(void *fn, int64_t cols, int64_t *wrow) {
 
 /* strata_moe_token in two parallel regions (the 8-bit modes): every expert's gate and up over the
  * one quantized x, then every expert's down; the same arithmetic and order of sums as the loop
- * below. 0 (nothing written) when strata_qmm_many declines the gate/up products. */
+ * below. With sh_ffn > 0, a shared expert's gate and up (sh_fns / sh_W [0..1]) join the first
+ * region and its down ([2]) the second, and its output (before any gate of its own) goes to
+ * sh_out: 2 parallel regions per MoE layer instead of 4, so fewer joins where a thread waits. 0
+ * (nothing written) when strata_qmm_many declines the gate/up products. */
 static int moe_token_many(const void *const *gate, const void *const *up, const void *const *down, const float *w,
                           int k, void *gate_fn, void *up_fn, void *down_fn, int64_t hidden, int64_t ffn,
-                          const float *x, float *out, int nth) {
-    int64_t gw = 0, uw = 0, dw = 0;
+                          const float *x, float *out, int nth, void *const *sh_fns, const void *const *sh_W,
+                          int64_t sh_ffn, float *sh_out) {
+    int64_t gw = 0, uw = 0, dw = 0, sw[3] = {0, 0, 0};
     const int gt = qmm_type_of(gate_fn, hidden, &gw), ut = qmm_type_of(up_fn, hidden, &uw),
               dt = qmm_type_of(down_fn, ffn, &dw);
-    if (act_mode < 2 || k <= 0 || 2 * k > MANY_MAX || gt < 0 || ut < 0 || dt < 0) return 0;
-    float *buf = malloc(sizeof(float) * (size_t)(k * (3 * ffn + hidden)) + 64);
+    const int sh = sh_ffn > 0;
+    int st[3] = {0, 0, 0};
+    if (sh) {
+        st[0] = qmm_type_of(sh_fns[0], hidden, &sw[0]);
+        st[1] = qmm_type_of(sh_fns[1], hidden, &sw[1]);
+        st[2] = qmm_type_of(sh_fns[2], sh_ffn, &sw[2]);
+        if (st[0] < 0 || st[1] < 0 || st[2] < 0) return 0;
+    }
+    if (act_mode < 2 || k <= 0 || 2 * k + 2 * sh > MANY_MAX || gt < 0 || ut < 0 || dt < 0) return 0;
+    float *buf = malloc(sizeof(float) * (size_t)(k * (3 * ffn + hidden) + 3 * sh_ffn) + 64);
     if (!buf) return 0;
-    float *g = buf, *u = g + k * ffn, *h = u + k * ffn, *y = h + k * ffn;
+    float *g = buf, *u = g + k * ffn, *h = u + k * ffn, *y = h + k * ffn, *sg = y + k * hidden, *su = sg + sh_ffn,
+          *shh = su + sh_ffn;
     int types[MANY_MAX];
     const void *Ws[MANY_MAX];
     int64_t rows[MANY_MAX], cols[MANY_MAX], wr[MANY_MAX];
@@ -2507,11 +2520,22 @@ static int moe_token_many(const void *const *gate, const void *const *up, const 
             Xs[i] = x;
             Ys[i] = (s ? u : g) + j * ffn;
         }
-    if (!strata_qmm_many(2 * k, types, Ws, rows, cols, wr, Xs, 1, Ys, nth)) {
+    for (int s = 0; s < 2 * sh; s++) {
+        const int i = 2 * k + s;
+        types[i] = st[s];
+        Ws[i] = sh_W[s];
+        rows[i] = sh_ffn;
+        cols[i] = hidden;
+        wr[i] = sw[s];
+        Xs[i] = x;
+        Ys[i] = s ? su : sg;
+    }
+    if (!strata_qmm_many(2 * k + 2 * sh, types, Ws, rows, cols, wr, Xs, 1, Ys, nth)) {
         free(buf);
         return 0;
     }
     for (int64_t i = 0; i < k * ffn; i++) h[i] = silu(g[i]) * u[i];
+    for (int64_t i = 0; i < sh_ffn; i++) shh[i] = silu(sg[i]) * su[i];
     for (int j = 0; j < k; j++) {
         types[j] = dt;
         Ws[j] = down[j];
@@ -2521,8 +2545,19 @@ static int moe_token_many(const void *const *gate, const void *const *up, const 
         Xs[j] = h + j * ffn;
         Ys[j] = y + j * hidden;
     }
-    if (!strata_qmm_many(k, types, Ws, rows, cols, wr, Xs, 1, Ys, nth)) /* a non-finite h: each alone */
+    if (sh) {
+        types[k] = st[2];
+        Ws[k] = sh_W[2];
+        rows[k] = hidden;
+        cols[k] = sh_ffn;
+        wr[k] = sw[2];
+        Xs[k] = shh;
+        Ys[k] = sh_out;
+    }
+    if (!strata_qmm_many(k + sh, types, Ws, rows, cols, wr, Xs, 1, Ys, nth)) { /* a non-finite h: each alone */
         for (int j = 0; j < k; j++) ((qmm_fn)down_fn)((const uint8_t *)down[j], hidden, ffn, h + j * ffn, 1, y + j * hidden, nth);
+        if (sh) ((qmm_fn)sh_fns[2])((const uint8_t *)sh_W[2], hidden, sh_ffn, shh, 1, sh_out, nth);
+    }
     for (int j = 0; j < k; j++)
         for (int64_t i = 0; i < hidden; i++) out[i] += w[j] * y[j * hidden + i];
     free(buf);
@@ -2532,7 +2567,8 @@ static int moe_token_many(const void *const *gate, const void *const *up, const 
 void strata_moe_token(const void *const *gate, const void *const *up, const void *const *down,
                       const float *w, int k, void *gate_fn, void *up_fn, void *down_fn, int64_t hidden,
                       int64_t ffn, const float *x, float *out, float *scratch, int nth) {
-    if (moe_token_many(gate, up, down, w, k, gate_fn, up_fn, down_fn, hidden, ffn, x, out, nth)) return;
+    if (moe_token_many(gate, up, down, w, k, gate_fn, up_fn, down_fn, hidden, ffn, x, out, nth, NULL, NULL, 0, NULL))
+        return;
     float *g = scratch, *u = scratch + ffn, *h = scratch + 2 * ffn, *y = scratch + 3 * ffn;
     for (int j = 0; j < k; j++) {
         ((qmm_fn)gate_fn)((const uint8_t *)gate[j], ffn, hidden, x, 1, g, nth);
@@ -2953,20 +2989,25 @@ int strata_moe_decode(const float *h, int64_t hidden, const float *norm_w, float
         return 0;
     }
     for (int64_t i = 0; i < hidden; i++) y[i] = 0.0f;
-    strata_moe_token(G, U, Dn, w_out, k, gate_fn, up_fn, down_fn, hidden, ffn, n, y, scratch, nth);
+    float *sh = sh_ffn > 0 ? malloc(sizeof(float) * (size_t)(2 * sh_ffn + hidden) + 64) : NULL;
+    if (sh_ffn > 0 && !sh) {
+        free(scratch);
+        free(buf);
+        return 0;
+    }
+    float *s = sh ? sh + 2 * sh_ffn : NULL;
+    /* the routed experts, and the shared one in the same parallel regions where it can */
+    const int together = sh_ffn > 0 && moe_token_many(G, U, Dn, w_out, k, gate_fn, up_fn, down_fn, hidden, ffn, n, y,
+                                                      nth, sh_fns, sh_W, sh_ffn, s);
+    if (!together) strata_moe_token(G, U, Dn, w_out, k, gate_fn, up_fn, down_fn, hidden, ffn, n, y, scratch, nth);
     if (sh_ffn > 0) { /* the shared expert: y + sigmoid(g . n) * down(silu(gate n) * up n) */
-        float *sh = malloc(sizeof(float) * (size_t)(2 * sh_ffn + hidden) + 64);
-        if (!sh) {
-            free(scratch);
-            free(buf);
-            return 0;
+        if (!together) {
+            const int64_t rows[2] = {sh_ffn, sh_ffn};
+            const float *const bias[2] = {NULL, NULL};
+            strata_qmm_group(2, sh_fns, sh_W, rows, hidden, n, 1, bias, sh, NULL, nth);
+            for (int64_t i = 0; i < sh_ffn; i++) sh[i] = silu(sh[i]) * sh[sh_ffn + i];
+            ((qmm_fn)sh_fns[2])((const uint8_t *)sh_W[2], hidden, sh_ffn, sh, 1, s, nth);
         }
-        float *s = sh + 2 * sh_ffn;
-        const int64_t rows[2] = {sh_ffn, sh_ffn};
-        const float *const bias[2] = {NULL, NULL};
-        strata_qmm_group(2, sh_fns, sh_W, rows, hidden, n, 1, bias, sh, NULL, nth);
-        for (int64_t i = 0; i < sh_ffn; i++) sh[i] = silu(sh[i]) * sh[sh_ffn + i];
-        ((qmm_fn)sh_fns[2])((const uint8_t *)sh_W[2], hidden, sh_ffn, sh, 1, s, nth);
         if (sh_gate) {
             float d = 0.0f;
             for (int64_t i = 0; i < hidden; i++) d += n[i] * sh_gate[i];
