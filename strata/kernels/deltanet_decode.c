@@ -74,13 +74,12 @@ int strata_gdn_decode(const float *x, int64_t B, int64_t T, const int64_t *n_new
     for (int64_t b = 0; b < B; b++)
         if (n_new[b] < 0 || n_new[b] > T) return 0;
     const int64_t r = nv / nk, proj = conv_dim + value_dim + 2 * nv, N = B * T, last = kernel - 1, wrows = last + T;
-    const size_t floats = (size_t)(N * hidden + N * proj + (window ? 0 : B * wrows * conv_dim) + N * conv_dim
+    const size_t floats = (size_t)(N * hidden + N * proj + N * conv_dim
                                    + 2 * B * nv * dk + B * value_dim + 2 * N * nv + 2 * N * value_dim + B * value_dim
                                    + N * hidden + N * (proj > hidden ? proj : hidden));
     float *buf = malloc(sizeof(float) * floats + 64);
     if (!buf) return 0;
-    float *n = buf, *p = n + N * hidden, *win = window ? window : p + N * proj,
-          *c = (window ? p + N * proj : win + B * wrows * conv_dim), *qe = c + N * conv_dim, *ke = qe + B * nv * dk,
+    float *n = buf, *p = n + N * hidden, *c = p + N * proj, *qe = c + N * conv_dim, *ke = qe + B * nv * dk,
           *vs = ke + B * nv * dk, *decay = vs + B * value_dim, *beta = decay + N * nv, *o = beta + N * nv,
           *y = o + N * value_dim, *os = y + N * value_dim, *w_out = os + B * value_dim, *scratch = w_out + N * hidden;
     const float *const bias[4] = {NULL, NULL, NULL, NULL};
@@ -91,24 +90,31 @@ int strata_gdn_decode(const float *x, int64_t B, int64_t T, const int64_t *n_new
     }
     strata_qmm_group(4, fns, W, rows, hidden, xin, N, bias, p, scratch, nth);
 
-    /* per row: the window [conv state, this call's qkv rows]; the conv over it, then SiLU; the
-     * state keeps the last kernel-1 real rows, window rows n_new .. n_new + kernel - 2 */
+    /* per row: the conv over the window [conv state, this call's qkv rows], then SiLU; the state
+     * keeps the last kernel-1 real rows, window rows n_new .. n_new + kernel - 2 (moved up in
+     * place: each row is read before it is overwritten); a verify pass keeps the window too */
     for (int64_t b = 0; b < B; b++) {
-        float *wb = win + b * wrows * conv_dim, *cs = conv_state + b * last * conv_dim;
-        memcpy(wb, cs, sizeof(float) * (size_t)(last * conv_dim));
-        for (int64_t t = 0; t < T; t++)
-            memcpy(wb + (last + t) * conv_dim, p + (b * T + t) * proj, sizeof(float) * (size_t)conv_dim);
+        float *cs = conv_state + b * last * conv_dim;
+        const float *qkv_b = p + b * T * proj;
+#define WIN_ROW(w) ((w) < last ? cs + (w) * conv_dim : qkv_b + ((w) - last) * proj)
+        if (window) {
+            float *wb = window + b * wrows * conv_dim;
+            for (int64_t w = 0; w < wrows; w++) memcpy(wb + w * conv_dim, WIN_ROW(w), sizeof(float) * (size_t)conv_dim);
+        }
         for (int64_t t = 0; t < T; t++) {
             float *ct = c + (b * T + t) * conv_dim;
-            const float *x0 = wb + t * conv_dim;
+            const float *x0 = WIN_ROW(t);
             for (int64_t i = 0; i < conv_dim; i++) ct[i] = x0[i] * conv_taps[i];
             for (int64_t j = 1; j < kernel; j++) {
-                const float *xj = wb + (t + j) * conv_dim, *wj = conv_taps + j * conv_dim;
+                const float *xj = WIN_ROW(t + j), *wj = conv_taps + j * conv_dim;
                 for (int64_t i = 0; i < conv_dim; i++) ct[i] = fmaf(xj[i], wj[i], ct[i]);
             }
             for (int64_t i = 0; i < conv_dim; i++) ct[i] = ct[i] * sigmoid(ct[i]);
         }
-        memcpy(cs, wb + n_new[b] * conv_dim, sizeof(float) * (size_t)(last * conv_dim));
+        for (int64_t w = 0; w < last; w++)
+            if (n_new[b])
+                memmove(cs + w * conv_dim, WIN_ROW(n_new[b] + w), sizeof(float) * (size_t)conv_dim);
+#undef WIN_ROW
     }
 
     /* q, k per key head, L2-normalised (q then scaled); beta and the decay per value head */
