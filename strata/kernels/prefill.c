@@ -57,7 +57,7 @@ void *strata_to_float_fn(int type);
 /* Where a decoder's vectors go: float32 at y[o], or (tiles) value o's bfloat16 parts at
  * hi / lo [(o / 32) * stride + o % 32]: a 32-value chunk is one 64-byte tile row, the next chunk
  * `stride` values on (512 in a panel: the next tile). lo NULL: hi only (terms 1). In tiles a
- * chunk's first 16 (8) values wait in `half` (`quarter`) for the rest, so each tile row is written
+ * chunk's first 16 values wait in `half` for the rest, so each tile row is written
  * whole, once: chunks lie 1 KiB apart, and half-written rows were evicted before their other half
  * came (L1 sets alias at that stride). A decoder emits each chunk's halves in order, with at most
  * the next chunk's first half between them (Q4_K, Q5_K). */
@@ -67,7 +67,6 @@ typedef struct {
     uint16_t *hi, *lo;
     int64_t stride;
     __m512 half[2]; /* by chunk parity */
-    __m256 quarter;
 } pp_sink;
 
 #define PP_INLINE static inline __attribute__((always_inline))
@@ -96,18 +95,6 @@ PP_INLINE void put16(pp_sink *out, int64_t o, __m512 v) {
     }
     const int64_t at = (o >> 5) * out->stride;
     split_pair(out->half[parity], v, out->hi + at, out->lo ? out->lo + at : NULL);
-}
-
-PP_INLINE void put8(pp_sink *out, int64_t o, __m256 v) {
-    if (!out->tiles) {
-        _mm256_storeu_ps(out->y + o, v);
-        return;
-    }
-    if (!(o & 8)) {
-        out->quarter = v;
-        return;
-    }
-    put16(out, o - 8, _mm512_insertf32x8(_mm512_castps256_ps512(out->quarter), v, 1));
 }
 
 #define PP_BODY(name) PP_INLINE void body_##name(const void *w, pp_sink *out, int64_t n)
@@ -209,45 +196,6 @@ PP_BODY(q6_k) {
                                      _mm512_mul_ps(v, _mm512_set1_ps(d * (float)sc[h * 8 + t * 2 + s])));
                 }
             }
-    }
-}
-
-static inline __m256 grid8(const uint8_t *g) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)g)));
-}
-
-PP_BODY(iq2_xs) {
-    const uint8_t *b = w;
-    for (int64_t o = 0; o < n; o += 256, b += 74) {
-        const float d = rd_f16(b);
-        const uint8_t *sc = b + 66;
-        for (int p = 0; p < 8; p++) {
-            const __m256 db0 = _mm256_set1_ps(d * (0.5f + (float)(sc[p] & 0xF)) * 0.25f);
-            const __m256 db1 = _mm256_set1_ps(d * (0.5f + (float)(sc[p] >> 4)) * 0.25f);
-            for (int k = 0; k < 4; k++) {
-                uint16_t q;
-                memcpy(&q, b + 2 + 8 * p + 2 * k, 2);
-                const __m256 v = _mm256_mul_ps(_mm256_mul_ps(k < 2 ? db0 : db1, grid8(GRID_IQ2_XS[q & 511])),
-                                               _mm256_load_ps(KSIGNS[q >> 9]));
-                put8(out, o + 32 * p + 8 * k, v);
-            }
-        }
-    }
-}
-
-PP_BODY(iq2_xxs) {
-    const uint8_t *b = w;
-    for (int64_t o = 0; o < n; o += 256, b += 66) {
-        const float d = rd_f16(b);
-        for (int s = 0; s < 8; s++) {
-            const uint8_t *q = b + 2 + 8 * s;
-            uint32_t aux;
-            memcpy(&aux, q + 4, 4);
-            const __m256 db = _mm256_set1_ps(d * (0.5f + (float)(aux >> 28)) * 0.25f);
-            for (int k = 0; k < 4; k++)
-                put8(out, o + 32 * s + 8 * k, _mm256_mul_ps(_mm256_mul_ps(db, grid8(GRID_IQ2_XXS[q[k]])),
-                                                                  _mm256_load_ps(KSIGNS[(aux >> (7 * k)) & 0x7F])));
-        }
     }
 }
 
@@ -392,6 +340,42 @@ static inline __m128i two8(const uint8_t *g0, const uint8_t *g1) {
 
 static inline __m128i four4(const uint8_t *g0, const uint8_t *g1, const uint8_t *g2, const uint8_t *g3) {
     return _mm_set_epi32((int)rd_u32(g3), (int)rd_u32(g2), (int)rd_u32(g1), (int)rd_u32(g0));
+}
+
+/* IQ2_XS {f16 d; u16 qs[32]; u8 scales[8]}: entry k of sub-block p is qs[4 p + k] & 511, its 7 sign
+ * bits qs >> 9 (KSIGNS8: the 8-value negation mask); scale nibble 0 (k < 2) or 1 of scales[p].
+ * Two entries (16 values) at a time, through the codebook helpers below. */
+PP_BODY(iq2_xs) {
+    const uint8_t *b = w;
+    for (int64_t o = 0; o < n; o += 256, b += 74) {
+        const float d = rd_f16(b);
+        const uint8_t *sc = b + 66;
+        for (int p = 0; p < 8; p++)
+            for (int h = 0; h < 2; h++) {
+                const float db = d * (0.5f + (float)((sc[p] >> (4 * h)) & 0xF)) * 0.25f;
+                const unsigned q0 = rd_u16(b + 2 + 8 * p + 4 * h), q1 = rd_u16(b + 4 + 8 * p + 4 * h);
+                grid16_u8(two8(GRID_IQ2_XS[q0 & 511], GRID_IQ2_XS[q1 & 511]), db,
+                          (__mmask16)(KSIGNS8[q0 >> 9] | KSIGNS8[q1 >> 9] << 8), out, o + 32 * p + 16 * h);
+            }
+    }
+}
+
+/* IQ2_XXS {f16 d; per sub-block s: u8 grid ids[4], u32 aux}: scale aux >> 28, 7 sign bits of entry k
+ * at aux >> 7 k. */
+PP_BODY(iq2_xxs) {
+    const uint8_t *b = w;
+    for (int64_t o = 0; o < n; o += 256, b += 66) {
+        const float d = rd_f16(b);
+        for (int s = 0; s < 8; s++) {
+            const uint8_t *q = b + 2 + 8 * s;
+            const uint32_t aux = rd_u32(q + 4);
+            const float db = d * (0.5f + (float)(aux >> 28)) * 0.25f;
+            for (int h = 0; h < 2; h++)
+                grid16_u8(two8(GRID_IQ2_XXS[q[2 * h]], GRID_IQ2_XXS[q[2 * h + 1]]), db,
+                          (__mmask16)(KSIGNS8[(aux >> (14 * h)) & 0x7F] | KSIGNS8[(aux >> (14 * h + 7)) & 0x7F] << 8),
+                          out, o + 32 * s + 16 * h);
+        }
+    }
 }
 
 /* IQ2_S {f16 d; u8 qs[32], signs[32], qh[8], scales[8]}: 8-value entry k of sub-block ib is
