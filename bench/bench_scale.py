@@ -60,8 +60,9 @@ from strata.tiers.sizes import format_size, parse_size  # noqa: E402
 CHILD = textwrap.dedent("""
     import json, sys, time
     t_start = time.perf_counter()
+    import strata  # first, as `strata run` does: it sets torch's OpenMP wait policy before torch loads
     import torch
-    import strata, strata.runtime.engine, strata.tiers.runtime, strata.kernels
+    import strata.runtime.engine, strata.tiers.runtime, strata.kernels
     from strata.tiers.budget import anon_rss
     strata.kernels.available()
     path, options, n_prompt, n_new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])

@@ -1,6 +1,17 @@
 """Strata: run Mixture-of-Experts models larger than GPU memory by placing weights in tiers."""
 
-from strata.errors import StrataError
+import os
+import sys
+
+# torch's OpenMP team waits for work passively (sleeping, not spinning) unless the user chose: Strata's
+# CPU work runs in its own threads (the kernels' pool, the experts' CPU workers, the disk readers) beside
+# the team, and on shared cores its spinning worker took them (an 8-token prompt of the full-size
+# qwen4exp from disk: 13-42 s and 8-21 s of CPU with spinning, 7-13 s and 6-9 s without, load 6-8).
+# libgomp reads this once, when torch is imported: a program that imports torch first keeps its setting.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from strata.errors import StrataError  # noqa: E402
 
 __all__ = ["load", "StrataError"]
 __version__ = "0.1.0"

@@ -289,6 +289,34 @@ def test_chunked_and_recurrent_delta_rule_agree():
     torch.testing.assert_close(new_state.double(), ref_state, atol=1e-5, rtol=1e-5)
 
 
+def test_short_prompt_pads_to_a_multiple_of_8_not_a_chunk(monkeypatch):
+    """A prompt shorter than a chunk pads to a multiple of 8 (an 8-token prompt padded to 64 cost 8x
+    the products); the result is the 64-chunk one."""
+    from strata.models import gated_deltanet
+
+    g = torch.Generator().manual_seed(1)
+    b, t, hk, hv, dk, dv = 1, 5, 2, 4, 8, 8
+    q, k = torch.randn(b, t, hk, dk, generator=g), torch.randn(b, t, hk, dk, generator=g)
+    v = torch.randn(b, t, hv, dv, generator=g)
+    decay, beta = -torch.rand(b, t, hv, generator=g), torch.rand(b, t, hv, generator=g)
+    state = torch.randn(b, hv, dk, dv, generator=g)
+    chunks, chunked = [], gated_deltanet.chunk_gated_delta_rule
+
+    def spy(*a):
+        chunks.append(a[-1])
+        return chunked(*a)
+
+    monkeypatch.setattr(gated_deltanet, "chunk_gated_delta_rule", spy)
+    out, new_state = gated_deltanet.gated_delta_rule(q, k, v, decay, beta, state, 64)
+    assert chunks == [8]
+    scale = dk ** -0.5
+    qh, kh, vh, gh, bh = (u.transpose(1, 2).float() for u in (q, k, v, decay, beta))
+    ref_out, ref_state = chunked(gated_deltanet.l2norm(qh, scale=scale), gated_deltanet.l2norm(kh), vh, gh, bh,
+                                 state, 64)
+    torch.testing.assert_close(out, ref_out.transpose(1, 2), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(new_state, ref_state, atol=1e-6, rtol=1e-6)
+
+
 def _q8_file_and_reference(checkpoint, tmp_path):
     """The tiny model as a Q8_0 file, and transformers' model given the same weights through
     gguf-py's quantize and dequantize (whole-block matrices but norms, routers, experts)."""

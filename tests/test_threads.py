@@ -150,3 +150,44 @@ def test_resident_decode_experts_take_no_per_expert_views(monkeypatch):
     monkeypatch.setattr(QTensor, "__getitem__", no_views)
     monkeypatch.setattr(kernels, "_moe_token", no_views)
     assert torch.equal(kernels.grouped_swiglu(x, table, (gate, up, down)), by_views)
+
+
+def test_cpu_lane_workers_run_torch_on_one_thread(two_threads):
+    """The tiers' CPU workers are the parallelism: each runs torch's operators on one thread (a small
+    operator opening torch's team from a worker waited on a peer busy with the other worker), and
+    the caller's thread keeps its count."""
+    from strata.tiers.executor import CpuLane
+
+    lane = CpuLane(2, {}, {})
+    try:
+        seen = {lane.pool.submit(torch.get_num_threads).result() for _ in range(4)}
+    finally:
+        lane.close()
+    assert seen == {1}
+    assert torch.get_num_threads() == 2
+    import threading
+
+    fresh = []  # what a new thread's torch starts with
+    plain = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    plain.start()
+    plain.join()
+    lane = CpuLane(1, {}, {})  # one worker: torch's team is its only parallelism, left as it starts
+    try:
+        assert lane.pool.submit(torch.get_num_threads).result() == fresh[0]
+    finally:
+        lane.close()
+
+
+def test_importing_strata_makes_torch_team_wait_passively():
+    """Before torch is imported, `import strata` asks libgomp for passive waits, unless the user chose."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, strata; print(os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    run = lambda c, e: subprocess.run([sys.executable, "-c", c], env=e, capture_output=True, text=True,  # noqa: E731
+                                      check=True).stdout.strip()
+    assert run(code, env) == "PASSIVE"
+    assert run(code, {**env, "OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
+    assert run("import torch; " + code, env) == "None"  # libgomp has read the environment already

@@ -85,7 +85,13 @@ class CpuLane:
     def __init__(self, threads: int, homes: dict, formats: dict[int, ExpertFormat]):
         self.threads = max(1, threads)
         self.homes, self.formats = homes, formats
-        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="strata-cpu")
+        # each worker's torch operators on one thread: the workers are the parallelism, and a small
+        # operator that opened torch's OpenMP team from a worker (a prompt's index_add_ per expert,
+        # its sorts and gathers) waited on a peer thread busy with the other worker (1-5 ms a call
+        # at load 3, against 3-7 us on one thread)
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="strata-cpu",
+                                       initializer=torch.set_num_threads if self.threads > 1 else None,
+                                       initargs=(1,) if self.threads > 1 else ())
 
     def submit(self, layer: int, x, ids, weights, experts: list[int]) -> list[Future]:
         if not experts:
