@@ -3,6 +3,8 @@
 import os
 import threading
 
+import torch
+
 from strata.tiers.store import DIRECT_MIN, DiskHome, ExpertFormat, FileReader, Part, read_slack
 
 SIZES = (4096, 4096, 8192)  # gate, up, down bytes of one expert
@@ -124,3 +126,48 @@ def test_the_shared_expert_runs_while_the_routed_ones_are_read_and_gives_the_sam
         engine.close()
     assert got == want
     assert seen and all(seen)  # the shared expert was computed while the routed ones were under way
+
+
+def test_a_decode_token_computes_its_disk_experts_by_one_call_each_with_the_same_products(tmp_path, monkeypatch):
+    """A decode token's disk-homed experts go straight to strata_moe_token on their bytes (no route
+    table, QTensor views or plans per expert), and every layer's output is bit-equal to the general path's."""
+    import strata
+    from strata import kernels, synth
+    from strata.kernels import moe
+    from strata.tiers import executor as ex
+
+    if not kernels.available():
+        import pytest
+        pytest.skip("kernels unavailable")
+    path = synth.write(tmp_path / "next.gguf", like_name="qwen3-next-80b", layers=1, vocab=512, experts=16,
+                       quant_name="Q4_0")
+    ids = [3, 1, 4, 1, 5]
+    outputs, lane_calls = {"direct": {}, "general": {}}, []  # (experts, x) -> the worker's output
+    mode = ["direct"]
+    sum_in_order, grouped = ex._sum_in_order, moe.grouped_swiglu
+
+    def record(products, x):
+        out = sum_in_order(products, x)
+        if x.shape[0] == 1:
+            outputs[mode[0]][tuple(sorted(products)), x.numpy().tobytes()] = out.clone()
+        return out
+
+    def counted(x, *a, **k):
+        if threading.current_thread().name.startswith("strata-cpu") and x.shape[0] == 1:
+            lane_calls.append(mode[0])
+        return grouped(x, *a, **k)
+
+    monkeypatch.setattr(ex, "_sum_in_order", record)
+    monkeypatch.setattr(moe, "grouped_swiglu", counted)
+    engine = strata.load(path, cpu_threads=2, pin_experts="disk", ram_cache="25%")
+    try:
+        direct = engine.generate(ids, 4, stop_at_eos=False)
+        mode[0] = "general"
+        monkeypatch.setattr(ex.CpuLane, "_token_products", lambda *a: None)
+        general = engine.generate(ids, 4, stop_at_eos=False)
+    finally:
+        engine.close()
+    assert direct == general
+    assert outputs["direct"].keys() == outputs["general"].keys() and outputs["direct"]
+    assert all(torch.equal(out, outputs["general"][key]) for key, out in outputs["direct"].items())
+    assert "direct" not in lane_calls and "general" in lane_calls  # the direct path made no grouped call

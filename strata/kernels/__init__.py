@@ -494,6 +494,25 @@ def _moe_token(x: torch.Tensor, parts, w: list[float], threads, out: torch.Tenso
     return _f32(x, out) and _call_moe_token(x, _parts_ptrs(parts, x.shape[-1]), w, threads, out)
 
 
+def token_expert_kernels(expert: tuple[QTensor, QTensor, QTensor], hidden: int):
+    """The kernels strata_moe_token runs for experts laid out as `expert` ((gate, up, down) QTensors
+    of one of them), as `moe_token_at` takes them; None where they do not apply. Worked out once per
+    layout, so a caller that holds each expert as bytes (a disk home's read) plans nothing per expert."""
+    spec = _parts_ptrs([expert], hidden) if _build.load() is not None else None
+    return None if spec is None else spec[1:]
+
+
+def moe_token_at(x: torch.Tensor, ptrs: list[tuple[int, int, int]], expert_kernels, w: list[float], threads,
+                 out: torch.Tensor) -> bool:
+    """`_moe_token` over experts given by the addresses of their (gate, up, down) bytes, laid out as
+    `expert_kernels` (`token_expert_kernels`) says: the same C call, so the same result. False
+    (nothing done) where x or out is not float32 or `expert_kernels` is None."""
+    if not USE_KERNELS or expert_kernels is None or not _f32(x, out):
+        return False
+    vp = ctypes.c_void_p * len(ptrs)
+    return _call_moe_token(x, ([vp(*(p[i] for p in ptrs)) for i in range(3)], *expert_kernels), w, threads, out)
+
+
 # id(stacked raw) -> (plan of expert 0, bytes from one expert to the next) or None
 _stacked = plan_cache.PlanCache()
 

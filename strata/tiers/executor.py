@@ -85,6 +85,7 @@ class CpuLane:
     def __init__(self, threads: int, homes: dict, formats: dict[int, ExpertFormat]):
         self.threads = max(1, threads)
         self.homes, self.formats = homes, formats
+        self._token_kernels: dict[int, tuple | None] = {}  # layer -> kernels.token_expert_kernels (None: none apply)
         # each worker's torch operators on one thread: the workers are the parallelism, and a small
         # operator that opened torch's OpenMP team from a worker (a prompt's index_add_ per expert,
         # its sorts and gathers) waited on a peer thread busy with the other worker (1-5 ms a call
@@ -118,15 +119,47 @@ class CpuLane:
             # asked for the kernels' helper threads would oversubscribe the cores, and wait at
             # their barrier once per expert)
             threads = 1 if self.threads > 1 else None
+            if x.shape[0] == 1 and not in_prompt:
+                products = self._token_products(layer, home, x, ids, weights, experts, threads)
+                if products is not None:
+                    return _sum_in_order(products, x)
             products = {e: moe.grouped_swiglu(x, route_table(ids, weights, {e}), source(), threads=threads)
                         for e in arrival(layer, sorted(experts))}
-            out = torch.zeros_like(x)
-            for e in sorted(products):
-                out += products[e]
-            return out
+            return _sum_in_order(products, x)
+
+    def _token_products(self, layer, home, x, ids, weights, experts: set[int], threads) -> dict | None:
+        """A decode token's experts of a disk home, each by one C call on its bytes as its read lands
+        (`kernels.moe_token_at`: no route table, QTensor views or per-expert plans, 0.1-0.3 ms of
+        Python an expert); the same call `moe.grouped_swiglu` makes for one token and one expert, so
+        the same products. None where the kernels do not apply (then the general path runs)."""
+        spec = self._token_kernels.get(layer, False)
+        if spec is False:  # the kernels depend on the layout only: planned on scratch bytes, once
+            fmt = self.formats[layer]
+            spec = kernels.token_expert_kernels(fmt.qtensors(fmt.split(torch.empty(fmt.nbytes, dtype=torch.uint8))),
+                                                x.shape[-1])
+            self._token_kernels[layer] = spec
+        if spec is None or not kernels.USE_KERNELS or x.dtype is not torch.float32 or not x.is_contiguous():
+            return None
+        w = dict(zip(ids.reshape(-1).tolist(), weights.reshape(-1).tolist()))
+        products = {}
+        for e in home.arrival(layer, sorted(experts)):
+            parts = home.parts(layer, e)
+            y = torch.zeros_like(x)
+            if not kernels.moe_token_at(x, [tuple(p.data_ptr() for p in parts)], spec, [w[e]], threads, y):
+                raise RuntimeError("strata_moe_token declined a layout it was planned for")
+            products[e] = y
+        return products
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def _sum_in_order(products: dict, x: torch.Tensor) -> torch.Tensor:
+    """The experts' products summed in expert order, whatever order they were computed in."""
+    out = torch.zeros_like(x)
+    for e in sorted(products):
+        out += products[e]
+    return out
 
 
 class HybridExecutor:
