@@ -209,6 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each engine; medians printed")
     ap.add_argument("--no-prefill", action="store_true", help="skip the pp512 runs")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode runs (pp512 only)")
     ap.add_argument("--profile", action="store_true", help="also profile Strata's decode steps")
     ap.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "strata-bench")
     args = ap.parse_args(argv)
@@ -245,9 +246,10 @@ def main(argv=None) -> int:
             dec, ldec, pre, lpre = [], [], [], []
             prompt = prefill_prompt(vocab)
             for _ in range(args.repeats):
-                dec.append(strata_decode(engine, args.tokens))
-                if llm is not None:
-                    ldec.append(llamacpp_decode(llm, args.tokens))
+                if not args.no_decode:
+                    dec.append(strata_decode(engine, args.tokens))
+                    if llm is not None:
+                        ldec.append(llamacpp_decode(llm, args.tokens))
                 if not args.no_prefill:
                     pre.append(strata_prefill(engine, prompt))
                     if llm is not None:
@@ -259,10 +261,10 @@ def main(argv=None) -> int:
             sw, sc, lw, lc = med(dec, 0), med(dec, 1), med(ldec, 0), med(ldec, 1)
             sp, lp = med(pre), med(lpre)
             nb = per_token[m]
-            gs, gl = nb * sw / 1e9, (nb * lw / 1e9 if lw else None)
+            gs, gl = (nb * sw / 1e9 if sw else None), (nb * lw / 1e9 if lw else None)
             print(f"{label:<26} {threads:>3} | {_fmt(sw)} {_fmt(lw)} {_ratio(sw, lw):>6} | {_fmt(sc)} {_fmt(lc)} "
                   f"{_ratio(sc, lc):>6} | {_fmt(sp)} {_fmt(lp)} {_ratio(sp, lp):>6} | {nb / 2**20:7.1f} "
-                  f"{gs:6.2f} {_fmt(gl, 6, 2)} {bw:5.1f} {100 * gs / bw:5.0f} "
+                  f"{_fmt(gs, 6, 2)} {_fmt(gl, 6, 2)} {bw:5.1f} {_fmt(100 * gs / bw if gs else None, 5, 0)} "
                   f"{_fmt(100 * gl / bw if gl else None, 5, 0)}", flush=True)
             if args.profile:
                 from decode_profile import print_profile, replay_products
