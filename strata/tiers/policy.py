@@ -19,7 +19,9 @@ that one layer used keys (and how many of the step's tokens each served); `place
   calibrated by a small logistic regression learned online on the next run's use (inputs:
   the table's log-odds, the lifetime share, the lag, and the key's share over the last few
   and the last few dozen runs): a key in a burst outranks one with the same lag and
-  lifetime share that is not. A key is ranked by how soon its next use is expected: the
+  lifetime share that is not; each layer adds its own offset to that log-odds (learned on its
+  runs, centred over the layers), as layers differ in how often a key with the same inputs is
+  reused (top-k, skew). A key is ranked by how soon its next use is expected: the
   steps until its layer runs next (the cache sees a step's layers in order, so the layer
   that just ran waits longest) plus the runs a chance p takes on average, 1 / p - 1. Real routing
   differs in what predicts reuse (Mixtral's is close to memoryless, batched Qwen1.5-MoE's
@@ -39,7 +41,10 @@ per-layer slot budgets moved by ghost hits, and ranking by an expected reuse dis
 cell instead of the use rate (no better, or lower, on the Mixtral traces), and raising or
 lowering the estimates of the layers still to run in a step by their same-step co-occurrence
 with the layer that just ran (lower on Mixtral; raising only: no change, as those keys are
-seldom the victim once the rank counts the wait to the next run).
+seldom the victim once the rank counts the wait to the next run), a LIRS-like input (the gap
+between a key's last two uses: 1.3 points lower on one Mixtral trace), and a share over the last
+~64-128 runs or a table horizon of 1, 4 or 8 runs (each within about half a point, up or down,
+on the Mixtral traces).
 
 `SlotMap` puts a policy to work over the cache's regions (decode, prefill) and prefetches;
 the runtime's `DeviceCache` and `strata cache-sim` both drive it, so they count alike.
