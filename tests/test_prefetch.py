@@ -35,3 +35,32 @@ def test_a_decode_prediction_runs_its_router_product_on_one_thread(monkeypatch):
         assert torch.equal(ids, (2 * h @ block.ffn.router.T).topk(4, dim=-1).indices)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_cpu_prediction_runs_on_a_worker_and_is_settled_before_its_layer_routes():
+    """Without a device cache the prediction (norm, router, top-k, reads ahead) runs on a worker while
+    the calling thread goes on; `settle` waits for it, and a device cache keeps it on the caller."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from strata.tiers.prefetch import Prefetcher
+    from strata.tiers.stats import TierStats
+
+    release, where, asked = threading.Event(), [], []
+
+    def predict(h):
+        where.append(threading.current_thread().name)
+        release.wait(5)
+        return torch.tensor([[3, 1]])
+
+    home = SimpleNamespace(request=lambda layer, experts, ahead=False: asked.append((layer, experts, ahead)))
+    x, mask = torch.randn(1, 1, 8), torch.ones(1, 1, dtype=torch.bool)
+    with ThreadPoolExecutor(1, thread_name_prefix="worker") as pool:
+        pre = Prefetcher({1: predict}, None, TierStats(), 4, {1: 100}, {1}, disk_homes={1: home}, submit=pool.submit)
+        pre(0, x, mask)  # returns while the prediction is still running
+        assert asked == [] and pre.pending is not None
+        release.set()
+        pre.settle()
+        assert asked == [(1, [1, 3], True)] and where[0].startswith("worker") and pre.pending is None
+        on_device = Prefetcher({1: predict}, object(), TierStats(), 4, {1: 100}, set(), submit=pool.submit)
+        assert on_device.submit is None  # a device cache's bookkeeping stays on the calling thread

@@ -180,7 +180,10 @@ class HybridExecutor:
             experts: set[int] | None = None, beside=None) -> torch.Tensor:
         """The layer's output over the routed experts (only those in `experts`, when given: a shard).
         `beside()` (the shared expert) runs here while the CPU workers compute and the reads land."""
-        rider = self.prefetcher.take(layer) if self.prefetcher is not None else None
+        rider = None
+        if self.prefetcher is not None:
+            self.prefetcher.settle()  # a CPU prediction made beside this layer's attention: counted before it routes
+            rider = self.prefetcher.take(layer)
         x_host, ids_host, weights_host, *predicted = self.read_host(
             x, ids, weights, *(() if rider is None else (rider[1],)))  # the step's one read back
         self.host_reads += 1

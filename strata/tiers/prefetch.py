@@ -4,7 +4,11 @@ The residual stream changes little from one layer to the next, so the next route
 choice on the current hidden state is a good guess; predicted misses are copied in on
 the copy stream (a thread without CUDA) while the model computes.
 
-On the CPU the prediction is issued at once, before layer L's attention. On a device the ids stay
+On the CPU the prediction is issued at once, before layer L's attention: on a worker (`submit`, the
+CPU lane's pool, idle then) when there is no device cache, so the calling thread goes on with the
+attention (the prediction's norm and router product were 45 ms a token of the full-size qwen4exp's
+serial path), and `settle()` (layer L's routing, or the next block) waits for it, so the prediction is
+counted and traced before the layer it precedes. On a device the ids stay
 there and ride on layer L's own routing read (`take`, then `issue` from the executor, after L's
 expert kernels are queued): no read of their own, and the copies, on the side stream behind an event
 for L's kernels, overlap layer L+1's attention. A prediction whose block makes no routing read (a
@@ -27,24 +31,43 @@ SOURCE = "Strata's prefetcher (layer L+1's router on layer L's input)"
 
 class Prefetcher:
     def __init__(self, predictors: dict[int, Callable], cache, stats: TierStats, n_experts: int,
-                 nbytes: dict[int, int], cached_layers: set[int], tracer=None, disk_homes=None):
+                 nbytes: dict[int, int], cached_layers: set[int], tracer=None, disk_homes=None, submit=None):
         self.predictors, self.cache, self.stats = predictors, cache, stats
         self.n_experts, self.nbytes, self.cached_layers = n_experts, nbytes, cached_layers
         self.tracer = tracer  # records each prediction, so `strata cache-sim` replays the prefetches
         self.disk_homes = disk_homes or {}  # layer -> DiskHome: predictions are read ahead into its RAM cache
         self.riding: dict[int, tuple[int, torch.Tensor]] = {}  # block -> (layer, device ids) for its read
+        # a worker pool's submit(fn, *args) -> Future for CPU predictions; none with a device cache,
+        # whose bookkeeping stays on the calling thread
+        self.submit = submit if cache is None else None
+        self.pending = None  # the Future of a prediction still running on a worker
 
     def __call__(self, block: int, x: torch.Tensor, token_mask: torch.Tensor, prefill: bool = False) -> None:
+        self.settle()
         layer = block + 1
         predict = self.predictors.get(layer)
         if predict is None:
             return
+        rows = _real_rows(x, token_mask)  # (N, hidden) for the real tokens
+        if self.submit is not None and rows.device.type == "cpu":
+            self.pending = self.submit(self._predict_and_issue, predict, layer, rows, prefill)
+            return
         with torch.inference_mode():
-            ids = predict(_real_rows(x, token_mask))  # (N, k) for the real tokens
+            ids = predict(rows)  # (N, k)
         if ids.device.type == "cpu":
             self.issue(layer, ids, prefill)
         else:
             self.riding[block] = (layer, ids)
+
+    def _predict_and_issue(self, predict, layer: int, rows: torch.Tensor, prefill: bool) -> None:
+        with torch.inference_mode():
+            self.issue(layer, predict(rows), prefill)
+
+    def settle(self) -> None:
+        """Wait for a prediction running on a worker (its error, if any, is raised here)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
 
     def take(self, block: int) -> tuple[int, torch.Tensor] | None:
         """(layer, device ids) predicted before `block`, for the block's routing read to carry."""

@@ -220,5 +220,6 @@ def _prefetcher(model, options, cache, executor: HybridExecutor, formats, plan: 
     cached = {layer.layer for layer in plan.experts if layer.home != "gpu"}
     return Prefetcher(router_predictors(model), cache, executor.stats, executor.n_experts,
                       {i: f.nbytes for i, f in formats.items()}, cached, executor.tracer,
-                      {i: h for i, h in executor.homes.items() if h.kind == "disk"})
+                      {i: h for i, h in executor.homes.items() if h.kind == "disk"},
+                      submit=executor.lane.pool.submit if executor.lane.threads > 1 else None)
 
