@@ -149,6 +149,32 @@ def test_stack_is_rebuilt_when_a_weight_changes(tmp_path, monkeypatch):
 
 
 @needs_kernels
+def test_two_threads_decoding_one_model_get_what_each_gets_alone(tmp_path, monkeypatch):
+    """The stack's layer descriptions (KV pointers, scratch) serve one call at a time; a second
+    thread decoding the same model meanwhile takes the block path, with the same results."""
+    import threading
+
+    model, _ = _quantized("llama", tmp_path, monkeypatch)
+    seqs = [prompt(VOCAB, 30, seed=s) for s in (7, 8)]
+    alone = [_decode(model, ids, 6) for ids in seqs]
+    got, errors = [None, None], []
+
+    def run(i):
+        try:
+            for _ in range(3):
+                got[i] = _decode(model, seqs[i], 6)
+        except Exception as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and all(torch.equal(a, b) for a, b in zip(alone, got))
+
+
+@needs_kernels
 def test_stack_declines_what_it_cannot_take(tmp_path, monkeypatch):
     """A prompt, a tap, kernels off: the blocks run one by one (the C call never made)."""
     model, _ = _quantized("llama", tmp_path, monkeypatch)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
+import threading
 import weakref
 
 import torch
@@ -161,13 +162,14 @@ class Stack:
     """The C descriptions of a model's layers, built once (`layers` None: some layer does not
     apply, so the model runs its blocks one by one); the KV cache pointers are refreshed per call."""
 
-    __slots__ = ("sources", "layers", "keep", "hidden", "rot_half", "caches", "tmp")
+    __slots__ = ("sources", "layers", "keep", "hidden", "rot_half", "caches", "tmp", "lock")
 
     def __init__(self, sources, layers: ctypes.Array | None, keep: list, hidden: int, rot_half: int):
         self.sources, self.layers, self.keep, self.hidden, self.rot_half = sources, layers, keep, hidden, rot_half
         self.caches: list = [None] * (len(layers) if layers is not None else 0)  # weak references to the
         # (k, v) each layer's pointers name
         self.tmp = torch.empty(hidden)
+        self.lock = threading.Lock()  # the layers' KV pointers and tmp serve one call at a time
 
 
 def build(key: list | None, layers, hidden: int, rot_half: int) -> Stack:
@@ -209,6 +211,17 @@ def try_decode(stack: Stack, x: torch.Tensor, caches, pos: int, rope_cs) -> torc
     cos, sin = rope_cs
     if fn is None or not (_vec(cos) and _vec(sin)) or cos.numel() != stack.rot_half or sin.numel() != stack.rot_half:
         return None
+    if not stack.lock.acquire(blocking=False):  # another thread is decoding with this model: its own path
+        return None
+    try:
+        return _run(fn, stack, x, caches, pos, cos, sin)
+    finally:
+        stack.lock.release()
+
+
+def _run(fn, stack: Stack, x: torch.Tensor, caches, pos: int, cos: torch.Tensor, sin: torch.Tensor):
+    """try_decode under the stack's lock: each layer's cache grown to hold pos, its pointers refreshed
+    where its tensors changed, then the one C call."""
     for i, (lay, cache) in enumerate(zip(stack.layers, caches)):
         kc = cache.k
         if kc is None or pos + 1 > kc.shape[2]:  # the cache grows (else _reserve has nothing to do)
