@@ -18,7 +18,19 @@ __version__ = "0.1.0"
 
 
 def load(path, **options):
-    """Open a GGUF file or a Hugging Face model directory and return an `Engine`."""
+    """Open a GGUF file or a Hugging Face model directory and return an `Engine`.
+
+    The cyclic garbage collector is off while the model is built: loading makes ~200,000 objects
+    that all live on, and its collections of them took 0.3-0.5 s of the full-size qwen4exp's load
+    (three full passes); reference counting still frees everything else."""
+    import gc
+
     from strata.runtime.engine import load as _load
 
-    return _load(path, **options)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _load(path, **options)
+    finally:
+        if collecting:
+            gc.enable()

@@ -191,3 +191,29 @@ def test_importing_strata_makes_torch_team_wait_passively():
     assert run(code, env) == "PASSIVE"
     assert run(code, {**env, "OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
     assert run("import torch; " + code, env) == "None"  # libgomp has read the environment already
+
+
+def test_load_runs_without_the_cyclic_collector_and_restores_it(tmp_path, monkeypatch):
+    """Building a model makes many long-lived objects: no collection runs while it loads, and the
+    collector is on again after (and stays off for a caller that had turned it off)."""
+    import gc
+
+    from strata.runtime import engine as engine_module
+
+    seen = []
+    real = engine_module.load
+
+    def spy(*a, **k):
+        seen.append(gc.isenabled())
+        return real(*a, **k)
+
+    monkeypatch.setattr(engine_module, "load", spy)
+    path = write_tiny_llama(tmp_path / "tiny.gguf")
+    strata.load(path, draft="off").close()
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        strata.load(path, draft="off").close()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
