@@ -320,6 +320,41 @@ def test_recurrent_state_after_speculation_equals_plain_run(checkpoint):
         assert (state - state_ref).abs().max().item() <= 1e-5 * state_ref.abs().max().item()
 
 
+def test_quantized_verify_passes_in_c_keep_the_greedy_output(checkpoint, tmp_path, monkeypatch):
+    """A Q8_0 file: the verify passes' DeltaNet layers run in one C call each (the state after
+    each position kept, then rolled back to the kept prefix), and with rejections at every draft
+    position the output equals plain one-token decoding's, token for token, as do the DeltaNet
+    states after it (up to rounding)."""
+    import gguf
+
+    from strata.kernels import decode_ops
+
+    *_, paths = checkpoint
+    path = convert_hf_to_gguf(paths["safetensors"], tmp_path / "q8.gguf", dense_type=gguf.GGMLQuantizationType.Q8_0)
+    engine = strata.load(path)
+    ids = PROMPTS[0]
+    plain_cache = engine.model.new_cache(1)
+    steps = generate_step(engine.model, [ids], GREEDY, plain_cache)
+    plain = [int(next(steps)) for _ in range(N_OUT)]
+    verify = [0]
+
+    def counted(x, *a, _fn=decode_ops.try_gdn_block):
+        y = _fn(x, *a)
+        verify[0] += y is not None and x.shape[1] > 1
+        return y
+
+    monkeypatch.setattr(decode_ops, "try_gdn_block", counted)
+    cache = engine.model.new_cache(1)
+    out, stats = _run(engine, ids, Oracle(ids, plain, schedule(3, N_OUT, [0, 2, 1, 3])), N_OUT, cache=cache, k=3)
+    assert out == plain and 0 < stats.accepted < stats.drafted
+    assert verify[0] == 2 * stats.passes  # 2 DeltaNet layers, every pass drafting
+    # the 8-bit activations round x to their grid, where the verify pass's other order of
+    # rounding can move a value one step: 2e-5 of the scale here; a wrong rollback is off by O(1)
+    for (conv, state), (conv_ref, state_ref) in zip(_states(cache), _states(plain_cache)):
+        assert (conv - conv_ref).abs().max().item() <= 1e-4 * conv_ref.abs().max().item()
+        assert (state - state_ref).abs().max().item() <= 1e-4 * state_ref.abs().max().item()
+
+
 @pytest.mark.parametrize("kept_states", [True, False])  # the states kept while verifying, or the replay
 def test_gdn_rollback_restores_the_state_after_the_kept_tokens(checkpoint, kept_states, monkeypatch):
     if not kept_states:
