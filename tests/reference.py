@@ -34,6 +34,24 @@ def save_hf(model, path: Path) -> Path:
     return path
 
 
+def gguf_roundtrip(model: torch.nn.Module, dense, experts) -> torch.nn.Module:
+    """A copy of `model` whose matrices went through gguf-py's quantize and dequantize (type
+    `experts` for the experts' weights, `dense` for the others; norms, vectors and the router as
+    they are): the weights a file converted with those types holds, for transformers to run."""
+    import copy
+
+    import gguf.quants
+
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.ndim < 2 or "norm" in name or name.endswith("mlp.gate.weight"):
+                continue
+            qtype = experts if "experts" in name else dense
+            p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.detach().numpy(), qtype), qtype)))
+    return ref
+
+
 def prompt(vocab: int, n: int = PROMPT_LEN, seed: int = 1) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g).tolist()

@@ -10,7 +10,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralF
 import strata
 from strata import kernels
 from strata.gguf.convert import convert_hf_to_gguf
-from reference import hf_greedy, hf_logits, prompt, randomise, save_hf
+from reference import gguf_roundtrip, hf_greedy, hf_logits, prompt, randomise, save_hf
 
 VOCAB = 256
 
@@ -94,23 +94,13 @@ def test_prefill_in_chunks_equals_one_pass(checkpoint):
 def test_quantized_gguf_matches_transformers_with_gguf_py_dequantized_weights(tmp_path, monkeypatch, dense, experts):
     """Quantized storage end to end: the reference gets the same weights through gguf-py's numpy
     quantize/dequantize, so only Strata's own path (bytes -> dequant -> compute) is under test."""
-    import copy
-
-    import gguf.quants
     from gguf import GGMLQuantizationType as Q
 
     torch.manual_seed(0)
     model = randomise(qwen3moe().eval())
     save_hf(model, tmp_path / "hf")
     convert_hf_to_gguf(tmp_path / "hf", tmp_path / "q.gguf", dense_type=Q[dense], expert_type=Q[experts])
-    ref = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if p.ndim < 2 or "norm" in name or name.endswith("mlp.gate.weight"):
-                continue
-            qtype = Q[experts] if "experts" in name else Q[dense]
-            w = p.detach().numpy()
-            p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)))
+    ref = gguf_roundtrip(model, Q[dense], Q[experts])
     ids = prompt(VOCAB)
     want = hf_logits(ref, ids)
     engine = strata.load(tmp_path / "q.gguf")

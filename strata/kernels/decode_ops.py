@@ -90,15 +90,11 @@ def _vec(t) -> bool:
     return t is not None and t.dtype is torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
-def try_attention_block(x: torch.Tensor, norm, attn, cache, step, rope_cs) -> torch.Tensor | None:
-    """x + attn(norm(x)) for one decode token in one C call (strata_attn_decode: norm, q/k/v, q/k
-    norms, rope, the KV write, attention, Qwen3-Next's sigmoid output gate, output projection,
-    residual), or None where it does not apply (not one float32 token of one row on the CPU, a
-    biased output, another cache, a weight without an own kernel). The caller checks the module types."""
-    lib = _build.load()
-    if lib is None or not _ok(x) or x.shape[0] != 1 or x.shape[1] != 1:
-        return None
-    hidden = x.shape[-1]
+def attention_parts(norm, attn, hidden: int):
+    """(plans of q, k, v, o; the q/k/v biases; the q and k norms; the rotary width) of an attention
+    half a decode token can run in one C call (strata_attn_decode), or None where it does not apply
+    (a biased output, a weight without an own kernel, shapes that do not chain): the checks
+    `try_attention_block` and decode_stack share."""
     plans = [_linear_plan(lin) for lin in (attn.wq, attn.wk, attn.wv, attn.wo)]
     if any(p is None for p in plans) or attn.wo.bias is not None:
         return None
@@ -116,11 +112,29 @@ def try_attention_block(x: torch.Tensor, norm, attn, cache, step, rope_cs) -> to
     if (qn is None) != (kn is None) or (qn is not None and not (_vec(qn.weight) and _vec(kn.weight)
                                                               and qn.weight.numel() == d and kn.weight.numel() == d)):
         return None
-    if not _vec(norm.weight) or norm.weight.numel() != hidden:
-        return None
-    cos, sin = rope_cs
     rot = attn.rope.cfg.dim
-    if not (_vec(cos) and _vec(sin)) or cos.numel() != rot // 2 or sin.numel() != rot // 2 or rot > d:
+    if not _vec(norm.weight) or norm.weight.numel() != hidden or rot > d:
+        return None
+    return plans, biases, qn, kn, rot
+
+
+def try_attention_block(x: torch.Tensor, norm, attn, cache, step, rope_cs) -> torch.Tensor | None:
+    """x + attn(norm(x)) for one decode token in one C call (strata_attn_decode: norm, q/k/v, q/k
+    norms, rope, the KV write, attention, Qwen3-Next's sigmoid output gate, output projection,
+    residual), or None where it does not apply (not one float32 token of one row on the CPU, a
+    biased output, another cache, a weight without an own kernel). The caller checks the module types."""
+    lib = _build.load()
+    if lib is None or not _ok(x) or x.shape[0] != 1 or x.shape[1] != 1:
+        return None
+    hidden = x.shape[-1]
+    parts = attention_parts(norm, attn, hidden)
+    if parts is None:
+        return None
+    plans, biases, qn, kn, rot = parts
+    pq, pk, pv, po = plans
+    hq, hkv, d = attn.n_heads, attn.n_kv, attn.head_dim
+    cos, sin = rope_cs
+    if not (_vec(cos) and _vec(sin)) or cos.numel() != rot // 2 or sin.numel() != rot // 2:
         return None
     if cache.k is not None and (cache.k.dtype is not torch.float32 or cache.k.device.type != "cpu"
                                 or cache.k.shape[0] != 1 or cache.k.shape[1] != hkv or cache.k.shape[3] != d):

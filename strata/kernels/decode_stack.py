@@ -20,8 +20,8 @@ import weakref
 import torch
 
 from strata import kernels
-from strata.kernels import _build
-from strata.kernels.decode_ops import _linear_plan, _ok, _swiglu_plans, _vec
+from strata.kernels import _build, decode_ops
+from strata.kernels.decode_ops import _ok, _swiglu_plans, _vec
 
 _P, _I64, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
@@ -42,33 +42,20 @@ class Layer(ctypes.Structure):
 def _attention(lay: Layer, norm, attn, hidden: int, rot_half: int, keep: list) -> bool:
     """Fill lay's attention half from the modules (what try_attention_block checks); False where it
     does not apply."""
-    plans = [_linear_plan(lin) for lin in (attn.wq, attn.wk, attn.wv, attn.wo)]
-    if any(p is None for p in plans) or attn.wo.bias is not None:
+    parts = decode_ops.attention_parts(norm, attn, hidden)
+    if parts is None:
         return False
-    pq, pk, pv, po = plans
-    hq, hkv, d = attn.n_heads, attn.n_kv, attn.head_dim
-    q_rows = hq * d * (2 if attn.gated else 1)
-    if (pq.rows, pk.rows, pv.rows, po.rows, po.cols) != (q_rows, hkv * d, hkv * d, hidden, hq * d) or hq % hkv:
+    plans, biases, qn, kn, rot = parts
+    if rot // 2 != rot_half:
         return False
-    if pq.cols != hidden or pk.cols != hidden or pv.cols != hidden:
-        return False
-    biases = (attn.wq.bias, attn.wk.bias, attn.wv.bias)
-    if any(b is not None and not (_vec(b) and b.numel() == r) for b, r in zip(biases, (pq.rows, pk.rows, pv.rows))):
-        return False
-    qn, kn = attn.q_norm, attn.k_norm
-    if (qn is None) != (kn is None) or (qn is not None and not (_vec(qn.weight) and _vec(kn.weight)
-                                                              and qn.weight.numel() == d and kn.weight.numel() == d)):
-        return False
-    rot = attn.rope.cfg.dim
-    if not _vec(norm.weight) or norm.weight.numel() != hidden or rot // 2 != rot_half or rot > d:
-        return False
+    po = plans[3]
     keep += plans
     lay.attn_norm, lay.attn_eps = norm.weight.data_ptr(), norm.eps
     lay.qkv_fn[:] = [p.fnptr for p in plans[:3]]
     lay.qkv_w[:] = [p.ptr for p in plans[:3]]
     lay.qkv_rows[:] = [p.rows for p in plans[:3]]
     lay.qkv_bias[:] = [None if b is None else b.data_ptr() for b in biases]
-    lay.n_heads, lay.n_kv, lay.head_dim = hq, hkv, d
+    lay.n_heads, lay.n_kv, lay.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
     lay.q_norm = qn.weight.data_ptr() if qn is not None else None
     lay.k_norm = kn.weight.data_ptr() if kn is not None else None
     lay.qk_eps = qn.eps if qn is not None else 0.0
