@@ -406,7 +406,10 @@ static inline int64_t st_count(uint64_t s) { return (int64_t)(s & 0xFFFF); }
  * [2] ns helpers spent in tiles, [3] ns the calling thread spent in pool_run (the rest of its
  * time is the serial work between jobs), [4] jobs shared with helpers, [5] jobs run alone, [6] jobs
  * that had to wake a sleeping helper, [7] ns the calling thread spent waking them. */
-static int pool_timing;
+/* Each job and each helper's share of one reads the flag once: one that read it off at its start and
+ * on at its end (the profiler turning it on while a helper left its last tile) would add its
+ * thread's whole CPU time. */
+static _Atomic int pool_timing;
 static _Atomic int64_t pool_times[8];
 /* This thread's CPU time: on a shared machine a wall clock would count the time it was descheduled. */
 static inline int64_t cpu_ns(void) {
@@ -414,7 +417,7 @@ static inline int64_t cpu_ns(void) {
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
-void strata_pool_timing(int on) { pool_timing = on; }
+void strata_pool_timing(int on) { atomic_store(&pool_timing, on); }
 void strata_pool_times(int64_t *out) {
     for (int i = 0; i < 8; i++) out[i] = atomic_load(&pool_times[i]);
 }
@@ -422,7 +425,8 @@ void strata_pool_times(int64_t *out) {
 /* Claim and run tiles of the current job until none is left; returns how many were run. */
 static int64_t pool_work(int who) {
     int64_t ran = 0;
-    const int64_t t0 = pool_timing ? cpu_ns() : 0;
+    const int timing = atomic_load_explicit(&pool_timing, memory_order_relaxed);
+    const int64_t t0 = timing ? cpu_ns() : 0;
     uint64_t s = atomic_load_explicit(&pool_state, memory_order_acquire);
     while (st_next(s) < st_count(s)) {
         if (atomic_compare_exchange_weak_explicit(&pool_state, &s, s + (1u << 16), memory_order_acq_rel,
@@ -433,7 +437,7 @@ static int64_t pool_work(int who) {
             s = atomic_load_explicit(&pool_state, memory_order_acquire);
         }
     }
-    if (pool_timing) atomic_fetch_add_explicit(&pool_times[who], cpu_ns() - t0, memory_order_relaxed);
+    if (timing) atomic_fetch_add_explicit(&pool_times[who], cpu_ns() - t0, memory_order_relaxed);
     return ran;
 }
 
@@ -485,11 +489,12 @@ static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_
     atomic_fetch_add_explicit(&pool_jobs, 1, memory_order_relaxed);
     if (nth > n_tiles) nth = (int)n_tiles;
     if (nth > MAX_HELPERS + 1) nth = MAX_HELPERS + 1;
-    const int64_t t_in = pool_timing ? cpu_ns() : 0;
+    const int timing = atomic_load_explicit(&pool_timing, memory_order_relaxed);
+    const int64_t t_in = timing ? cpu_ns() : 0;
     /* One job at a time; a second caller (another Python thread) runs its job alone. */
     if (nth <= 1 || n_tiles > 0xFFFF || pthread_mutex_trylock(&call_mu) != 0) {
         for (int64_t t = 0; t < n_tiles; t++) fn(args, t);
-        if (pool_timing) {
+        if (timing) {
             const int64_t d = cpu_ns() - t_in;
             atomic_fetch_add_explicit(&pool_times[0], d, memory_order_relaxed);
             atomic_fetch_add_explicit(&pool_times[3], d, memory_order_relaxed);
@@ -516,17 +521,17 @@ static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_
      * the helper sees the new epoch or we see it about to sleep and wake it. */
     atomic_store(&pool_state, ((uint64_t)(st_epoch(old) + 1) << 32) | (uint64_t)n_tiles);
     if (atomic_load(&pool_sleepers) > 0) {
-        const int64_t t_wake = pool_timing ? cpu_ns() : 0;
+        const int64_t t_wake = timing ? cpu_ns() : 0;
         pthread_mutex_lock(&wake_mu);
         pthread_cond_broadcast(&wake_cv);
         pthread_mutex_unlock(&wake_mu);
-        if (pool_timing) {
+        if (timing) {
             atomic_fetch_add_explicit(&pool_times[6], 1, memory_order_relaxed);
             atomic_fetch_add_explicit(&pool_times[7], cpu_ns() - t_wake, memory_order_relaxed);
         }
     }
     atomic_fetch_add_explicit(&pool_caller_tiles, pool_work(0), memory_order_relaxed);
-    const int64_t t_wait = pool_timing ? cpu_ns() : 0;
+    const int64_t t_wait = timing ? cpu_ns() : 0;
     /* A helper may hold a claimed tile while descheduled: poll briefly, then yield the core to it. */
     for (int spun = 0; atomic_load_explicit(&pool_done, memory_order_acquire) < n_tiles; spun++) {
         if (spun < SPIN_ROUNDS) {
@@ -537,7 +542,7 @@ static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_
             sched_yield();
         }
     }
-    if (pool_timing) {
+    if (timing) {
         const int64_t t_out = cpu_ns();
         atomic_fetch_add_explicit(&pool_times[1], t_out - t_wait, memory_order_relaxed);
         atomic_fetch_add_explicit(&pool_times[3], t_out - t_in, memory_order_relaxed);
