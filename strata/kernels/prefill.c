@@ -360,6 +360,12 @@ PP_BODY(iq2_xs) {
     }
 }
 
+/* The negation mask of entries 2 h and 2 h + 1 (16 values) of a sub-block whose four 7-bit
+ * sign indices into ksigns are packed in aux (IQ2_XXS, IQ3_XXS). */
+PP_INLINE __mmask16 ksigns16(uint32_t aux, int h) {
+    return (__mmask16)(KSIGNS8[(aux >> (14 * h)) & 0x7F] | KSIGNS8[(aux >> (14 * h + 7)) & 0x7F] << 8);
+}
+
 /* IQ2_XXS {f16 d; per sub-block s: u8 grid ids[4], u32 aux}: scale aux >> 28, 7 sign bits of entry k
  * at aux >> 7 k. */
 PP_BODY(iq2_xxs) {
@@ -372,8 +378,7 @@ PP_BODY(iq2_xxs) {
             const float db = d * (0.5f + (float)(aux >> 28)) * 0.25f;
             for (int h = 0; h < 2; h++)
                 grid16_u8(two8(GRID_IQ2_XXS[q[2 * h]], GRID_IQ2_XXS[q[2 * h + 1]]), db,
-                          (__mmask16)(KSIGNS8[(aux >> (14 * h)) & 0x7F] | KSIGNS8[(aux >> (14 * h + 7)) & 0x7F] << 8),
-                          out, o + 32 * s + 16 * h);
+                          ksigns16(aux, h), out, o + 32 * s + 16 * h);
         }
     }
 }
@@ -426,7 +431,7 @@ PP_BODY(iq3_xxs) {
             const uint32_t aux = rd_u32(b + 66 + 4 * ib);
             const float db = d * (0.5f + (float)(aux >> 28)) * 0.5f;
             for (int h = 0; h < 2; h++, q += 4) {
-                const __mmask16 neg = (__mmask16)(KSIGNS8[(aux >> (14 * h)) & 0x7F] | KSIGNS8[(aux >> (14 * h + 7)) & 0x7F] << 8);
+                const __mmask16 neg = ksigns16(aux, h);
                 grid16_u8(four4(GRID_IQ3_XXS[q[0]], GRID_IQ3_XXS[q[1]], GRID_IQ3_XXS[q[2]], GRID_IQ3_XXS[q[3]]), db, neg,
                           out, o + 32 * ib + 16 * h);
             }
