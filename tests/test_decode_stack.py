@@ -176,3 +176,13 @@ def test_stack_declines_what_it_cannot_take(tmp_path, monkeypatch):
         model(torch.tensor([prompt(VOCAB, 5)]), cache)
         model(torch.tensor([[3]]), cache, tap=lambda name, t: None)
     assert called == []
+
+
+@needs_kernels
+def test_layer_description_has_the_c_struct_size():
+    """decode_stack.Layer mirrors decode_stack.c's strata_layer: a field added to one side only would
+    shift every field after it (the C side reports its size for this check)."""
+    import ctypes
+
+    size = _build.entry("strata_layer_size", (), ctypes.c_int64)
+    assert size is not None and size() == ctypes.sizeof(decode_stack.Layer)
