@@ -186,3 +186,39 @@ def test_layer_description_has_the_c_struct_size():
 
     size = _build.entry("strata_layer_size", (), ctypes.c_int64)
     assert size is not None and size() == ctypes.sizeof(decode_stack.Layer)
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["int16", "q8x2"])
+def test_stack_moe_with_a_gated_shared_expert_matches_the_torch_modules(mode, tmp_path, monkeypatch, activations):
+    """A MoE layer with a sigmoid-gated shared expert (the stack's sh_gate / ffn_rows fields; no
+    llama or qwen3moe file has one, so it is put in by hand: the dense layer's FFN as the shared
+    expert of both MoE layers): the one-call stack equals the blocks one by one bit for bit, and
+    the torch modules (MoE.forward + SharedExpert.forward, kernels off) within the 8-bit rounding."""
+    from strata.models.layers import SharedExpert
+    from strata.models.transformer import MoE, _c_route
+
+    activations(mode)
+    model, _ = _quantized("qwen3moe", tmp_path, monkeypatch)
+    g = torch.Generator().manual_seed(4)
+    dense = model.blocks[1].ffn
+    for i in (0, 2):
+        moe = model.blocks[i].ffn
+        assert type(moe) is MoE and moe.shared is None
+        shared = SharedExpert.__new__(SharedExpert)
+        torch.nn.Module.__init__(shared)
+        shared.ffn = dense
+        shared.gate = torch.randn(1, dense.gate.weight.shape[1], generator=g) / 4
+        moe.shared = shared
+        moe.c_route = _c_route(moe)
+        assert moe.c_route is not None
+    ids = prompt(VOCAB, 20, seed=9)
+    calls = _counted(monkeypatch)
+    fast = _decode(model, ids, 14)
+    assert calls[0] == 6
+    monkeypatch.setattr(decode_stack, "try_decode", lambda *a: None)
+    assert torch.equal(fast, _decode(model, ids, 14))
+    monkeypatch.setattr(kernels, "USE_KERNELS", False)
+    exact = _decode(model, ids, 14)
+    assert (fast - exact).abs().max().item() < 2e-3
+    assert torch.equal(fast.argmax(-1), exact.argmax(-1))
