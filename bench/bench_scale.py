@@ -289,6 +289,7 @@ def main(argv=None) -> int:
                   flush=True)
         rows.append(r)
         print(f"# run {model.name} (router skew {skew:g}): {r['summary']}", flush=True)
+        print(f"# greedy tokens: {r['tokens']}", flush=True)
     dense = rows[0]["memory"]["dense"]
     table = [("router skew", lambda r: f"{r['skew']:g}"),
              ("disk GB/s (measured on the file before its run)", lambda r: f"{r['disk'] / 1e9:.2f}"),
