@@ -70,7 +70,6 @@ BURST_HALF_LIVES = (2.0, 16.0)  # runs of the key's layer: the recent-share feat
 CALIBRATION_RATE = 0.02  # step of the calibration's online logistic regression (per run of a layer)
 LAYER_RATE = 0.3  # step of a layer's own offset to the shared calibration's log-odds (per run of that layer)
 NEVER_LAG = 50  # the lag feature of a key never used
-FOLLOW_PRIOR = 1.0  # pseudo-runs at the base rate in the chance that an expert follows a layer's last experts
 
 Placement = tuple[list[tuple[int, int | None]], list[int]]  # (admitted (key, victim)), rejected
 
@@ -266,17 +265,10 @@ class Adaptive(Packed):
         self.seen = np.zeros(shape)  # per cell: (key, run) pairs observed
         self.used = np.zeros(shape)  # of those, the key was used within the horizon
         self.burst = np.zeros((len(BURST_HALF_LIVES), len(self.last)))  # recent share of the layer's routings
-        self.weights = np.zeros(len(BURST_HALF_LIVES) + 5)  # the calibration: starts as the table itself
+        self.weights = np.zeros(len(BURST_HALF_LIVES) + 4)  # the calibration: starts as the table itself
         self.weights[0] = 1.0
         self.offset = np.zeros(n_layers)  # per layer, added to the shared log-odds; centred over the layers that ran
         self.inputs: dict[int, np.ndarray] = {}  # layer -> its keys' calibration inputs after its last run
-        E = self.n_experts  # one-token runs of a layer followed by another: which experts came after which
-        self.followed = np.zeros((n_layers, E, E), dtype=np.float32)  # [layer, a, b]: b used in the run after a's
-        self.leads = np.zeros((n_layers, E))  # [layer, a]: one-token runs using a that another one-token run followed
-        self.single_uses = np.zeros(n_layers * E)  # uses in one-token runs
-        self.single_runs = np.zeros(n_layers)
-        self.previous: dict[int, np.ndarray] = {}  # layer -> experts of its last run, if a one-token run
-        self.follows = np.zeros(n_layers * E)  # per key: log(chance it follows its layer's last run / base rate)
         self.observed = None  # the table's use rates, running maximum over share (cached between runs)
 
     def _cells(self, keys: np.ndarray):
@@ -298,15 +290,14 @@ class Adaptive(Packed):
 
     def inputs_of(self, keys: np.ndarray) -> np.ndarray:
         """The calibration's inputs per key: the table's log-odds, log lifetime share over the
-        mean, log(1 + lag), log recent shares over the mean, how much likelier the key is after its
-        layer's last experts than on average, and a constant."""
+        mean, log(1 + lag), log recent shares over the mean, and a constant."""
         p = np.clip(self.table(keys), 1e-4, 1 - 1e-4)
         _, _, _, share = self._cells(keys)
         layer = keys // self.n_experts
         lag = np.where(self.last[keys] < 0, NEVER_LAG, self.runs[layer] - self.last[keys])
         recent = [np.log(b[keys] * self.n_experts + 0.05) for b in self.burst]
         return np.column_stack([np.log(p / (1 - p)), np.log(share * self.n_experts), np.log1p(lag), *recent,
-                                self.follows[keys], np.ones(len(keys))])
+                                np.ones(len(keys))])
 
     def estimate(self, keys: np.ndarray) -> np.ndarray:
         """Per key: the chance of a use at its layer's next run, the table calibrated, plus its layer's
@@ -346,29 +337,7 @@ class Adaptive(Packed):
         run_share[used - every[0]] = share
         for b, half_life in zip(self.burst, BURST_HALF_LIVES):
             b[every] += (1 - 0.5 ** (1 / half_life)) * (run_share - b[every])
-        self._follow(layer, used - every[0], counts is None or sum(counts) == len(keys))
         self.inputs[layer] = self.inputs_of(every)
-
-    def _follow(self, layer: int, experts: np.ndarray, one_token: bool) -> None:
-        """Learn which experts a layer uses right after which (consecutive one-token runs: a decode
-        step's token follows the last one's), and score every expert of the layer for its next run.
-        A batched or prefill step names experts without saying which token used which, so it
-        teaches nothing and leaves no score."""
-        rows = slice(layer * self.n_experts, (layer + 1) * self.n_experts)
-        if not one_token:
-            self.previous.pop(layer, None)
-            self.follows[rows] = 0.0
-            return
-        if layer in self.previous:
-            before = self.previous[layer]
-            self.followed[layer][np.ix_(before, experts)] += 1
-            self.leads[layer][before] += 1
-        self.previous[layer] = experts
-        self.single_uses[rows][experts] += 1
-        self.single_runs[layer] += 1
-        base = (self.single_uses[rows] + 1) / (self.single_runs[layer] + self.n_experts / len(experts))
-        after = (self.followed[layer][experts].sum(0) + FOLLOW_PRIOR * base) / (self.leads[layer][experts].sum() + FOLLOW_PRIOR)
-        self.follows[rows] = np.log(np.clip(after, 1e-4, 1) / np.clip(base, 1e-4, 1))
 
     def ranks(self, resident):
         """1 / (expected wait + 1): the wait being the steps until the key's layer runs next plus
