@@ -742,15 +742,30 @@ typedef struct {
     int64_t groups, tokens;
 } packed_x;
 
+/* Each thread packs into one buffer, kept between calls up to PP_KEEP_PACK bytes: a fresh buffer a
+ * product was mapped and zeroed page by page (a third of a pp512's page faults). One packing at a
+ * time per thread (release_pack ends it). */
+#define PP_KEEP_PACK ((int64_t)16 << 20)
+static __thread uint16_t *pack_buf;
+static __thread int64_t pack_cap;
+
 static int pack(const float *X, int64_t tokens, int64_t cols, int terms, packed_x *p) {
     p->groups = (tokens + 15) / 16;
     p->tokens = tokens;
     const int64_t n = p->groups * (cols / 32) * 512;
-    p->h = aligned_alloc(64, (size_t)n * sizeof(uint16_t) * (terms > 1 ? 2 : 1));
-    if (!p->h) return 0;
+    if (!grow((void **)&pack_buf, &pack_cap, n * (terms > 1 ? 2 : 1), sizeof(uint16_t))) return 0;
+    p->h = pack_buf;
     p->l = terms > 1 ? p->h + n : NULL;
     pack_x(X, tokens, cols, p->groups, p->h, p->l);
     return 1;
+}
+
+static void release_pack(void) {
+    if (pack_cap * (int64_t)sizeof(uint16_t) > PP_KEEP_PACK) {
+        free(pack_buf);
+        pack_buf = NULL;
+        pack_cap = 0;
+    }
 }
 
 static void run_packed(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, const packed_x *p,
@@ -768,7 +783,7 @@ int strata_pp_matmul(int type, const uint8_t *W, int64_t rows, int64_t cols, int
     packed_x p;
     if (!pack(X, tokens, cols, terms, &p)) return 0;
     run_packed(type, W, rows, cols, wrow, &p, Y, terms, nth);
-    free(p.h);
+    release_pack();
     return 1;
 }
 
@@ -801,12 +816,12 @@ static int swiglu(const swiglu_spec *s, const uint8_t *G, const uint8_t *U, cons
     else s->small[0](G, s->ffn, s->hidden, x, n, g, s->nth);
     if (amx_u) run_packed(s->type[1], U, s->ffn, s->hidden, s->wrow[1], &p, u, s->terms, s->nth);
     else s->small[1](U, s->ffn, s->hidden, x, n, u, s->nth);
-    free(p.h);
+    release_pack();
     for (int64_t i = 0; i < n * s->ffn; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     if (!s->small[2] || n >= s->min_rows[2]) {
         if (!pack(g, n, s->ffn, s->terms, &p)) return 0;
         run_packed(s->type[2], D, s->hidden, s->ffn, s->wrow[2], &p, y, s->terms, s->nth);
-        free(p.h);
+        release_pack();
     } else {
         s->small[2](D, s->hidden, s->ffn, g, n, y, s->nth);
     }
