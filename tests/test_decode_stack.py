@@ -222,3 +222,88 @@ def test_stack_moe_with_a_gated_shared_expert_matches_the_torch_modules(mode, tm
     exact = _decode(model, ids, 14)
     assert (fast - exact).abs().max().item() < 2e-3
     assert torch.equal(fast.argmax(-1), exact.argmax(-1))
+
+
+def qwen3next():  # Gated DeltaNet layers (GQA, d_k != d_v) and gated full attention, MoE + gated shared expert
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    return Qwen3NextForCausalLM(Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=4, full_attention_interval=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        max_position_embeddings=512, rms_norm_eps=1e-6))
+
+
+@pytest.fixture(scope="module")
+def qwen3next_q8(tmp_path_factory):
+    """(a Q8_0 file of a randomised tiny Qwen3-Next, norms included; transformers' model given the
+    same weights through gguf-py's quantize + dequantize: the matrices, the experts' included, but
+    the routers and the shared expert's gate row)."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType as Q
+
+    torch.manual_seed(0)
+    model = randomise(qwen3next().eval(), seed=11)
+    d = tmp_path_factory.mktemp("qwen3next")
+    save_hf(model, d / "hf")
+    convert_hf_to_gguf(d / "hf", d / "q8.gguf", dense_type=Q.Q8_0, expert_type=Q.Q8_0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 and p.shape[-1] % 32 == 0 and "shared_expert_gate" not in name \
+                    and not name.endswith("mlp.gate.weight"):
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), Q.Q8_0), Q.Q8_0)))
+    return d / "q8.gguf", model
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["float32", "int16", "q8x2"])
+def test_stack_decodes_qwen3next_like_transformers_and_the_block_path(mode, qwen3next_q8, monkeypatch, activations):
+    """Qwen3-Next's DeltaNet layers (state and conv window stepped in place), gated attention
+    layers and MoE layers with a sigmoid-gated shared expert in the one-call stack: 14 prompt
+    tokens then 10 decode steps, twice on two caches in turn (so the DeltaNet and KV pointers are
+    refreshed between requests): each step's logits equal, bit for bit, the blocks called one by
+    one, and match transformers on the same dequantized weights (float32 activations: within 2e-4;
+    the 8-bit ones: within their rounding, argmax equal)."""
+    activations(mode)
+    path, ref = qwen3next_q8
+    model = strata.load(path, draft="off").model
+    seqs = [prompt(VOCAB, 24, seed=5), prompt(VOCAB, 24, seed=6)]
+    calls = _counted(monkeypatch)
+    fast = [_decode(model, ids, 14) for ids in seqs]
+    again = _decode(model, seqs[0], 14)  # a third cache after the second
+    assert calls[0] == 30
+    assert torch.equal(again, fast[0])
+    monkeypatch.setattr(decode_stack, "try_decode", lambda *a: None)
+    for ids, got in zip(seqs, fast):
+        assert torch.equal(got, _decode(model, ids, 14))
+        want = hf_logits(ref, ids)[13:]
+        diff = (got - want).abs().max().item()
+        # float32: 3.7e-5 and 9.1e-5 (the torch modules, kernels off: 2.3e-5, 6.0e-5; transformers'
+        # full forward takes the chunked delta rule); 8-bit: 3.7e-3 to 1.2e-2; max |logit| 8.4
+        assert diff < (2e-4 if mode == "float32" else 2e-2), diff
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@needs_kernels
+def test_stack_leaves_qwen3next_batches_and_verify_passes_to_the_blocks(qwen3next_q8, monkeypatch):
+    """Two rows, or a tracked (speculative) cache: the stack is not run, and the DeltaNet layers'
+    per-block C half is (what a verify pass's rollback reads stays its own)."""
+    from strata.models.gated_deltanet import GDNCache
+
+    path, _ = qwen3next_q8
+    model = strata.load(path, draft="off").model
+    calls = _counted(monkeypatch)
+    with torch.inference_mode():
+        cache = model.new_cache(2)
+        model(torch.tensor([prompt(VOCAB, 6), prompt(VOCAB, 6, seed=2)]), cache)
+        model(torch.tensor([[3], [4]]), cache)
+        one = model.new_cache(1)
+        model(torch.tensor([prompt(VOCAB, 6)]), one)
+        for c in one.layers:
+            if type(c) is GDNCache:
+                c.track()
+        model(torch.tensor([[3]]), one)
+        assert all(c.pending is not None for c in one.layers if type(c) is GDNCache)
+    assert calls[0] == 0

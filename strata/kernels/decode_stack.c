@@ -1,16 +1,18 @@
 /* A decode token through a stack of llama-style layers in one call (strata/kernels/decode_stack.py).
  *
- * Per layer, x + attention(norm(x)) then h + ffn(norm(h)) (a dense SwiGLU or a routed MoE with an
- * optional shared expert), by the same layer halves the one-call-per-half path uses (qmm.c:
- * strata_attn_decode, strata_ffn_decode, strata_moe_decode), so the result is that path's, bit for
- * bit. What one call saves is the Python between the halves (the module checks, argument packing
+ * Per layer, x + attention(norm(x)) (or a Gated DeltaNet mixer, Qwen3-Next's linear-attention
+ * layers) then h + ffn(norm(h)) (a dense SwiGLU or a routed MoE with an optional, optionally
+ * sigmoid-gated, shared expert), by the same layer halves the one-call-per-half path uses (qmm.c:
+ * strata_attn_decode, strata_ffn_decode, strata_moe_decode; deltanet_decode.c: strata_gdn_decode),
+ * so the result is that path's, bit for bit. What one call saves is the Python between the halves (the module checks, argument packing
  * and ctypes trips: ~0.1 ms a layer), which ran on the calling thread while the pool's helper had
  * nothing to do and fell asleep, to be woken again by the next product. Here the gaps between pool
  * jobs are microseconds, so the helper stays awake through the whole stack.
  *
  * The layer descriptions are built once in Python (ctypes mirrors strata_layer field for field;
  * every field is 8 bytes wide, so there is no padding to agree on). The KV cache pointers are
- * rewritten there when a cache grows.
+ * rewritten there when a cache grows, and a DeltaNet layer's conv / state pointers when its cache
+ * holds other tensors (a new request, a rollback, a row selection).
  */
 #include <stdint.h>
 
@@ -26,6 +28,12 @@ int strata_moe_decode(const float *h, int64_t hidden, const float *norm_w, float
                       int64_t us, const uint8_t *down, int64_t ds, void *gate_fn, void *up_fn, void *down_fn,
                       int64_t ffn, void *const *sh_fns, const void *const *sh_W, int64_t sh_ffn,
                       const float *sh_gate, int64_t *ids_out, float *w_out, float *out, int nth);
+int strata_gdn_decode(const float *x, int64_t B, int64_t T, const int64_t *n_new, int64_t hidden,
+                      const float *norm_w, float eps, void *const *fns, const void *const *W, const int64_t *rows,
+                      int64_t nk, int64_t nv, int64_t dk, int64_t dv, float *conv_state, float *window,
+                      const float *conv_taps, int64_t kernel, const float *dt_bias, const float *ssm_a, float *S,
+                      float *steps, const float *ssm_norm_w, float ssm_eps, int gate_sigmoid, void *o_fn,
+                      const void *o_W, const int64_t *o_order, int residual, float *out, int nth);
 
 #define STACK_MAX_K 128
 
@@ -59,6 +67,22 @@ typedef struct {
     int64_t exp_stride[3];
     void *exp_fn[3];
     int64_t exp_ffn;
+    /* a Gated DeltaNet mixer in place of the attention (gdn 1; deltanet_decode.c): attn_norm,
+     * attn_eps, o_fn and o_w above are its input norm and ssm_out */
+    int64_t gdn;
+    void *gdn_fn[4];     /* the in-projection group: attn_qkv | attn_gate | beta | alpha */
+    const void *gdn_w[4];
+    int64_t gdn_rows[4];
+    int64_t nk, nv, dk, dv;
+    float *conv;         /* (1, kernel - 1, conv_dim): the conv state, shifted in place */
+    const float *taps;   /* (kernel, conv_dim), tap-major */
+    int64_t kernel;
+    const float *dt_bias, *ssm_a;
+    float *state;        /* (1, nv, dk, dv): the delta-rule state, stepped in place */
+    const float *ssm_norm;
+    double ssm_eps;
+    int64_t gate_sigmoid;
+    const int64_t *order; /* ssm_out's input order (NULL: its own) */
 } strata_layer;
 
 int64_t strata_layer_size(void) { return (int64_t)sizeof(strata_layer); }
@@ -70,9 +94,16 @@ int strata_decode_stack(const strata_layer *L, int64_t n, int64_t hidden, float 
                         const float *sn, int64_t pos, float *tmp, int nth) {
     int64_t ids[STACK_MAX_K];
     float w[STACK_MAX_K];
+    const int64_t one = 1;
     for (int64_t i = 0; i < n; i++) {
         const strata_layer *l = &L[i];
-        if (!strata_attn_decode(x, hidden, l->attn_norm, (float)l->attn_eps, l->qkv_fn, l->qkv_w, l->qkv_rows,
+        if (l->gdn) {
+            if (!strata_gdn_decode(x, 1, 1, &one, hidden, l->attn_norm, (float)l->attn_eps, l->gdn_fn, l->gdn_w,
+                                   l->gdn_rows, l->nk, l->nv, l->dk, l->dv, l->conv, (float *)0, l->taps, l->kernel,
+                                   l->dt_bias, l->ssm_a, l->state, (float *)0, l->ssm_norm, (float)l->ssm_eps,
+                                   (int)l->gate_sigmoid, l->o_fn, l->o_w, l->order, 1, tmp, nth))
+                return 0;
+        } else if (!strata_attn_decode(x, hidden, l->attn_norm, (float)l->attn_eps, l->qkv_fn, l->qkv_w, l->qkv_rows,
                                 l->qkv_bias, l->n_heads, l->n_kv, l->head_dim, l->q_norm, l->k_norm,
                                 (float)l->qk_eps, cs, sn, l->rot, (int)l->interleaved, l->kc, l->vc, l->cap, pos,
                                 l->o_fn, l->o_w, (int)l->gated, tmp, nth))

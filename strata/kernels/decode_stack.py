@@ -16,6 +16,7 @@ import ctypes
 import operator
 import threading
 import weakref
+from functools import partial
 
 import torch
 
@@ -36,10 +37,13 @@ class Layer(ctypes.Structure):
         ("ffn_norm", _P), ("ffn_eps", _F64), ("moe", _I64), ("ffn_fn", _P * 3), ("ffn_w", _P * 3),
         ("ffn_rows", _I64), ("sh_gate", _P), ("router", _P), ("n_exp", _I64), ("k", _I64), ("normalize", _I64),
         ("exp_w", _P * 3), ("exp_stride", _I64 * 3), ("exp_fn", _P * 3), ("exp_ffn", _I64),
+        ("gdn", _I64), ("gdn_fn", _P * 4), ("gdn_w", _P * 4), ("gdn_rows", _I64 * 4), ("nk", _I64), ("nv", _I64),
+        ("dk", _I64), ("dv", _I64), ("conv", _P), ("taps", _P), ("kernel", _I64), ("dt_bias", _P), ("ssm_a", _P),
+        ("state", _P), ("ssm_norm", _P), ("ssm_eps", _F64), ("gate_sigmoid", _I64), ("order", _P),
     ]
 
 
-def _attention(lay: Layer, norm, attn, hidden: int, rot_half: int, keep: list) -> bool:
+def _attention(lay: Layer, norm, attn, hidden: int, keep: list, rot_half: int) -> bool:
     """Fill lay's attention half from the modules (what try_attention_block checks); False where it
     does not apply."""
     parts = decode_ops.attention_parts(norm, attn, hidden)
@@ -60,6 +64,25 @@ def _attention(lay: Layer, norm, attn, hidden: int, rot_half: int, keep: list) -
     lay.k_norm = kn.weight.data_ptr() if kn is not None else None
     lay.qk_eps = qn.eps if qn is not None else 0.0
     lay.rot, lay.interleaved, lay.gated = rot, int(attn.rope.cfg.interleaved), int(attn.gated)
+    lay.o_fn, lay.o_w = po.fnptr, po.ptr
+    return True
+
+
+def _deltanet(lay: Layer, norm, mixer, hidden: int, keep: list) -> bool:
+    """Fill lay's mixer half with a Gated DeltaNet (what try_gdn_block checks: the same
+    decode_ops._gdn_args, so the same kernels); False where it does not apply."""
+    args = decode_ops._gdn_args(norm, mixer, hidden)
+    if args is None:
+        return False
+    keep.append(args)  # its plans, conv taps and order
+    lay.gdn, lay.attn_norm, lay.attn_eps = 1, norm.weight.data_ptr(), norm.eps
+    lay.gdn_fn[:], lay.gdn_w[:], lay.gdn_rows[:] = list(args.fns), list(args.ws), list(args.rows)
+    lay.nk, lay.nv, lay.dk, lay.dv = mixer.nk, mixer.nv, mixer.dk, mixer.dv
+    lay.taps, lay.kernel = args.taps.data_ptr(), mixer.kernel
+    lay.dt_bias, lay.ssm_a, lay.ssm_norm = mixer.dt_bias.data_ptr(), mixer.a.data_ptr(), mixer.norm.data_ptr()
+    lay.ssm_eps, lay.gate_sigmoid = mixer.eps, int(mixer.gate_act == "sigmoid")
+    lay.order = None if args.order is None else args.order.data_ptr()
+    po = args.plans[4]
     lay.o_fn, lay.o_w = po.fnptr, po.ptr
     return True
 
@@ -108,6 +131,18 @@ def _weight(norm):
     return norm._parameters["weight"] if norm is not None else None
 
 
+def _tensor(m, name: str):
+    """m.name of a tensor attribute, parameter or buffer, without nn.Module's attribute lookup."""
+    d = m.__dict__
+    if name in d:
+        return d[name]
+    got = m._parameters.get(name)
+    return got if got is not None else m._buffers[name]
+
+
+_GDN_TENSORS = ("conv_w", "dt_bias", "a", "norm")
+
+
 def sources(blocks) -> list | None:
     """What a Stack of these blocks is built from, compared by identity on each step (through the
     modules' own dicts: nn.Module's attribute lookup cost ~1 us a name, which over a 30-layer model
@@ -126,9 +161,15 @@ def _sources(blocks) -> list:
         m = b._modules
         an, at, fn_, ff = m["attn_norm"], m["attn"], m["ffn_norm"], m["ffn"]
         ad, am, fd = at.__dict__, at._modules, ff.__dict__
-        q_norm, k_norm = am.get("q_norm"), am.get("k_norm")
-        out += (b, an, at, fn_, ff, _weight(an), _weight(fn_), q_norm, k_norm, _weight(q_norm), _weight(k_norm))
-        lins = [ad["wq"], ad["wk"], ad["wv"], ad["wo"]]
+        out += (b, an, at, fn_, ff, _weight(an), _weight(fn_))
+        if "wqkv" in ad:  # a Gated DeltaNet (the caller checks the types)
+            lins = [ad["wqkv"], ad["wz"], ad["wb"], ad["wa"], ad["wo"]]
+            out += [_tensor(at, n) for n in _GDN_TENSORS]
+            out.append(getattr(lins[-1], "order", None))
+        else:
+            q_norm, k_norm = am.get("q_norm"), am.get("k_norm")
+            out += (q_norm, k_norm, _weight(q_norm), _weight(k_norm))
+            lins = [ad["wq"], ad["wk"], ad["wv"], ad["wo"]]
         if "router" in fd:  # a MoE (the caller checks the types)
             ex, shared = ff._modules["experts"], ff._modules.get("shared")
             be = ex.__dict__["backend"]
@@ -160,15 +201,17 @@ class Stack:
 
 
 def build(key: list | None, layers, hidden: int, rot_half: int) -> Stack:
-    """The Stack of `layers`, each (attn_norm, attention, ffn_norm, ffn, route): route None for a
-    dense SwiGLU `ffn`, else the MoE router's (k, normalize); `key`: their `sources`."""
+    """The Stack of `layers`, each (attn_norm, mixer, ffn_norm, ffn, route): the mixer an attention
+    or a Gated DeltaNet (one with `wqkv`; the caller checks the types); route None for a dense
+    SwiGLU `ffn`, else the MoE router's (k, normalize); `key`: their `sources`."""
     sources = key
     if key is None:
         return Stack(None, None, [], hidden, rot_half)
     arr = (Layer * len(layers))()
     keep: list = []
     for lay, (attn_norm, attn, ffn_norm, ffn, route) in zip(arr, layers):
-        ok = _attention(lay, attn_norm, attn, hidden, rot_half, keep) and _vec(ffn_norm.weight) \
+        mixer = _deltanet if "wqkv" in attn.__dict__ else partial(_attention, rot_half=rot_half)
+        ok = mixer(lay, attn_norm, attn, hidden, keep=keep) and _vec(ffn_norm.weight) \
             and ffn_norm.weight.numel() == hidden
         if ok:
             lay.ffn_norm, lay.ffn_eps = ffn_norm.weight.data_ptr(), ffn_norm.eps
@@ -207,24 +250,61 @@ def try_decode(stack: Stack, x: torch.Tensor, caches, pos: int, rope_cs) -> torc
 
 
 def _run(fn, stack: Stack, x: torch.Tensor, caches, pos: int, cos: torch.Tensor, sin: torch.Tensor):
-    """try_decode under the stack's lock: each layer's cache grown to hold pos, its pointers refreshed
-    where its tensors changed, then the one C call."""
+    """try_decode under the stack's lock: each layer's cache checked (nothing is stepped before all
+    apply: a DeltaNet state stepped twice would be wrong), grown to hold pos, its pointers
+    refreshed where its tensors changed, then the one C call."""
     for i, (lay, cache) in enumerate(zip(stack.layers, caches)):
-        kc = cache.k
-        if kc is None or pos + 1 > kc.shape[2]:  # the cache grows (else _reserve has nothing to do)
-            like = x.new_empty(1, 1, 1, lay.head_dim)  # what _reserve reads: dtype, device and head_dim
-            cache._reserve(1, lay.n_kv, pos + 1, like, like)
-            kc = cache.k
-        known = stack.caches[i]
-        if known is None or known[0]() is not kc or known[1]() is not cache.v:
-            vc = cache.v
-            if (kc.dtype is not torch.float32 or kc.device.type != "cpu" or kc.shape != (1, lay.n_kv, kc.shape[2], lay.head_dim)
-                    or vc.shape != kc.shape or vc.dtype is not torch.float32 or not (kc.is_contiguous() and vc.is_contiguous())):
+        if lay.gdn:
+            if not _deltanet_cache(stack, i, lay, cache, x):
                 return None
-            lay.kc, lay.vc, lay.cap = kc.data_ptr(), vc.data_ptr(), kc.shape[2]
-            stack.caches[i] = (weakref.ref(kc), weakref.ref(vc))  # not kept alive past their request
+        elif not _kv_cache(stack, i, lay, cache, x, pos):
+            return None
     out = x.contiguous().clone()
     if not fn(ctypes.addressof(stack.layers), len(stack.layers), stack.hidden, out.data_ptr(), cos.data_ptr(),
               sin.data_ptr(), pos, stack.tmp.data_ptr(), torch.get_num_threads()):
         raise MemoryError("the decode step's layers found no memory for their scratch buffers")
+    for lay, cache in zip(stack.layers, caches):
+        if lay.gdn:
+            cache.window = None  # as try_gdn_block leaves an untracked cache
     return out
+
+
+def _kv_cache(stack: Stack, i: int, lay: Layer, cache, x: torch.Tensor, pos: int) -> bool:
+    """Layer i's KV cache (a KVCache) checked, grown to hold pos, its pointers refreshed."""
+    kc = cache.__dict__.get("k", False)
+    if kc is False:  # not a KVCache
+        return False
+    if kc is not None and (kc.dtype is not torch.float32 or kc.device.type != "cpu"):  # before it grows
+        return False
+    if kc is None or pos + 1 > kc.shape[2]:  # the cache grows (else _reserve has nothing to do)
+        like = x.new_empty(1, 1, 1, lay.head_dim)  # what _reserve reads: dtype, device and head_dim
+        cache._reserve(1, lay.n_kv, pos + 1, like, like)
+        kc = cache.k
+    known = stack.caches[i]
+    if known is None or known[0]() is not kc or known[1]() is not cache.v:
+        vc = cache.v
+        if (kc.dtype is not torch.float32 or kc.device.type != "cpu" or kc.shape != (1, lay.n_kv, kc.shape[2], lay.head_dim)
+                or vc.shape != kc.shape or vc.dtype is not torch.float32 or not (kc.is_contiguous() and vc.is_contiguous())):
+            return False
+        lay.kc, lay.vc, lay.cap = kc.data_ptr(), vc.data_ptr(), kc.shape[2]
+        stack.caches[i] = (weakref.ref(kc), weakref.ref(vc))  # not kept alive past their request
+    return True
+
+
+def _deltanet_cache(stack: Stack, i: int, lay: Layer, cache, x: torch.Tensor) -> bool:
+    """Layer i's recurrent cache (a GDNCache, not tracking: a speculative pass keeps per-position
+    states, which the block path does) made, checked, its conv / state pointers refreshed."""
+    d = cache.__dict__
+    if "state" not in d or d["tracking"]:
+        return False
+    conv_dim = 2 * lay.nk * lay.dk + lay.nv * lay.dv
+    cache.ensure(1, lay.kernel, conv_dim, lay.nv, lay.dk, lay.dv, x.dtype, x.device)
+    conv, state = cache.conv, cache.state
+    known = stack.caches[i]
+    if known is None or known[0]() is not conv or known[1]() is not state:
+        if conv.shape != (1, lay.kernel - 1, conv_dim) or state.shape != (1, lay.nv, lay.dk, lay.dv) \
+                or not (_vec(conv) and _vec(state)):
+            return False
+        lay.conv, lay.state = conv.data_ptr(), state.data_ptr()
+        stack.caches[i] = (weakref.ref(conv), weakref.ref(state))
+    return True

@@ -141,13 +141,13 @@ class DecoderLM(nn.Module):
         self._c_stack: decode_stack.Stack | None = None  # a decode token's layers in one C call
 
     def _decode_layers(self):
-        """Each block's (attn_norm, attention, ffn_norm, ffn, route) for decode_stack, or None where a
-        block is not a plain attention + dense/MoE one (route: None for a dense FFN, else the
-        router's (k, normalize) of a one-C-call MoE)."""
+        """Each block's (attn_norm, mixer, ffn_norm, ffn, route) for decode_stack, or None where a
+        block is not an attention or Gated DeltaNet + dense/MoE one (route: None for a dense FFN,
+        else the router's (k, normalize) of a one-C-call MoE)."""
         layers = []
         for b in self.blocks:
             if type(b) is not Block or type(b.attn_norm) is not RMSNorm or type(b.ffn_norm) is not RMSNorm \
-                    or type(b.attn) is not Attention:
+                    or type(b.attn) not in (Attention, GatedDeltaNet):
                 return None
             ffn = b.ffn
             if type(ffn) is DenseFFN:
@@ -165,7 +165,7 @@ class DecoderLM(nn.Module):
         if (not kernels.USE_KERNELS or x.dtype is not torch.float32 or x.device.type != "cpu"
                 or type(self.seams.experts) is not Resident or type(self.seams.placement) is not InPlace
                 or step.start.numel() != 1 or int(step.n_new[0]) != 1
-                or any(type(c) is not KVCache for c in cache.layers)):
+                or any(type(c) is not KVCache and type(c) is not GDNCache for c in cache.layers)):
             return None
         hidden, rot_half = x.shape[-1], rope_cs[0].numel()
         stack = self.__dict__["_c_stack"]
