@@ -307,3 +307,34 @@ def test_stack_leaves_qwen3next_batches_and_verify_passes_to_the_blocks(qwen3nex
         model(torch.tensor([[3]]), one)
         assert all(c.pending is not None for c in one.layers if type(c) is GDNCache)
     assert calls[0] == 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("layer,field,half", [(2, "gdn_rows", 0), (1, "k", 1), (2, "k", 1)])
+def test_a_failed_half_leaves_the_rest_to_the_blocks(layer, field, half, qwen3next_q8, monkeypatch):
+    """A layer half that fails in the stack (here made to: shapes that do not chain, or no experts
+    to pick, as a half that found no memory stops) hands back where it stopped, and the blocks run
+    the rest: a DeltaNet mixer's failure from that layer, an FFN's from that layer's FFN half (its
+    mixer's state stepped once, not twice). The logits equal the blocks' path, bit for bit."""
+    path, _ = qwen3next_q8
+    model = strata.load(path, draft="off").model
+    ids = prompt(VOCAB, 20, seed=12)
+    monkeypatch.setattr(decode_stack, "try_decode", lambda *a: None)
+    want = _decode(model, ids, 14)
+    monkeypatch.setattr(decode_stack, "try_decode", REAL_TRY_DECODE)
+    assert torch.equal(_decode(model, ids, 14), want)  # (builds the stack)
+    lay = model._c_stack.layers[layer]
+    if field == "k":
+        lay.k = 0
+    else:
+        getattr(lay, field)[0] += 1
+    stopped = []
+
+    def seen(*a):
+        y = REAL_TRY_DECODE(*a)
+        stopped.append((y.layer, y.h is not None) if type(y) is decode_stack.Partial else None)
+        return y
+
+    monkeypatch.setattr(decode_stack, "try_decode", seen)
+    assert torch.equal(_decode(model, ids, 14), want)
+    assert stopped == [(layer, bool(half))] * 6

@@ -88,9 +88,11 @@ typedef struct {
 int64_t strata_layer_size(void) { return (int64_t)sizeof(strata_layer); }
 
 /* x (hidden floats) through layers L[0..n) at cache position pos, in place; cs / sn: the token's
- * rotary cos / sin (rot / 2 each, shared by the layers); tmp: hidden floats. 1 when done; 0 when a
- * half found no memory (the layers before it have run). */
-int strata_decode_stack(const strata_layer *L, int64_t n, int64_t hidden, float *x, const float *cs,
+ * rotary cos / sin (rot / 2 each, shared by the layers); tmp: hidden floats. The number of layer
+ * halves run, 2 n when done: a half that found no memory stops the stack, with x the input of layer
+ * r / 2 and, r odd, tmp its h = x + mixer(norm(x)), so the caller runs the rest (a DeltaNet state
+ * must not be stepped twice). */
+int64_t strata_decode_stack(const strata_layer *L, int64_t n, int64_t hidden, float *x, const float *cs,
                         const float *sn, int64_t pos, float *tmp, int nth) {
     int64_t ids[STACK_MAX_K];
     float w[STACK_MAX_K];
@@ -102,15 +104,15 @@ int strata_decode_stack(const strata_layer *L, int64_t n, int64_t hidden, float 
                                    l->gdn_rows, l->nk, l->nv, l->dk, l->dv, l->conv, (float *)0, l->taps, l->kernel,
                                    l->dt_bias, l->ssm_a, l->state, (float *)0, l->ssm_norm, (float)l->ssm_eps,
                                    (int)l->gate_sigmoid, l->o_fn, l->o_w, l->order, 1, tmp, nth))
-                return 0;
+                return 2 * i;
         } else if (!strata_attn_decode(x, hidden, l->attn_norm, (float)l->attn_eps, l->qkv_fn, l->qkv_w, l->qkv_rows,
                                 l->qkv_bias, l->n_heads, l->n_kv, l->head_dim, l->q_norm, l->k_norm,
                                 (float)l->qk_eps, cs, sn, l->rot, (int)l->interleaved, l->kc, l->vc, l->cap, pos,
                                 l->o_fn, l->o_w, (int)l->gated, tmp, nth))
-            return 0;
+            return 2 * i;
         int ok;
         if (l->moe) {
-            if (l->k <= 0 || l->k > STACK_MAX_K) return 0;
+            if (l->k <= 0 || l->k > STACK_MAX_K) return 2 * i + 1;
             ok = strata_moe_decode(tmp, hidden, l->ffn_norm, (float)l->ffn_eps, l->router, l->n_exp, (int)l->k,
                                    (int)l->normalize, (const uint8_t *)l->exp_w[0], l->exp_stride[0],
                                    (const uint8_t *)l->exp_w[1], l->exp_stride[1], (const uint8_t *)l->exp_w[2],
@@ -122,7 +124,7 @@ int strata_decode_stack(const strata_layer *L, int64_t n, int64_t hidden, float 
             ok = strata_ffn_decode(tmp, hidden, l->ffn_norm, (float)l->ffn_eps, l->ffn_fn, l->ffn_w, l->ffn_rows,
                                    l->ffn_fn[2], l->ffn_w[2], x, nth);
         }
-        if (!ok) return 0;
+        if (!ok) return 2 * i + 1;
     }
-    return 1;
+    return 2 * n;
 }

@@ -17,6 +17,7 @@ import operator
 import threading
 import weakref
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -231,13 +232,24 @@ def current(stack: Stack | None, key: list | None, hidden: int, rot_half: int) -
 _ARGTYPES = (_P, _I64, _I64, _P, _P, _P, _I64, _P, ctypes.c_int)
 
 
-def try_decode(stack: Stack, x: torch.Tensor, caches, pos: int, rope_cs) -> torch.Tensor | None:
+class Partial(NamedTuple):
+    """A stack stopped by a layer half that found no memory for its scratch: the caller runs the
+    rest with the blocks (the per-half path's fallback to torch), from layer `layer`'s input `x`,
+    or, `h` set, from that layer's FFN half (its mixer ran: a DeltaNet state is not stepped twice)."""
+
+    x: torch.Tensor
+    layer: int
+    h: torch.Tensor | None
+
+
+def try_decode(stack: Stack, x: torch.Tensor, caches, pos: int, rope_cs) -> torch.Tensor | Partial | None:
     """x (1, 1, hidden) after every layer of `stack` for the token at `pos`, the keys and values
-    written into `caches` (one KVCache per layer), or None where it does not apply (not one float32
-    token on the CPU, a cache of another dtype or layout, kernels off)."""
+    written into `caches` (a KVCache per attention layer, a GDNCache per DeltaNet one), a `Partial`
+    where a half found no memory, or None where it does not apply (not one float32 token on the
+    CPU, a cache of another dtype or layout or tracking, kernels off)."""
     if stack.layers is None or not _ok(x) or x.numel() != stack.hidden:
         return None
-    fn = _build.entry("strata_decode_stack", _ARGTYPES, ctypes.c_int)
+    fn = _build.entry("strata_decode_stack", _ARGTYPES, ctypes.c_int64)
     cos, sin = rope_cs
     if fn is None or not (_vec(cos) and _vec(sin)) or cos.numel() != stack.rot_half or sin.numel() != stack.rot_half:
         return None
@@ -260,13 +272,16 @@ def _run(fn, stack: Stack, x: torch.Tensor, caches, pos: int, cos: torch.Tensor,
         elif not _kv_cache(stack, i, lay, cache, x, pos):
             return None
     out = x.contiguous().clone()
-    if not fn(ctypes.addressof(stack.layers), len(stack.layers), stack.hidden, out.data_ptr(), cos.data_ptr(),
-              sin.data_ptr(), pos, stack.tmp.data_ptr(), torch.get_num_threads()):
-        raise MemoryError("the decode step's layers found no memory for their scratch buffers")
-    for lay, cache in zip(stack.layers, caches):
+    n = len(stack.layers)
+    done = fn(ctypes.addressof(stack.layers), n, stack.hidden, out.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos,
+              stack.tmp.data_ptr(), torch.get_num_threads())
+    for lay, cache in zip(stack.layers[:(done + 1) // 2], caches):
         if lay.gdn:
             cache.window = None  # as try_gdn_block leaves an untracked cache
-    return out
+    if done == 2 * n:
+        return out
+    h = stack.tmp.clone().view_as(out) if done % 2 else None
+    return Partial(out, done // 2, h)
 
 
 def _kv_cache(stack: Stack, i: int, lay: Layer, cache, x: torch.Tensor, pos: int) -> bool:

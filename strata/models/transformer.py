@@ -99,6 +99,10 @@ class Block(nn.Module):
         if h is None:
             h = x + self.attn(self.attn_norm(x), cache, step, rope_cs, tap)
         tap("ffn_inp", h)
+        return self.ffn_half(h, step, tap)
+
+    def ffn_half(self, h, step: StepInfo, tap: Tap) -> torch.Tensor:
+        """h + ffn(norm(h)), the block's second half."""
         if tap is no_tap and type(self.ffn_norm) is RMSNorm and h.dtype is torch.float32 and h.device.type == "cpu":
             y = None  # (checked first: a compiled GPU / bf16 step reads no host scalar here)
             if type(self.ffn) is DenseFFN:
@@ -200,10 +204,18 @@ class DecoderLM(nn.Module):
         rope_cs = self.rope.cos_sin(step.positions)
         experts, place = self.seams.experts, self.seams.placement
         y = self._stack_decode(x, cache, step, rope_cs) if tap is no_tap and tokens.shape == (1, 1) else None
+        first = 0
+        if type(y) is decode_stack.Partial:  # a layer half found no memory: the blocks from there on
+            x, first = y.x, y.layer
+            if y.h is not None:  # its mixer half ran
+                x, first = self.blocks[first].ffn_half(y.h, step, tap), first + 1
+            y = None
         if y is not None:
             x = y
         else:
             for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
+                if i < first:
+                    continue
                 experts.begin_block(i, x, step)
                 x, block_step, block_cs = place.block_inputs(i, x, step, rope_cs)  # on the block's device
                 x = block(x, layer_cache, block_step, block_cs, _prefixed(tap, i))
