@@ -143,6 +143,8 @@ class CpuLane:
         w = dict(zip(ids.reshape(-1).tolist(), weights.reshape(-1).tolist()))
         products = {}
         for e in home.arrival(layer, sorted(experts)):
+            if e not in w:  # asked for but not routed by this token (a prediction's read): adds nothing
+                continue
             parts = home.parts(layer, e)
             y = torch.zeros_like(x)
             if not kernels.moe_token_at(x, [tuple(p.data_ptr() for p in parts)], spec, [w[e]], threads, y):
