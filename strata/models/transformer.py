@@ -99,10 +99,13 @@ class Block(nn.Module):
         if h is None:
             h = x + self.attn(self.attn_norm(x), cache, step, rope_cs, tap)
         tap("ffn_inp", h)
-        return self.ffn_half(h, step, tap)
+        # the MoE's token mask is read in this frame: in a compiled step a host read here splits the
+        # graph at a jump, where inside `ffn_half` it is an `item()` break (tests/test_cuda_graphs.py)
+        mask = None if not isinstance(self.ffn, MoE) or step.all_real else step.token_mask
+        return self.ffn_half(h, step, tap, mask)
 
-    def ffn_half(self, h, step: StepInfo, tap: Tap) -> torch.Tensor:
-        """h + ffn(norm(h)), the block's second half."""
+    def ffn_half(self, h, step: StepInfo, tap: Tap, moe_mask=False) -> torch.Tensor:
+        """h + ffn(norm(h)), the block's second half; `moe_mask` as `forward` reads it (False: not read)."""
         if tap is no_tap and type(self.ffn_norm) is RMSNorm and h.dtype is torch.float32 and h.device.type == "cpu":
             y = None  # (checked first: a compiled GPU / bf16 step reads no host scalar here)
             if type(self.ffn) is DenseFFN:
@@ -113,7 +116,9 @@ class Block(nn.Module):
                 return y
         normed = self.ffn_norm(h)
         if isinstance(self.ffn, MoE):
-            out = self.ffn(normed, None if step.all_real else step.token_mask, tap)
+            if moe_mask is False:
+                moe_mask = None if step.all_real else step.token_mask
+            out = self.ffn(normed, moe_mask, tap)
             tap("ffn_moe_out", out)
         else:
             out = self.ffn(normed)
