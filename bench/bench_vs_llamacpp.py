@@ -20,7 +20,9 @@ same background load, and medians are printed:
   GB/s     weight bytes one decode token reads (counted from the file: dense tensors, one
            embedding row, k of the n experts) x decode tok/s, against the read bandwidth of a
            large tensor sum measured at the same thread count just before ("%bw").
-Without llama-cpp-python it reports Strata alone. The kernels' activation mode is printed
+llama.cpp runs in its own process with the caller's environment: `import strata` sets
+OMP_WAIT_POLICY=PASSIVE for its process where unset, and llama.cpp, sharing the process's libgomp,
+would run under Strata's choice. Without llama-cpp-python it reports Strata alone. The kernels' activation mode is printed
 (STRATA_ACTIVATIONS, default q8x2 with ggml installed).
 """
 
@@ -36,6 +38,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# the caller's OpenMP wait policy, read before any `import strata` sets this process's default
+CALLER_OMP_WAIT = os.environ.get("OMP_WAIT_POLICY")
 
 PROMPT = [300, 301, 302, 303, 304, 305, 306, 307]
 PREFILL = 512
@@ -192,6 +197,53 @@ def llamacpp_prefill(llm, prompt: list[int]) -> float:
     return len(prompt) / (time.perf_counter() - t)
 
 
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _llama_child(conn, path: str, threads: int, tokens: int) -> None:
+    """The child's loop: load once, then time what the parent asks for (its own CPU clock)."""
+    llm = llamacpp_load(Path(path), threads, tokens)
+    conn.send("loaded")
+    while (job := conn.recv()) is not None:
+        kind, arg = job
+        conn.send(llamacpp_decode(llm, arg) if kind == "decode" else llamacpp_prefill(llm, arg))
+
+
+class LlamaChild:
+    """llama.cpp loaded in a spawned process whose environment is the caller's (see the docstring)."""
+
+    def __init__(self, path: Path, threads: int, tokens: int):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        ours = os.environ.get("OMP_WAIT_POLICY")
+        _set_env("OMP_WAIT_POLICY", CALLER_OMP_WAIT)
+        try:
+            self.proc = ctx.Process(target=_llama_child, args=(child, str(path), threads, tokens), daemon=True)
+            self.proc.start()
+        finally:
+            _set_env("OMP_WAIT_POLICY", ours)
+        child.close()
+        self.conn.recv()
+
+    def decode(self, tokens: int) -> tuple[float, float]:
+        self.conn.send(("decode", tokens))
+        return self.conn.recv()
+
+    def prefill(self, prompt: list[int]) -> float:
+        self.conn.send(("prefill", prompt))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(30)
+
+
 def _fmt(v, width=7, prec=1):
     return f"{v:{width}.{prec}f}" if v is not None else f"{'n/a':>{width}}"
 
@@ -227,7 +279,8 @@ def main(argv=None) -> int:
 
     kernels.available()
     print(f"strata kernels: activations {kernels.activations()}, ggml dot products from {_ggml.source()}; "
-          f"{have_llama}")
+          f"{have_llama} in its own process, OMP_WAIT_POLICY {CALLER_OMP_WAIT or 'unset (libgomp default)'}; "
+          f"Strata's process {os.environ.get('OMP_WAIT_POLICY', 'unset')}")
     print(f"{args.tokens} decoded tokens, pp{PREFILL}, median of {args.repeats} alternating runs; "
           f"uptime: {os.popen('uptime').read().strip()}")
     paths = {m: model_file(m, args) for m in args.models}
@@ -242,18 +295,18 @@ def main(argv=None) -> int:
             bw = read_bandwidth(threads)
             engine = strata_load(path, threads)
             vocab = engine.config.vocab_size
-            llm = llamacpp_load(path, threads, args.tokens) if have_llama else None
+            llm = LlamaChild(path, threads, args.tokens) if have_llama else None
             dec, ldec, pre, lpre = [], [], [], []
             prompt = prefill_prompt(vocab)
             for _ in range(args.repeats):
                 if not args.no_decode:
                     dec.append(strata_decode(engine, args.tokens))
                     if llm is not None:
-                        ldec.append(llamacpp_decode(llm, args.tokens))
+                        ldec.append(llm.decode(args.tokens))
                 if not args.no_prefill:
                     pre.append(strata_prefill(engine, prompt))
                     if llm is not None:
-                        lpre.append(llamacpp_prefill(llm, prompt))
+                        lpre.append(llm.prefill(prompt))
 
             def med(rows, i=None):
                 return statistics.median(r if i is None else r[i] for r in rows) if rows else None
@@ -272,6 +325,8 @@ def main(argv=None) -> int:
                 print_profile(engine, PROMPT, args.tokens)
                 replay_products(engine, PROMPT)
             engine.close()
+            if llm is not None:
+                llm.close()
             del llm
     print(f"uptime: {os.popen('uptime').read().strip()}")
     return 0
