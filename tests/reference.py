@@ -29,6 +29,20 @@ def randomise(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def qwen3next_config(vocab: int, **overrides):
+    """The tests' tiny Qwen3-Next: both layer kinds, GQA in the DeltaNet, d_k != d_v, partial rope."""
+    from transformers import Qwen3NextConfig
+
+    shapes = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=4, full_attention_interval=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        max_position_embeddings=512, rms_norm_eps=1e-6)
+    return Qwen3NextConfig(**{**shapes, **overrides})
+
+
 def save_hf(model, path: Path) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -13,7 +13,7 @@ import strata
 from strata import kernels
 from strata.gguf.convert import convert_hf_to_gguf
 from strata.kernels import _build, decode_stack
-from reference import gguf_roundtrip, hf_logits, prompt, randomise, save_hf
+from reference import gguf_roundtrip, hf_logits, prompt, qwen3next_config, randomise, save_hf
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {_build.error()}")
 VOCAB = 256
@@ -225,15 +225,9 @@ def test_stack_moe_with_a_gated_shared_expert_matches_the_torch_modules(mode, tm
 
 
 def qwen3next():  # Gated DeltaNet layers (GQA, d_k != d_v) and gated full attention, MoE + gated shared expert
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers import Qwen3NextForCausalLM
 
-    return Qwen3NextForCausalLM(Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        shared_expert_intermediate_size=64, num_hidden_layers=4, full_attention_interval=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
-        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-        max_position_embeddings=512, rms_norm_eps=1e-6))
+    return Qwen3NextForCausalLM(qwen3next_config(VOCAB, shared_expert_intermediate_size=64))
 
 
 @pytest.fixture(scope="module")

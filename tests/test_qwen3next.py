@@ -12,11 +12,11 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
-from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers import Qwen3NextForCausalLM
 
 import strata
 from reference import (batch_and_verify_logits, cached_engine, cached_hf_greedy, check_merge_and_leave, hf_logits, prompt,
-                       randomise, save_hf)
+                       qwen3next_config, randomise, save_hf)
 from strata.gguf.convert import convert_hf_to_gguf
 from strata.gguf.reader import GGUFFile
 from strata.gguf.source import GGUFSource
@@ -33,13 +33,7 @@ FORMATS = ["safetensors", "gguf", "gguf-split"]
 
 
 def tiny_qwen3next() -> Qwen3NextForCausalLM:
-    model = Qwen3NextForCausalLM(Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, num_hidden_layers=4, full_attention_interval=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
-        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-        max_position_embeddings=512, rms_norm_eps=1e-6))
+    model = Qwen3NextForCausalLM(qwen3next_config(VOCAB))
     randomise(model.eval())  # every parameter: zero-centred norms, A_log, dt_bias, conv weights too
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # decay rates from fast to slow, so state carried across chunks matters
