@@ -177,7 +177,7 @@ class DecoderLM(nn.Module):
                 or any(type(c) is not KVCache and type(c) is not GDNCache for c in cache.layers)):
             return None
         hidden, rot_half = x.shape[-1], rope_cs[0].numel()
-        stack = self.__dict__["_c_stack"]
+        stack = self._c_stack
         if stack is not None and stack.layers is None:  # declined: until a block or the mode changes
             if decode_stack.current(stack, self._block_kinds(), hidden, rot_half):
                 return None
@@ -209,22 +209,19 @@ class DecoderLM(nn.Module):
         rope_cs = self.rope.cos_sin(step.positions)
         experts, place = self.seams.experts, self.seams.placement
         y = self._stack_decode(x, cache, step, rope_cs) if tap is no_tap and tokens.shape == (1, 1) else None
-        first = 0
+        first = 0  # the first block the loop below runs
         if type(y) is decode_stack.Partial:  # a layer half found no memory: the blocks from there on
             x, first = y.x, y.layer
             if y.h is not None:  # its mixer half ran
                 x, first = self.blocks[first].ffn_half(y.h, step, tap), first + 1
-            y = None
-        if y is not None:
-            x = y
-        else:
-            for i, (block, layer_cache) in enumerate(zip(self.blocks, cache.layers)):
-                if i < first:
-                    continue
-                experts.begin_block(i, x, step)
-                x, block_step, block_cs = place.block_inputs(i, x, step, rope_cs)  # on the block's device
-                x = block(x, layer_cache, block_step, block_cs, _prefixed(tap, i))
-                tap(f"l_out-{i}", x)
+        elif y is not None:
+            x, first = y, len(self.blocks)
+        for i in range(first, len(self.blocks)):
+            block = self.blocks[i]
+            experts.begin_block(i, x, step)
+            x, block_step, block_cs = place.block_inputs(i, x, step, rope_cs)  # on the block's device
+            x = block(x, cache.layers[i], block_step, block_cs, _prefixed(tap, i))
+            tap(f"l_out-{i}", x)
         x = place.head_input(x)
         cache.advance(step)
         if hidden:
