@@ -307,6 +307,42 @@ def test_deltanet_decode_half_in_one_call_matches_torch(gate_act, mode, monkeypa
     torch.testing.assert_close(caches[True].conv, caches[False].conv, rtol=1e-4, atol=1e-6)
 
 
+@needs_kernels
+def test_deltanet_decode_half_out_of_memory_leaves_the_state_and_falls_back(monkeypatch, activations):
+    """strata_gdn_decode without memory for its buffer (prefill.c's test hook refuses it) returns
+    None with the conv window and recurrent state untouched, and the block's torch form computes
+    the token: equal to a run with memory (within the C half's rounding)."""
+    import ctypes
+
+    from strata.models.cache import StepInfo
+    from strata.models.gated_deltanet import GDNCache
+    from strata.models.layers import no_tap
+
+    activations("float32")
+    block = _deltanet_block("silu")
+    refuse = _build.entry("strata_pp_test_fail_allocs", (ctypes.c_long, ctypes.c_long))
+    prompt = torch.randn(1, 5, 256, generator=torch.Generator().manual_seed(8))
+    x = torch.randn(1, 1, 256, generator=torch.Generator().manual_seed(9))
+    outs = []
+    for refused in (True, False):
+        cache = GDNCache()
+        block(prompt, cache, StepInfo(torch.tensor([0]), torch.tensor([5]), 5), None, no_tap)
+        conv, state = cache.conv.clone(), cache.state.clone()
+        step = StepInfo(torch.tensor([5]), torch.tensor([1]), 1)
+        if refused:
+            refuse(0, 1)
+            try:
+                assert decode_ops.try_gdn_block(x, block.attn_norm, block.attn, cache, step) is None
+                assert torch.equal(cache.conv, conv) and torch.equal(cache.state, state)
+                refuse(0, 10 ** 6)
+                outs.append(block(x, cache, step, None, no_tap))
+            finally:
+                refuse(0, 0)
+        else:
+            outs.append(block(x, cache, step, None, no_tap))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=2e-5)
+
+
 def _gdn_schedule(call, seed: int = 30):
     """Run `call(x, cache, step) -> output` over one GDNCache of 3 rows: a right-padded prompt (the
     torch form's chunks), two batch decode steps, two speculative verify passes (tracked, padded,

@@ -12,6 +12,9 @@ llama.cpp's own logits.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+
 import gguf.quants
 import numpy as np
 import pytest
@@ -20,7 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from strata import kernels
 from strata.formats.weights import QTensor
-from strata.kernels import prompt
+from strata.kernels import _build, prompt
 
 pytestmark = pytest.mark.skipif(not prompt.available(), reason="no AMX-BF16 on this CPU (or no C compiler)")
 
@@ -288,8 +291,8 @@ def test_prompt_experts_whole_on_the_pool_equal_one_thread_bit_for_bit(tokens):
         spec = kernels._prompt_experts(x, stacked)
         outs = []
         for threads in (1, 2):
-            out = torch.zeros(tokens, hidden)
-            assert prompt.moe(x, used, counts, table.token, table.weight, stacked, out, threads, *spec)
+            out = prompt.moe(x, used, counts, table.token, table.weight, stacked, threads, *spec)
+            assert out is not None
             outs.append(out)
     finally:
         kernels.set_activations(before)
@@ -330,27 +333,99 @@ def test_prefill_logits_match_transformers(tmp_path, monkeypatch):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_prompt_experts_out_of_memory_part_way_is_one_named_error(monkeypatch):
-    """strata_pp_moe failing after some experts were added (-1: no memory) cannot fall back (out
-    holds part of the sum): a StrataError naming the fix, which the CLI prints as one line."""
-    from strata.errors import StrataError
+@contextlib.contextmanager
+def refused_allocations(first: int, count: int = 1):
+    """prefill.c's test hook: its buffer requests first .. first + count - 1 (counted from here) are
+    refused as if memory had run out."""
+    fn = _build.entry("strata_pp_test_fail_allocs", (ctypes.c_long, ctypes.c_long))
+    fn(first, count)
+    try:
+        yield
+    finally:
+        fn(0, 0)
 
-    real = prompt._lib()
 
-    class NoMemory:
-        def __getattr__(self, name):
-            return getattr(real, name)
+@pytest.mark.parametrize("first", [0, 1, 4])  # the packing of x; the first and the last of 4 panels
+def test_prompt_product_out_of_memory_is_refused_and_falls_back(first):
+    """A product whose packing or one 64-row panel cannot get its buffer returns None (that panel's
+    rows were never written), and the caller's next path computes the whole product: within float32
+    rounding of gguf-py's dequantized weights."""
+    w = random_blocks("Q4_K", 200, 512)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(2))
+    ref = x.double() @ gguf_dequantized(w).double().T
+    with refused_allocations(first):
+        assert prompt.matmul(x, w, 1) is None
+    before = kernels.activations()
+    kernels.set_activations("q8x2")
+    try:
+        with kernels.prompt_batches(), refused_allocations(first):
+            y = kernels.qmatmul(x, w, 1)
+    finally:
+        kernels.set_activations(before)
+    assert float((y.double() - ref).abs().max()) < 2e-5 * float(ref.abs().max())
 
-        @staticmethod
-        def strata_pp_moe(*args):
-            return -1
 
-    monkeypatch.setattr(prompt, "_lib", lambda: NoMemory())
-    gate, up, down = (random_blocks("Q4_K", 2 * r, c) for r, c in ((256, 256), (256, 256), (256, 256)))
-    stacked = tuple(QTensor(q.raw.reshape(2, 256, -1), q.qtype, (2, 256, 256)) for q in (gate, up, down))
-    x, out = torch.randn(8, 256), torch.zeros(8, 256)
-    with pytest.raises(StrataError, match="--prefill-chunk"):
-        prompt.moe(x, torch.tensor([0, 1]), torch.tensor([4, 4]), torch.arange(8), torch.ones(8), stacked, out, 1)
+@pytest.mark.parametrize("name,cols", [("Q4_K", 3 * 4096 + 256), ("Q8_0", 4096 + 7 * 32)])
+def test_ggml_bf16_dequantize_in_pieces_equals_reference(name, cols):
+    """ggml's dequantize to bfloat16 (the prompt products' other path) decodes a row through a
+    fixed stack buffer, piece by piece, where a failed allocation used to leave the rows at zero:
+    rows longer than a piece (and a last piece of a few blocks) equal gguf-py's values rounded to
+    bfloat16."""
+    w = random_blocks(name, 5, cols)
+    got = kernels.dequantize_ggml(w, torch.bfloat16, 2)
+    if got is None:
+        pytest.skip(f"ggml's dequantizer for {name} is not loaded")
+    assert torch.equal(got, gguf_dequantized(w).to(torch.bfloat16))
+
+
+def _stacked_experts(n_exp: int, hidden: int, ffn: int, types=("Q4_K", "Q4_K", "Q6_K")):
+    parts = [random_blocks(t, n_exp * rows, cols, seed=i) for i, (t, rows, cols) in
+             enumerate(zip(types, (ffn, ffn, hidden), (hidden, hidden, ffn)))]
+    return tuple(QTensor(q.raw.reshape(n_exp, q.shape[0] // n_exp, -1), q.qtype, (n_exp, q.shape[0] // n_exp, q.shape[1]))
+                 for q in parts)
+
+
+def _experts_reference(x, table, stacked):
+    from strata.kernels import grouped
+
+    return grouped.grouped_swiglu(x.double(), table, tuple(QTensor(q.raw, q.qtype, q.shape) for q in stacked),
+                                  lambda xs, a, b, c: grouped.swiglu_reference(xs, *(q.dequantize(torch.float64) for q in (a, b, c))))
+
+
+# 1 thread: the experts one after another (request 0 their scratch; 1 x's packing; 2-5 gate's panels).
+# 2 threads, 12 experts: whole experts on the pool; from request 3 on every buffer is refused, some
+# expert part way, whichever thread asks first.
+@pytest.mark.parametrize("threads,first,count", [(1, 0, 1), (1, 3, 1), (1, 40, 1), (2, 3, 10 ** 6)])
+def test_prompt_experts_out_of_memory_fall_back_to_the_whole_sum(threads, first, count):
+    """A layer's prompt experts whose buffers run out, before any expert or part way (out already
+    holding some experts' rows), give None from prompt.moe, and grouped_swiglu's other path
+    computes the whole sum, once: against float64 math on gguf-py-style dequantized weights."""
+    from strata.kernels import grouped
+
+    n_exp, hidden, ffn, tokens = 12, 256, 256, 70
+    stacked = _stacked_experts(n_exp, hidden, ffn)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, hidden, generator=g) * 0.1
+    ids = torch.stack([torch.randint(0, 6, (tokens,), generator=g), torch.randint(6, 12, (tokens,), generator=g)], dim=1)
+    table = grouped.route_table(ids, torch.rand(tokens, 2, generator=g))
+    used, counts = torch.unique_consecutive(table.expert, return_counts=True)
+    ref = _experts_reference(x, table, stacked)
+    before = kernels.activations()
+    kernels.set_activations("q8x2")
+    try:
+        spec = kernels._prompt_experts(x, stacked)
+        with refused_allocations(first, count):
+            assert prompt.moe(x, used, counts, table.token, table.weight, stacked, threads, *spec) is None
+        with refused_allocations(first, count):
+            got = kernels.grouped_swiglu(x, table, stacked, threads)
+        one = grouped.as_source(stacked)(0)
+        for f in (0, 2, 14):  # one expert alone: its scratch, gate's first panel, down's last
+            with refused_allocations(f):
+                assert prompt.swiglu(x[:20], *one, threads, *spec) is None, f
+        assert prompt.swiglu(x[:20], *one, threads, *spec) is not None
+    finally:
+        kernels.set_activations(before)
+    assert float((got.double() - ref).abs().max()) < 2e-4 * float(ref.abs().max())
 
 
 # --- a prompt's small operations in C: RMS norm (prefill.c) and the rotary embedding (qmm.c) ------

@@ -604,8 +604,8 @@ def grouped_swiglu(x: torch.Tensor, table: RouteTable, experts: ExpertSource,
         spec = _prompt_experts(x, experts)
         if spec is not None:
             used, counts = torch.unique_consecutive(table.expert, return_counts=True)
-            out = torch.zeros_like(x)
-            if prompt.moe(x.contiguous(), used, counts, table.token, table.weight, experts, out, threads, *spec):
+            out = prompt.moe(x.contiguous(), used, counts, table.token, table.weight, experts, threads, *spec)
+            if out is not None:
                 return out
     # a verify pass or a decode batch: one call, each row as its one-token step computes it
     # (resident experts; a tier's source outside a prompt too, whose prompt rows take prefill.c

@@ -31,6 +31,7 @@ void strata_gdn_step_from(const float *src, float *S, const float *q, const floa
                           const float *decay, const float *beta, float *out, int64_t bh, int64_t dk, int64_t dv,
                           int nth);
 void strata_rms_norm(const float *x, const float *w, int64_t n, float eps, float *y);
+void *strata_pp_malloc(size_t bytes); /* prefill.c: malloc, or NULL where its test hook refuses */
 
 static inline float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 
@@ -77,7 +78,7 @@ int strata_gdn_decode(const float *x, int64_t B, int64_t T, const int64_t *n_new
     const size_t floats = (size_t)(N * hidden + N * proj + N * conv_dim
                                    + 2 * B * nv * dk + B * value_dim + 2 * N * nv + 2 * N * value_dim + B * value_dim
                                    + N * hidden + N * (proj > hidden ? proj : hidden));
-    float *buf = malloc(sizeof(float) * floats + 64);
+    float *buf = strata_pp_malloc(sizeof(float) * floats + 64);
     if (!buf) return 0;
     float *n = buf, *p = n + N * hidden, *c = p + N * proj, *qe = c + N * conv_dim, *ke = qe + B * nv * dk,
           *vs = ke + B * nv * dk, *decay = vs + B * value_dim, *beta = decay + N * nv, *o = beta + N * nv,

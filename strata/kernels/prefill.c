@@ -43,6 +43,28 @@ void *strata_to_float_fn(int type);
 
 #define PP_MAX_TYPES 64
 
+/* Test hook: buffer requests numbered from the call to strata_pp_test_fail_allocs; requests
+ * first .. first + count - 1 are refused as if memory had run out (count 0: none). Tests reach each
+ * out-of-memory path with it; the requests are every buffer this file and deltanet_decode.c get. */
+static atomic_long alloc_serial, fail_first, fail_end;
+
+void strata_pp_test_fail_allocs(long first, long count) {
+    atomic_store(&fail_end, 0);
+    atomic_store(&alloc_serial, 0);
+    atomic_store(&fail_first, first);
+    atomic_store(&fail_end, first + count);
+}
+
+/* 1 when this buffer request is to be refused (the test hook) */
+int strata_pp_alloc_refused(void) {
+    if (atomic_load_explicit(&fail_end, memory_order_relaxed) <= 0) return 0;
+    const long n = atomic_fetch_add(&alloc_serial, 1);
+    return n >= atomic_load(&fail_first) && n < atomic_load(&fail_end);
+}
+
+/* malloc, or NULL where the test hook refuses the request */
+void *strata_pp_malloc(size_t bytes) { return strata_pp_alloc_refused() ? NULL : malloc(bytes); }
+
 #ifdef PP_AMX
 
 /* ------------------------------------------------------------------ own row decoders
@@ -581,10 +603,13 @@ typedef struct {
     int terms;
     pp_to_tiles t; /* this file's decoder, or NULL: */
     pp_to_float f; /* ggml's to_float, then split32 */
+    atomic_int *failed; /* set by a panel that could not get its buffers (its rows of Y not written) */
 } pp_args;
 
-/* grow a thread's buffer to n elements of `size` bytes (64-byte aligned); 0 when out of memory */
+/* grow a thread's buffer to n elements of `size` bytes (64-byte aligned); 0 when out of memory
+ * (the buffer then kept as it was) */
 static int grow(void **buf, int64_t *cap, int64_t n, size_t size) {
+    if (strata_pp_alloc_refused()) return 0;
     if (*cap >= n) return 1;
     free(*buf);
     *buf = aligned_alloc(64, ((size_t)n * size + 63) / 64 * 64);
@@ -642,17 +667,12 @@ static void pp_panel(const void *a_, int64_t panel) {
     const int64_t nr = a->rows - r0 < 64 ? a->rows - r0 : 64;
     const int nt = (int)((nr + 15) / 16);
     const int64_t need = (int64_t)nt * 16 * a->cols * 2; /* hi and lo */
-    if (panel_cap < need) {
-        free(panel_buf);
-        panel_buf = aligned_alloc(64, (size_t)need * sizeof(uint16_t));
-        panel_cap = panel_buf ? need : 0;
+    if (atomic_load_explicit(a->failed, memory_order_relaxed)) return; /* the product is lost already */
+    if (!grow((void **)&panel_buf, &panel_cap, need, sizeof(uint16_t))
+        || (!a->t && !grow((void **)&row_buf, &row_cap, (a->cols + 15) / 16 * 16, sizeof(float)))) {
+        atomic_store(a->failed, 1); /* out of memory: the caller learns that Y is incomplete */
+        return;
     }
-    if (!a->t && row_cap < a->cols) {
-        free(row_buf);
-        row_buf = aligned_alloc(64, (size_t)((a->cols + 15) / 16 * 16) * sizeof(float));
-        row_cap = row_buf ? a->cols : 0;
-    }
-    if (!panel_buf || (!a->t && !row_buf)) return; /* out of memory: the caller checks nothing, Y keeps its zeros */
     uint16_t *ah = panel_buf, *al = panel_buf + (int64_t)nt * 16 * a->cols;
     for (int r = 0; r < nt * 16; r++) {
         const int64_t tile = r / 16, in = r % 16, at0 = tile * kcn * 512 + in * 32;
@@ -768,23 +788,28 @@ static void release_pack(void) {
     }
 }
 
-static void run_packed(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, const packed_x *p,
-                       float *Y, int terms, int nth) {
+/* Y = X W^T over the pool by 64-row panels; 0 when a panel could not get its buffers (Y then
+ * incomplete: the caller discards it) */
+static int run_packed(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, const packed_x *p,
+                      float *Y, int terms, int nth) {
+    atomic_int failed = 0;
     const pp_args a = {W, rows, cols, wrow, p->h, p->l, p->groups, p->tokens, Y, terms > 1 ? 3 : 1, OWN_TILES[type],
-                       OWN_TILES[type] ? NULL : dequantizer(type)};
+                       OWN_TILES[type] ? NULL : dequantizer(type), &failed};
     strata_pool_run(pp_panel, &a, (rows + 63) / 64, nth < 1 ? 1 : nth);
+    return !atomic_load(&failed);
 }
 
 /* Y (tokens x rows float32) = X (tokens x cols float32) W^T, W rows x cols of `type` (wrow bytes a
- * row; cols a multiple of 32). Returns 0 (Y untouched) when AMX, the type or memory is missing. */
+ * row; cols a multiple of 32). Returns 0 when AMX, the type or memory is missing (Y then holds
+ * nothing to use: out of memory part way, some panels were written). */
 int strata_pp_matmul(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, const float *X,
                      int64_t tokens, float *Y, int terms, int nth) {
     if (!amx_ok() || !dequantizer(type) || cols % 32 || rows <= 0 || tokens <= 0) return 0;
     packed_x p;
     if (!pack(X, tokens, cols, terms, &p)) return 0;
-    run_packed(type, W, rows, cols, wrow, &p, Y, terms, nth);
+    const int ok = run_packed(type, W, rows, cols, wrow, &p, Y, terms, nth);
     release_pack();
-    return 1;
+    return ok;
 }
 
 /* ------------------------------------------------------------------ SwiGLU experts
@@ -812,16 +837,19 @@ static int swiglu(const swiglu_spec *s, const uint8_t *G, const uint8_t *U, cons
     const int amx_g = !s->small[0] || n >= s->min_rows[0], amx_u = !s->small[1] || n >= s->min_rows[1];
     packed_x p = {0};
     if ((amx_g || amx_u) && !pack(x, n, s->hidden, s->terms, &p)) return 0;
-    if (amx_g) run_packed(s->type[0], G, s->ffn, s->hidden, s->wrow[0], &p, g, s->terms, s->nth);
+    int ok = 1;
+    if (amx_g) ok = run_packed(s->type[0], G, s->ffn, s->hidden, s->wrow[0], &p, g, s->terms, s->nth);
     else s->small[0](G, s->ffn, s->hidden, x, n, g, s->nth);
-    if (amx_u) run_packed(s->type[1], U, s->ffn, s->hidden, s->wrow[1], &p, u, s->terms, s->nth);
-    else s->small[1](U, s->ffn, s->hidden, x, n, u, s->nth);
+    if (ok && amx_u) ok = run_packed(s->type[1], U, s->ffn, s->hidden, s->wrow[1], &p, u, s->terms, s->nth);
+    else if (ok) s->small[1](U, s->ffn, s->hidden, x, n, u, s->nth);
     release_pack();
+    if (!ok) return 0;
     for (int64_t i = 0; i < n * s->ffn; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     if (!s->small[2] || n >= s->min_rows[2]) {
         if (!pack(g, n, s->ffn, s->terms, &p)) return 0;
-        run_packed(s->type[2], D, s->hidden, s->ffn, s->wrow[2], &p, y, s->terms, s->nth);
+        ok = run_packed(s->type[2], D, s->hidden, s->ffn, s->wrow[2], &p, y, s->terms, s->nth);
         release_pack();
+        return ok;
     } else {
         s->small[2](D, s->hidden, s->ffn, g, n, y, s->nth);
     }
@@ -849,7 +877,7 @@ int strata_pp_swiglu(const int *types, const int64_t *wrow, void *const *small, 
                      int64_t hidden, int64_t ffn, float *Y, int terms, int nth) {
     swiglu_spec s;
     if (n <= 0 || !make_spec(&s, types, wrow, small, min_rows, hidden, ffn, terms, nth)) return 0;
-    float *scratch = malloc(sizeof(float) * (size_t)(2 * n * ffn));
+    float *scratch = strata_pp_malloc(sizeof(float) * (size_t)(2 * n * ffn));
     if (!scratch) return 0;
     const int ok = swiglu(&s, G, U, D, X, n, Y, scratch);
     free(scratch);
@@ -933,7 +961,7 @@ static int moe_by_expert(const swiglu_spec *spec, const void *const *G, const vo
     int64_t pairs = 0, tokens = 0, most = 0;
     for (int i = 0; i < n_used; i++) pairs += counts[i] > 0 ? counts[i] : 0, most = counts[i] > most ? counts[i] : most;
     for (int64_t p = 0; p < pairs; p++) tokens = token[p] + 1 > tokens ? token[p] + 1 : tokens;
-    int64_t *idx = malloc(sizeof(int64_t) * (size_t)(n_used + pairs + 2 * (tokens + 1)));
+    int64_t *idx = strata_pp_malloc(sizeof(int64_t) * (size_t)(n_used + pairs + 2 * (tokens + 1)));
     if (!idx) return 0;
     int64_t *starts = idx, *by_token = starts + n_used, *token_start = by_token + pairs, *cursor = token_start + tokens + 1;
     for (int64_t i = 0, s = 0; i < n_used; s += counts[i] > 0 ? counts[i] : 0, i++) starts[i] = s;
@@ -985,7 +1013,7 @@ int strata_pp_moe(const int *types, const int64_t *wrow, void *const *small, con
     if (nth > 1 && n_used >= 4 * nth) return moe_by_expert(&s, G, U, D, counts, n_used, token, weight, X, out, nth);
     int64_t most = 0;
     for (int i = 0; i < n_used; i++) most = counts[i] > most ? counts[i] : most;
-    float *xs = malloc(sizeof(float) * (size_t)(most * (2 * hidden + 2 * ffn)));
+    float *xs = strata_pp_malloc(sizeof(float) * (size_t)(most * (2 * hidden + 2 * ffn)));
     if (!xs) return 0;
     float *ys = xs + most * hidden, *scratch = ys + most * hidden;
     int64_t start = 0;
@@ -993,9 +1021,9 @@ int strata_pp_moe(const int *types, const int64_t *wrow, void *const *small, con
         const int64_t n = counts[i];
         if (n <= 0) continue;
         for (int64_t j = 0; j < n; j++) memcpy(xs + j * hidden, X + token[start + j] * hidden, sizeof(float) * (size_t)hidden);
-        if (!swiglu(&s, G[i], U[i], D[i], xs, n, ys, scratch)) { /* out of memory part way: report it */
+        if (!swiglu(&s, G[i], U[i], D[i], xs, n, ys, scratch)) { /* out of memory: report how far it got */
             free(xs);
-            return -1;
+            return start == 0 ? 0 : -1;
         }
         for (int64_t j = 0; j < n; j++) {
             float *o = out + token[start + j] * hidden;

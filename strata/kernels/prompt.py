@@ -17,7 +17,6 @@ import ctypes
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from strata.errors import StrataError
 from strata.formats.weights import QTensor
 from strata.kernels import _build
 
@@ -134,18 +133,19 @@ def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, threads: 
 
 
 def moe(x: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor, token: torch.Tensor, weight: torch.Tensor,
-        stacked: tuple[QTensor, QTensor, QTensor], out: torch.Tensor, threads: int | None = None, terms: int = 3,
-        small=None, min_rows=None) -> bool:
+        stacked: tuple[QTensor, QTensor, QTensor], threads: int | None = None, terms: int = 3,
+        small=None, min_rows=None) -> torch.Tensor | None:
     """A layer's routed experts over a prompt in one C call: the used experts `expert` (ids into the
     stacked `[E, out, in]` gate, up, down), each taking `counts` consecutive (token, weight) pairs;
-    out (float32, tokens x hidden) += weight * expert(x[token]). False (out untouched) where it does
-    not apply."""
+    returns sum over pairs of weight * expert(x[token]) at its token's row (float32, x's shape), or
+    None where it does not apply or memory ran out (also part way: that sum is dropped, so the
+    caller's other path computes the whole of it)."""
     lib = _lib()
     gate, up, down = stacked
     spec = _expert_spec(gate, up, down, small, min_rows) if lib is not None and x.device.type == "cpu" else None
-    if (spec is None or x.dtype != torch.float32 or out.dtype != torch.float32 or not x.is_contiguous()
-            or not out.is_contiguous() or x.shape[-1] != spec[4] or any(len(q.shape) != 3 for q in stacked)):
-        return False
+    if (spec is None or x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2
+            or x.shape[-1] != spec[4] or any(len(q.shape) != 3 for q in stacked)):
+        return None
     types, wrow, fns, mins, hidden, ffn = spec
     raws = [_build.raw_bytes(q) for q in stacked]
     ids = expert.tolist()
@@ -154,12 +154,10 @@ def moe(x: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor, token: torc
     token = token.to(torch.int64).contiguous()
     weight = weight.to(torch.float32).contiguous()
     nth = _build.pool_threads(threads)
+    out = torch.zeros_like(x)
     rc = lib.strata_pp_moe(types, wrow, fns, mins, *ptrs, counts.data_ptr(), len(ids), token.data_ptr(),
                            weight.data_ptr(), x.data_ptr(), hidden, ffn, out.data_ptr(), terms, nth)
-    if rc < 0:  # out already holds some experts' rows: no other path may add them again
-        raise StrataError("out of memory in the prompt's expert products (prefill.c)",
-                          "a smaller --prefill-chunk, or more free RAM")
-    return rc == 1
+    return out if rc == 1 else None  # rc -1: out holds part of the sum
 
 
 def dequant_row(w: torch.Tensor, qtype, n: int) -> torch.Tensor | None:

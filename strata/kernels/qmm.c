@@ -2352,17 +2352,19 @@ static void tile_deq(const void *a_, int64_t tile) {
         for (int64_t r = t0; r < t1; r++) a->f(a->W + r * a->wrow, (float *)a->Y + r * a->cols, a->cols);
         return;
     }
-    float *buf = malloc(sizeof(float) * (size_t)a->cols);
-    if (!buf) { /* cannot happen in practice; leave zeros rather than garbage */
-        memset((uint16_t *)a->Y + t0 * a->cols, 0, sizeof(uint16_t) * (size_t)((t1 - t0) * a->cols));
-        return;
-    }
+    /* a row in pieces of DEQ_PIECE values through a stack buffer: no allocation that could fail
+     * (which left rows at zero). A piece is a whole number of blocks (every block holds 1, 32 or
+     * 256 values), so its bytes start j * wrow / cols into the row. */
+    enum { DEQ_PIECE = 4096 };
+    float buf[DEQ_PIECE];
     for (int64_t r = t0; r < t1; r++) {
-        a->f(a->W + r * a->wrow, buf, a->cols);
         uint16_t *y = (uint16_t *)a->Y + r * a->cols;
-        for (int64_t i = 0; i < a->cols; i++) y[i] = f32_to_bf16(buf[i]);
+        for (int64_t j = 0; j < a->cols; j += DEQ_PIECE) {
+            const int64_t n = a->cols - j < DEQ_PIECE ? a->cols - j : DEQ_PIECE;
+            a->f(a->W + r * a->wrow + j * a->wrow / a->cols, buf, n);
+            for (int64_t i = 0; i < n; i++) y[j + i] = f32_to_bf16(buf[i]);
+        }
     }
-    free(buf);
 }
 
 /* For prefill.c (built into this library): ggml's to_float of a type (NULL: none), and the pool. */
