@@ -333,6 +333,44 @@ def test_prefill_logits_match_transformers(tmp_path, monkeypatch):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_prompt_at_two_threads_runs_torch_on_one_and_the_pool_on_two(tmp_path, monkeypatch):
+    """A 2-thread prompt (runtime.generate.prefill): its small torch operators run on one thread
+    (`threads.torch_team_for_large_only`: on shared cores each was a barrier for torch's team, whose
+    workers spun between them), the prompt products keep the pool's two threads, torch's count is
+    restored after, and the last logits match transformers on the same weights (randomised norms)."""
+    import strata
+    from reference import gguf_roundtrip, hf_logits, randomise, save_hf
+    from test_models import VOCAB, qwen3moe
+
+    from strata.gguf.convert import convert_hf_to_gguf
+    from strata.runtime.generate import prefill
+
+    torch.manual_seed(1)
+    model = randomise(qwen3moe().eval())
+    save_hf(model, tmp_path / "hf")
+    convert_hf_to_gguf(tmp_path / "hf", tmp_path / "q.gguf", dense_type=T.Q8_0, expert_type=T.Q4_0)
+    ids = [(3 * i + 2) % VOCAB for i in range(80)]
+    want = hf_logits(gguf_roundtrip(model, T.Q8_0, T.Q4_0), ids)[-1]
+    seen = []
+    real = prompt.matmul
+    monkeypatch.setattr(prompt, "matmul", lambda *a, **k: seen.append((torch.get_num_threads(), _build.pool_threads(None)))
+                        or real(*a, **k))
+    before, threads = kernels.activations(), torch.get_num_threads()
+    kernels.set_activations("q8x2")
+    try:
+        engine = strata.load(tmp_path / "q.gguf", cpu_threads=2, draft="off")
+        with torch.inference_mode():
+            got = prefill(engine.model, [ids], engine.model.new_cache(1))[0].float()
+        assert torch.get_num_threads() == 2
+        engine.close()
+    finally:
+        kernels.set_activations(before)
+        torch.set_num_threads(threads)
+    assert seen and set(seen) == {(1, 2)}, set(seen)
+    assert (got - want).abs().max().item() < 5e-4
+    assert got.argmax() == want.argmax()
+
+
 @contextlib.contextmanager
 def refused_allocations(first: int, count: int = 1):
     """prefill.c's test hook: its buffer requests first .. first + count - 1 (counted from here) are

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import strata
-from strata.kernels.threads import SMALL_WORK, one_thread_if_small
+from strata.kernels.threads import SMALL_WORK, kernel_threads, one_thread_if_small, torch_team_for_large_only
 from tiny import write_tiny_llama
 
 
@@ -32,6 +32,28 @@ def test_large_or_device_work_keeps_the_team(two_threads):
     with one_thread_if_small(SMALL_WORK + 1):
         assert torch.get_num_threads() == 2
     with one_thread_if_small(10, "meta"):
+        assert torch.get_num_threads() == 2
+
+
+def test_prompt_scope_runs_torch_on_one_thread_and_gives_large_work_the_team(two_threads):
+    """Inside a prompt's scope torch has one thread, the kernels' pool keeps the team, large work
+    gets the team back for its block, and leaving (also by an exception) restores the count."""
+    with torch_team_for_large_only():
+        assert torch.get_num_threads() == 1 and kernel_threads() == 2
+        with one_thread_if_small(SMALL_WORK + 1):
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1
+        with one_thread_if_small(10):
+            assert torch.get_num_threads() == 1
+        with torch_team_for_large_only():  # nested: nothing more to lower
+            assert torch.get_num_threads() == 1 and kernel_threads() == 2
+        assert kernel_threads() == 2
+    assert torch.get_num_threads() == 2 and kernel_threads() == 2
+    with pytest.raises(RuntimeError):
+        with torch_team_for_large_only():
+            raise RuntimeError("inside")
+    assert torch.get_num_threads() == 2
+    with one_thread_if_small(SMALL_WORK + 1):  # outside a scope large work changes nothing
         assert torch.get_num_threads() == 2
 
 

@@ -4,7 +4,7 @@
 kernel (qmm.c, built with the system C compiler on first use and cached) decodes 8 weights at
 a time into a vector register and uses them for up to 8 rows of x, so an expert is read once
 per call and never materialised as floats; output rows are shared out over a small thread
-pool (`threads`, default torch.get_num_threads()). `expert_forward` is one SwiGLU expert on
+pool (`threads`, default _build.pool_threads(None)). `expert_forward` is one SwiGLU expert on
 top of it, `grouped_swiglu` the grouped expert product (`strata.kernels.grouped`) of a layer.
 
 Every fast path has its plain torch reference beside it (`*_reference`: dequantize, then
@@ -45,6 +45,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from strata.formats.weights import QTensor
 from strata.kernels import _build, grouped, plan_cache, prompt
+from strata.kernels import threads as torch_threads
 from strata.kernels.grouped import ExpertSource, RouteTable
 
 __all__ = [
@@ -243,7 +244,7 @@ def try_qmatmul(x: torch.Tensor, w: QTensor, threads: int | None = None) -> torc
         return None
     xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
     out = torch.empty(*x.shape[:-1], p.rows)
-    p.call(xf.data_ptr(), b, out.data_ptr(), threads or torch.get_num_threads())
+    p.call(xf.data_ptr(), b, out.data_ptr(), _build.pool_threads(threads))
     return out if x.dtype is torch.float32 else out.to(x.dtype)
 
 
@@ -280,14 +281,20 @@ class prompt_batches:
     thread: its quantized products of PROMPT_AMX_MIN_ROWS to FAST_BATCH_MAX rows take the AMX product
     (`try_qmatmul_prompt`, 2-5x less CPU at 8-32 rows) before the decode kernels. Outside it a batch of
     that size (a verify pass, a decode batch) keeps the decode kernels, whose rows each equal a
-    one-token step."""
+    one-token step. Where those products run (kernels on, the 8-bit modes, AMX), torch runs the
+    forward's other operators on one thread (`threads.torch_team_for_large_only`)."""
 
     def __enter__(self):
         _prompt_state.depth = getattr(_prompt_state, "depth", 0) + 1
+        self.team = None
+        if USE_KERNELS and _activations in ("q8", "q8x2") and prompt.available():
+            self.team = torch_threads.torch_team_for_large_only().__enter__()
         return self
 
     def __exit__(self, *exc):
         _prompt_state.depth -= 1
+        if self.team is not None:
+            self.team.__exit__(*exc)
         return False
 
 
@@ -368,7 +375,8 @@ def try_qmatmul_dequantized(x: torch.Tensor, w: QTensor, threads: int | None = N
     wd = dequantize_ggml(w, dt, threads)
     if wd is None:
         return None
-    return F.linear(x.to(dt), wd).to(x.dtype)
+    with torch_threads.one_thread_if_small(x.numel() * w.shape[0]):  # a prompt's: the team
+        return F.linear(x.to(dt), wd).to(x.dtype)
 
 
 def qmatmul_reference(x: torch.Tensor, w: QTensor) -> torch.Tensor:

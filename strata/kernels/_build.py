@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from strata.kernels.threads import kernel_threads
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmm.c")
@@ -271,8 +273,9 @@ def entry(name: str, argtypes, restype=None) -> object | None:
 
 
 def pool_threads(threads: int | None) -> int:
-    """The kernel pool's threads for one call: `threads` when positive, else torch's count."""
-    return int(threads) if threads and threads > 0 else torch.get_num_threads()
+    """The kernel pool's threads for one call: `threads` when positive, else torch's count (a
+    prompt's: the count before its torch went to one thread, `threads.kernel_threads`)."""
+    return int(threads) if threads and threads > 0 else kernel_threads()
 
 
 def raw_bytes(w) -> torch.Tensor:

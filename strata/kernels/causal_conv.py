@@ -41,5 +41,5 @@ def try_causal_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor 
     taps = weight.t().contiguous()  # (K, C): one tap's weights along the channels
     t = rows - (k - 1)
     out = torch.empty(b, t, c)
-    fn(window.data_ptr(), taps.data_ptr(), out.data_ptr(), b, t, c, k, torch.get_num_threads())
+    fn(window.data_ptr(), taps.data_ptr(), out.data_ptr(), b, t, c, k, _build.pool_threads(None))
     return out

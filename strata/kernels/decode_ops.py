@@ -72,7 +72,7 @@ def try_qmatmul_group(x: torch.Tensor, weights: tuple[QTensor, ...],
     lib.strata_qmm_group(n, (ctypes.c_void_p * n)(*(p.fnptr for p in plans)), (ctypes.c_void_p * n)(*(p.ptr for p in plans)),
                          (ctypes.c_int64 * n)(*rows), cols, x.data_ptr(), rows_x,
                          (ctypes.c_void_p * n)(*(0 if bi is None else bi.data_ptr() for bi in biases)),
-                         out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+                         out.data_ptr(), scratch.data_ptr(), _build.pool_threads(None))
     parts = out.split(rows, dim=-1)
     return list(parts) if rows_x == 1 else [t.contiguous() for t in parts]
 
@@ -157,7 +157,7 @@ def try_attention_block(x: torch.Tensor, norm, attn, cache, step, rope_cs) -> to
         qn.weight.data_ptr() if qn is not None else None, kn.weight.data_ptr() if kn is not None else None,
         ctypes.c_float(qn.eps if qn is not None else 0.0), cos.data_ptr(), sin.data_ptr(), rot,
         int(attn.rope.cfg.interleaved), kc.data_ptr(), vc.data_ptr(), kc.shape[2], pos, po.fnptr, po.ptr,
-        int(attn.gated), out.data_ptr(), torch.get_num_threads())
+        int(attn.gated), out.data_ptr(), _build.pool_threads(None))
     return out if ok else None
 
 
@@ -190,7 +190,7 @@ def try_ffn_block(h: torch.Tensor, norm, ffn) -> torch.Tensor | None:
     vp = ctypes.c_void_p
     ok = lib.strata_ffn_decode(h.data_ptr(), hidden, norm.weight.data_ptr(), ctypes.c_float(norm.eps),
                                (vp * 2)(pg.fnptr, pu.fnptr), (vp * 2)(pg.ptr, pu.ptr), f, pd.fnptr, pd.ptr,
-                               out.data_ptr(), torch.get_num_threads())
+                               out.data_ptr(), _build.pool_threads(None))
     return out if ok else None
 
 
@@ -233,7 +233,7 @@ def try_moe_block(h: torch.Tensor, norm, moe, k: int, normalize: bool) -> torch.
     ids, weights = (ctypes.c_int64 * k)(), (ctypes.c_float * k)()
     ok = lib.strata_moe_decode(h.data_ptr(), hidden, norm.weight.data_ptr(), ctypes.c_float(norm.eps), router.data_ptr(),
                                n_exp, k, int(normalize), g0.ptr, gs, u0.ptr, us, d0.ptr, ds, g0.fnptr, u0.fnptr, d0.fnptr,
-                               ffn, sh_fns, sh_w, sh_ffn, sh_gate, ids, weights, out.data_ptr(), torch.get_num_threads())
+                               ffn, sh_fns, sh_w, sh_ffn, sh_gate, ids, weights, out.data_ptr(), _build.pool_threads(None))
     return out if ok else None
 
 
@@ -337,7 +337,7 @@ def _gdn_decode(x: torch.Tensor, norm, mixer, cache, step) -> torch.Tensor | Non
             norm.eps if norm is not None else 0.0, args.fns, args.ws, args.rows, mixer.nk, mixer.nv, mixer.dk, mixer.dv,
             conv.data_ptr(), ptr(window), args.taps.data_ptr(), mixer.kernel, mixer.dt_bias.data_ptr(), mixer.a.data_ptr(),
             state.data_ptr(), ptr(steps), mixer.norm.data_ptr(), mixer.eps, int(mixer.gate_act == "sigmoid"), po.fnptr,
-            po.ptr, ptr(args.order), int(norm is not None), out.data_ptr(), torch.get_num_threads())
+            po.ptr, ptr(args.order), int(norm is not None), out.data_ptr(), _build.pool_threads(None))
     if not ok:
         return None
     if cache.tracking:

@@ -48,5 +48,5 @@ def try_gdn_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         return None
     out = torch.empty(n, dv)
     fn(state.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(), beta.data_ptr(),
-       out.data_ptr(), n, dk, dv, torch.get_num_threads())
+       out.data_ptr(), n, dk, dv, _build.pool_threads(None))
     return out

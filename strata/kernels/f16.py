@@ -64,5 +64,5 @@ def try_f16_matmul(x: torch.Tensor, w: torch.Tensor, threads: int | None = None)
         return None
     xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
     out = torch.empty(*x.shape[:-1], p.rows)
-    fn(p.ptr, p.rows, p.cols, xf.data_ptr(), b, out.data_ptr(), threads or torch.get_num_threads())
+    fn(p.ptr, p.rows, p.cols, xf.data_ptr(), b, out.data_ptr(), _build.pool_threads(threads))
     return out if x.dtype is torch.float32 else out.to(x.dtype)
