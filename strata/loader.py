@@ -30,13 +30,16 @@ class LoadedModel:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = False,
-               seams: Seams | None = None) -> LoadedModel:
+               seams: Seams | None = None, on_open=None) -> LoadedModel:
     """The model built with `seams` (`strata.models.seams`: experts provider, KV-cache factory, table
-    reader, placement); by default all resident, the n-gram table read by the tiers' `open_table`."""
+    reader, placement); by default all resident, the n-gram table read by the tiers' `open_table`.
+    `on_open(source)` runs once the file is open, before the model is built."""
     from strata.runtime.progress import tensor_bar
 
     seams = seams or Seams(table_reader=open_table)
     arch, config, source, meta = open_config(path)
+    if on_open is not None:
+        on_open(source)
     with tensor_bar(len(source.names()), progress) as advance:
         model = registry.model_class(arch.ARCH)(config, WeightLoader(source, dtype, on_tensor=advance), seams).eval()
     return LoadedModel(model, model.config, arch, _tokenizer(Path(path), meta), source, meta)
@@ -57,14 +60,21 @@ def load_with_tiers(path: str | Path, options) -> tuple[LoadedModel, object | No
     elif tiers_requested(options):
         experts, placement = TieredProvider(), BlockPlacement()
     kv = TieredKV(options.kv_device_budget, dtype) if options.kv_device_budget is not None else None
-    loaded = load_model(path, dtype, options.progress, Seams(experts, kv, open_table, placement))
-    tiers = None
-    if options.expert_parallel:
-        tiers = install_parallel(loaded, options)
-    elif isinstance(experts, TieredProvider):
-        from strata.runtime.progress import byte_bar
+    tiered = isinstance(experts, TieredProvider)
+    try:  # the tiers read the dense weights ahead from the moment the file is open
+        loaded = load_model(path, dtype, options.progress, Seams(experts, kv, open_table, placement),
+                            experts.read_ahead if tiered else None)
+        tiers = None
+        if options.expert_parallel:
+            tiers = install_parallel(loaded, options)
+        elif tiered:
+            from strata.runtime.progress import byte_bar
 
-        tiers = install_tiers(loaded, options, lambda total: byte_bar(total, options.progress))
+            tiers = install_tiers(loaded, options, lambda total: byte_bar(total, options.progress))
+    except BaseException:
+        if tiered:
+            experts.close_readahead()
+        raise
     return loaded, tiers, kv.configure(loaded.model) if kv is not None else None  # KV after the tiers' placement
 
 

@@ -53,3 +53,55 @@ def test_a_tiered_engine_reads_ahead_its_dense_weights_only(tmp_path):
     finally:
         engine.close()
     assert ra._thread is None
+
+
+def _recording(monkeypatch, events):
+    """DenseReadahead, model building and the tiers' install, each recorded as it happens."""
+    from strata import loader
+    from strata.models import registry
+    from strata.tiers import runtime
+
+    made = []
+
+    class Recorded(DenseReadahead):
+        def __init__(self, *a, **k):
+            events.append("readahead")
+            made.append(self)
+            super().__init__(*a, **k)
+
+    model_class, install = registry.model_class, loader.install_tiers
+
+    def building(arch):
+        cls = model_class(arch)
+        return lambda *a, **k: (events.append("build"), cls(*a, **k))[1]
+    monkeypatch.setattr(runtime, "DenseReadahead", Recorded)
+    monkeypatch.setattr(registry, "model_class", building)
+    monkeypatch.setattr(loader, "install_tiers", lambda *a, **k: (events.append("install"), install(*a, **k))[1])
+    return made
+
+
+def test_the_read_ahead_starts_as_the_file_opens_before_the_model_is_built(tmp_path, monkeypatch):
+    path = synth.write(tmp_path / "m.gguf", "qwen3-30b-a3b", 1, "Q4_K_M", vocab=512, experts=8, sparse=True)
+    events = []
+    made = _recording(monkeypatch, events)
+    engine = strata.load(path, ram_memory="2G", pin_experts="disk", experts_cache="0", cpu_threads=1)
+    try:
+        assert events == ["readahead", "build", "install"]  # one read ahead, started first, kept by the tiers
+        assert engine.tiers.readahead is made[0]
+        assert len(engine.generate([1, 2, 3], 2, stop_at_eos=False)) == 2
+    finally:
+        engine.close()
+    assert made[0]._thread is None
+
+
+def test_a_load_that_fails_after_the_file_opened_stops_its_read_ahead(tmp_path, monkeypatch):
+    import pytest
+
+    from strata.errors import StrataError
+
+    path = synth.write(tmp_path / "m.gguf", "qwen3-30b-a3b", 1, "Q4_K_M", vocab=512, experts=8, sparse=True)
+    events = []
+    made = _recording(monkeypatch, events)
+    with pytest.raises(StrataError):  # a budget far below the dense weights: refused by the plan
+        strata.load(path, ram_memory="1M", pin_experts="disk", experts_cache="0", cpu_threads=1)
+    assert events[:2] == ["readahead", "build"] and made and all(ra._thread is None for ra in made)

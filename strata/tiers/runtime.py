@@ -23,6 +23,7 @@ from strata.tiers.plan import Plan, make_plan, summary
 from strata.tiers.policy import make_policy, regions
 from strata.tiers.prefetch import Prefetcher, router_predictors
 from strata.tiers.stats import TierStats
+from strata.formats.names import EXPERT_TENSOR
 from strata.formats.ngram_hash import TABLE
 from strata.tiers.dense_readahead import DenseReadahead, dense_spans
 from strata.tiers.store import DiskHome, FileReader, RamHome, expert_format
@@ -94,6 +95,26 @@ class TieredProvider:
     def __init__(self):
         self.weights: dict[int, tuple[QTensor, QTensor, QTensor]] = {}  # layer -> (gate, up, down)
         self.runtime: TierRuntime | None = None
+        self.readahead: DenseReadahead | None = None  # started as the file opened (`read_ahead`)
+
+    def read_ahead(self, source) -> None:
+        """Once the file's header is parsed, before the model is built: start reading its dense
+        weights ahead (`DenseReadahead`), so the disk streams them while the model, the tokenizer
+        and the plan are built (about 2 s of the full-size flagship's load, the disk idle otherwise)
+        instead of from the first forward on. Only where `install` would read them ahead: a GGUF
+        file with stacked experts, no CUDA device."""
+        tensors = getattr(getattr(source, "file", None), "tensors", None)
+        if not tensors or self.readahead is not None or hardware.device_info().is_cuda:
+            return
+        experts = {n for n in tensors if EXPERT_TENSOR.match(n)}
+        if experts:
+            self.readahead = DenseReadahead(source.file.path, dense_spans(tensors, set(tensors) - _unread(experts)))
+
+    def close_readahead(self) -> None:
+        """Stop a read ahead the load started (the load failed before `install` took it)."""
+        if self.readahead is not None:
+            self.readahead.close()
+            self.readahead = None
 
     def layer(self, index: int, gate: QTensor, up: QTensor, down: QTensor) -> TieredExperts:
         self.weights[index] = (gate, up, down)
@@ -144,11 +165,23 @@ def install(loaded, options, byte_bar=None) -> TierRuntime:
     executor.prefetcher = prefetcher
     provider.runtime = TierRuntime(plan, homes, executor, prefetcher, cache, reader, options.trace_experts,
                                    _decode_width(loaded.model, options))
+    early, provider.readahead = provider.readahead, None
     if reader is not None and not device.is_cuda:  # the dense weights stay in the mapping: read them ahead
         tensors = loaded.source.file.tensors
-        skip = plan.expert_names | {"token_embd.weight", TABLE}  # their homes read them; rows on lookup
-        provider.runtime.readahead = DenseReadahead(reader.path, dense_spans(tensors, set(tensors) - skip))
+        spans = dense_spans(tensors, set(tensors) - _unread(plan.expert_names))
+        if early is not None and early.spans == spans:  # started as the file opened
+            provider.runtime.readahead, early = early, None
+        else:
+            provider.runtime.readahead = DenseReadahead(reader.path, spans)
+    if early is not None:
+        early.close()
     return provider.runtime
+
+
+def _unread(expert_names: set[str]) -> set[str]:
+    """Tensors the dense read ahead leaves out: the stacked experts (their homes read them), the
+    token embedding and the n-gram table (rows read on lookup)."""
+    return expert_names | {"token_embd.weight", TABLE}
 
 
 def _decode_width(model, options) -> int:

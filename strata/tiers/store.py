@@ -23,6 +23,7 @@ import torch
 
 from strata.errors import StrataError
 from strata.formats.weights import QTensor
+from strata.tiers.arena import Arena
 
 ALIGN = 4096
 CHUNK = 64 * 2**20
@@ -345,7 +346,10 @@ class DiskHome(Home):
     cache only drops its own reference. An evicted expert's buffer is kept (`SPARES` at most,
     within `capacity`) and read into again once nothing else holds a view of it: a fresh buffer
     per read cost more CPU than the read itself (the kernel maps and zeroes every page of it,
-    0.3-0.9 ms an expert on this kind of machine, against 0.1-0.15 ms for the read).
+    0.3-0.9 ms an expert on this kind of machine, against 0.1-0.15 ms for the read). A cache of
+    at least 4 x `SPARES` experts takes its buffers from one `Arena` of `capacity` bytes, populated
+    in the background from load on, so filling the cache faults no page per read; every evicted
+    buffer is kept there.
     Counted: hits, misses, reads started ahead, reads in flight (most at once), time waited.
     """
 
@@ -373,7 +377,9 @@ class DiskHome(Home):
         self._room = capacity - spare_room if self._keep_spares else capacity  # for cached experts
         self._spares: list[np.ndarray] = []  # evicted experts' buffers, maybe still in use
         self._owners: dict[tuple[int, int], np.ndarray] = {}  # a cached expert's buffer
-        self.spare_reads = 0  # reads into a kept buffer
+        self._spare_reads = 0  # reads into a kept buffer (outside the arena)
+        # the cache's memory, populated from now on (a small cache frees its buffers instead)
+        self.arena = Arena(capacity) if self._keep_spares else None
 
     def request(self, layer: int, experts, ahead: bool = False) -> None:
         """Start reading each of `experts` that is neither cached nor being read; returns at once."""
@@ -475,14 +481,23 @@ class DiskHome(Home):
             self._owners[(layer, e)] = buf
         return flat
 
+    @property
+    def spare_reads(self) -> int:
+        """Reads into a kept buffer: an evicted expert's, nothing viewing it any more."""
+        return self._spare_reads + (self.arena.reused if self.arena is not None else 0)
+
     def _buffer(self, size: int) -> np.ndarray:
-        """A kept buffer of `size` bytes that no tensor views any more, else a new one. Every view
-        of a buffer shares one torch storage, which holds one reference to the array: an array
-        only this list refers to is free."""
+        """A buffer of `size` bytes from the arena, else a kept buffer that no tensor views any
+        more, else a new one. Every view of a buffer shares one torch storage, which holds one
+        reference to the array: an array only this list refers to is free."""
+        if self.arena is not None:
+            buf = self.arena.take(size)
+            if buf is not None:
+                return buf
         with self._lock:
             for i in range(len(self._spares)):
                 if self._spares[i].nbytes == size and sys.getrefcount(self._spares[i]) == 2:
-                    self.spare_reads += 1
+                    self._spare_reads += 1
                     return self._spares.pop(i)
         return np.empty(size, dtype=np.uint8)
 
@@ -495,13 +510,17 @@ class DiskHome(Home):
             gone, old = self.entries.popitem(last=False)
             self.held -= _held(old)
             buf = self._owners.pop(gone, None)
-            if buf is not None and len(self._spares) < SPARES:
+            if buf is not None and self.arena is not None and self.arena.owns(buf):
+                self.arena.give(buf)
+            elif buf is not None and len(self._spares) < SPARES:
                 self._spares.append(buf)
             self.ahead.pop(gone, None)  # a read ahead evicted unused: a wasted read
             self.demand.pop(gone, None)
 
     def close(self) -> None:
         self.pool.shutdown()
+        if self.arena is not None:
+            self.arena.close()
 
     @property
     def bytes_read(self) -> int:
@@ -517,4 +536,5 @@ class DiskHome(Home):
                 "bytes_read": self.reader.bytes_read, "device_bytes_read": self.reader.device_bytes,
                 "o_direct": self.reader.direct, "readers": self.readers, "read_ahead": self.read_ahead,
                 "max_reads_in_flight": self.max_reading, "read_wait_s": self.wait_s,
-                "reads_into_kept_buffers": self.spare_reads}
+                "reads_into_kept_buffers": self.spare_reads,
+                "ram_cache_populated": self.arena.populated if self.arena is not None else 0}

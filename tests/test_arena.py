@@ -1,0 +1,49 @@
+"""The RAM cache's arena: buffers carved from one mapping, reused only once nothing views them, and
+its pages populated in the background before they are handed out."""
+
+import ctypes
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from strata.tiers.arena import PAGE, Arena
+
+
+def test_buffers_are_carved_once_and_reused_only_when_nothing_views_them():
+    arena = Arena(4 * PAGE, populate=False)
+    a, b = arena.take(PAGE), arena.take(PAGE + 1)  # the second spans two pages
+    c = arena.take(PAGE)
+    assert arena.take(PAGE) is None  # 4 pages carved: full
+    ptrs = [x.ctypes.data for x in (a, b, c)]
+    assert len(set(ptrs)) == 3 and all(p % PAGE == 0 and arena.owns(x) for p, x in zip(ptrs, (a, b, c)))
+    assert not arena.owns(np.empty(PAGE, dtype=np.uint8))
+    view = torch.from_numpy(a)[10:20]  # a worker still computing from an evicted expert
+    arena.give(a)
+    a = None
+    assert arena.take(PAGE) is None  # still viewed: not handed out again
+    view = None
+    again = arena.take(PAGE)
+    assert again is not None and again.ctypes.data == ptrs[0] and arena.reused == 1
+    arena.give(b)
+    b = None
+    larger = arena.take(PAGE)  # no free buffer of its size: a larger one, whole
+    assert larger.ctypes.data == ptrs[1] and larger.nbytes == PAGE + 1
+    arena.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_its_pages_are_populated_in_the_background_before_they_are_used():
+    arena = Arena(64 * PAGE)
+    arena._thread.join(10)
+    if arena.populated == 0:
+        pytest.skip("the kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+    assert arena.populated == arena.nbytes
+    libc = ctypes.CDLL(None, use_errno=True)
+    vec = (ctypes.c_ubyte * 64)()
+    assert libc.mincore(ctypes.c_void_p(arena.base), ctypes.c_size_t(arena.nbytes), vec) == 0
+    assert all(v & 1 for v in vec)  # every page resident, none of them touched by this process
+    buf = arena.take(64 * PAGE)
+    assert not buf.any()  # anonymous memory: zeros
+    arena.close()
