@@ -47,3 +47,14 @@ def test_its_pages_are_populated_in_the_background_before_they_are_used():
     buf = arena.take(64 * PAGE)
     assert not buf.any()  # anonymous memory: zeros
     arena.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")
+def test_its_memory_counts_as_the_process_anonymous_memory():
+    from strata.tiers.budget import anon_rss
+
+    before = anon_rss()
+    arena = Arena(64 * 2**20, populate=False)
+    arena.take(arena.nbytes)[::PAGE] = 1
+    assert anon_rss() - before >= 60 * 2**20  # RssAnon, which --ram-memory bounds (shmem would not count)
+    arena.close()

@@ -54,7 +54,9 @@ class Arena:
 
     def __init__(self, nbytes: int, populate: bool = True):
         self.nbytes = max(0, int(nbytes)) // PAGE * PAGE
-        self._map = mmap.mmap(-1, max(self.nbytes, PAGE))
+        # private: anonymous memory (RssAnon, what --ram-memory bounds); a shared mapping would be
+        # shmem, outside that count, and its pages fault in slower
+        self._map = mmap.mmap(-1, max(self.nbytes, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         self.base = self._bytes.ctypes.data
         self._lock = threading.Lock()
