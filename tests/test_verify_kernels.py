@@ -18,7 +18,7 @@ needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels una
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows,cols", [(256, 128), (33, 77), (4096, 64), (7, 16)])  # tails of every width
+@pytest.mark.parametrize("rows,cols", [(256, 128), (33, 77), (4096, 64), (7, 16), (40, 2080)])  # tails of every width; few long rows (small tiles)
 def test_f16_product_is_exact_float_math_row_by_row(rows, cols):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(rows, cols, generator=g).half()

@@ -3039,12 +3039,19 @@ int strata_moe_decode(const float *h, int64_t hidden, const float *norm_w, float
 /* dots[j] = w . x[j] for nb <= F16_NB rows of x sharing one pass over w (each weight widened
  * once); every x[j] is summed in the same order as it would be alone. */
 #define F16_NB 4
+/* The weight bytes asked for this far ahead of the ones read (one line per 64 bytes read): a
+ * decode step's products (qwen4exp's hyper-connections, 1.2 GB a token) stream each weight once,
+ * and the hardware prefetcher alone left one core at 2.5-4 GB/s where 8 KiB ahead gave 4.3-6.1
+ * (a scratch A/B on this kind of machine, 320x10240 and 10240x320, loaded). Prefetches past the
+ * matrix's end are harmless (never a fault). */
+#define F16_AHEAD 8192
 static inline void dot_f16_f32(const uint16_t *w, const float *const *x, int nb, int64_t n, float *dots) {
     int64_t i = 0;
 #if defined(__AVX512F__)
     __m512 a0[F16_NB], a1[F16_NB];
     for (int j = 0; j < nb; j++) a0[j] = a1[j] = _mm512_setzero_ps();
     for (; i + 32 <= n; i += 32) {
+        __builtin_prefetch((const char *)(w + i) + F16_AHEAD, 0, 2);
         const __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i)));
         const __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i + 16)));
         for (int j = 0; j < nb; j++) {
@@ -3061,6 +3068,7 @@ static inline void dot_f16_f32(const uint16_t *w, const float *const *x, int nb,
     __m256 a0[F16_NB], a1[F16_NB];
     for (int j = 0; j < nb; j++) a0[j] = a1[j] = _mm256_setzero_ps();
     for (; i + 16 <= n; i += 16) {
+        if (!(i & 31)) __builtin_prefetch((const char *)(w + i) + F16_AHEAD, 0, 2);
         const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i)));
         const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i + 8)));
         for (int j = 0; j < nb; j++) {
@@ -3107,6 +3115,9 @@ static void tile_f16(const void *a_, int64_t tile) {
 void strata_f16mm(const uint16_t *W, int64_t rows, int64_t cols, const float *X, int64_t B, float *Y, int nth) {
     int64_t tile_rows = ROW_TILE * 4;
     while ((rows + tile_rows - 1) / tile_rows > 0xFFFF) tile_rows *= 2;
+    /* few long rows (a hyper-connection's down, 320 x 10240: 5 tiles of 64) split into smaller
+     * tiles, so two threads share them evenly */
+    while (tile_rows > 4 && (rows + tile_rows - 1) / tile_rows < 8 * (int64_t)(nth < 1 ? 1 : nth)) tile_rows /= 2;
     const f16_args a = {W, rows, cols, B, tile_rows, X, Y};
     pool_run(tile_f16, &a, (rows + tile_rows - 1) / tile_rows, nth < 1 ? 1 : nth);
 }
