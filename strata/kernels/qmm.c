@@ -1331,8 +1331,11 @@ static float dot2_q5_1(int64_t n, const uint8_t *w, const uint8_t *prep, const u
 static float dot2_iq2_xs(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
     const int64_t nb = n / 256;
     const __m128i m15x = _mm_set1_epi8(15);
-    const __m512i m511 = _mm512_set1_epi16(511), m15 = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
+    const __m512i m511 = _mm512_set1_epi16(511), zero = _mm512_setzero_si512();
+#if !defined(__AVX512BITALG__)
+    const __m512i m15 = _mm512_set1_epi8(15);
     const __m512i parity4 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 0, 1, 0, 1, 1, 0));
+#endif
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * 74, *yq = xq + i * 292, *yr = xr + i * 292;
@@ -1349,23 +1352,32 @@ static float dot2_iq2_xs(int64_t n, const uint8_t *w, const uint8_t *xq, const u
         const __m512i sc32 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_cvtepu8_epi32(nib), 1), _mm512_set1_epi32(1));
         const __m512i q = _mm512_loadu_si512(b + 2); /* the 32 u16 */
         const __m512i s7 = _mm512_srli_epi16(q, 9);
+        /* each u16's sign byte: its 7 bits and their parity as bit 7 (the byte's low 8 bits) */
+#if defined(__AVX512BITALG__)
+        const __m512i sgn = _mm512_or_si512(s7, _mm512_slli_epi16(_mm512_popcnt_epi16(s7), 7));
+#else
         const __m512i par = _mm512_xor_si512(_mm512_shuffle_epi8(parity4, _mm512_and_si512(s7, m15)),
                                              _mm512_shuffle_epi8(parity4, _mm512_srli_epi16(s7, 4)));
+        const __m512i sgn = _mm512_or_si512(s7, _mm512_slli_epi16(par, 7));
+#endif
         uint64_t neg[4]; /* group j's 64 sign bits: the 8 sign bytes of its 8 u16 */
-        _mm256_storeu_si256((__m256i *)neg, _mm512_cvtepi16_epi8(_mm512_or_si512(s7, _mm512_slli_epi16(par, 7))));
+        _mm256_storeu_si256((__m256i *)neg, _mm512_cvtepi16_epi8(sgn));
+        /* the 32 grid indices as i32, 16 at a time: group j's 8 are half j & 1 of idx[j >> 1] */
         const __m512i gi = _mm512_and_si512(q, m511);
+        const __m512i idx[2] = {_mm512_cvtepu16_epi32(_mm512_castsi512_si256(gi)),
+                                _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(gi, 1))};
         __m512i sq = zero, sr = zero;
         #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) { /* 64 values: 8 grid entries, sub-blocks 4j..4j+3 */
-            const __m512i g = _mm512_i64gather_epi64(_mm512_cvtepu16_epi64(_mm512_extracti32x4_epi32(gi, j)),
-                                                     (const void *)GRID_IQ2_XS, 8);
+            const __m256i ij = (j & 1) ? _mm512_extracti64x4_epi64(idx[j >> 1], 1) : _mm512_castsi512_si256(idx[j >> 1]);
+            const __m512i g = _mm512_i32gather_epi64(ij, (const void *)GRID_IQ2_XS, 8);
             const __m512i vq = _mm512_loadu_si512(yq + 4 + 64 * j), vr = _mm512_loadu_si512(yr + 4 + 64 * j);
             const __m512i pq = _mm512_dpbusd_epi32(zero, g, _mm512_mask_sub_epi8(vq, (__mmask64)neg[j], zero, vq));
             const __m512i pr = _mm512_dpbusd_epi32(zero, g, _mm512_mask_sub_epi8(vr, (__mmask64)neg[j], zero, vr));
-            const __m512i idx = _mm512_set_epi32(4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 2, 4 * j + 2,
+            const __m512i sub = _mm512_set_epi32(4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 2, 4 * j + 2,
                                                  4 * j + 2, 4 * j + 2, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1,
-                                                 4 * j, 4 * j, 4 * j, 4 * j);
-            const __m512i s = _mm512_permutexvar_epi32(idx, sc32);
+                                                 4 * j, 4 * j, 4 * j, 4 * j); /* lanes 4l..4l+3: sub-block 4j + l */
+            const __m512i s = _mm512_permutexvar_epi32(sub, sc32);
             sq = madd_lo16(sq, pq, s);
             sr = madd_lo16(sr, pr, s);
         }
