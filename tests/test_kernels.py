@@ -814,3 +814,26 @@ def test_own_q8k_quantizer_writes_ggmls_bytes():
     assert torch.equal(ours[6, :260], theirs[6, :260]) and not ours[6, 260:].any()
     keep = [i for i in range(n_blocks) if i != 6]
     assert torch.equal(ours[keep], theirs[keep])
+
+
+@needs_kernels
+def test_iq2_xs_decode_product_matches_gguf_py():
+    """The IQ2_XS decode kernel (the flagship's dense and expert gate/up weights) against gguf-py's
+    own dequantization, not strata.quant's: every sign, grid entry and sub-block scale of random
+    blocks, an odd row count, 1 and 2 threads, 1 and 3 rows of x."""
+    import gguf.quants
+
+    w = random_qtensor("IQ2_XS", (21, 5 * 256), seed=11, wild_scales=True)
+    dense = torch.from_numpy(gguf.quants.dequantize(w.raw.numpy(), T.IQ2_XS)).double().reshape(21, 5 * 256)
+    before = kernels.activations()
+    for mode in ("q8x2", "int16"):  # the decode default (the suite runs int16) and the int16 kernels
+        kernels.set_activations(mode)
+        try:
+            for batch in (1, 3):
+                x = torch.randn(batch, 5 * 256, generator=torch.Generator().manual_seed(batch))
+                ref = x.double() @ dense.T
+                for threads in (1, 2):
+                    got = kernels.qmatmul_fast(x, w, threads=threads).double()
+                    assert rel_err(got, ref) < 3e-4, (mode, batch, threads, rel_err(got, ref))
+        finally:
+            kernels.set_activations(before)

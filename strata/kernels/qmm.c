@@ -1330,12 +1330,17 @@ static float dot2_q5_1(int64_t n, const uint8_t *w, const uint8_t *prep, const u
  * time, same sums bit for bit.) */
 static float dot2_iq2_xs(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
     const int64_t nb = n / 256;
-    const __m128i m15x = _mm_set1_epi8(15);
+    const __m128i m15x = _mm_set1_epi8(15), one8 = _mm_set1_epi8(1);
     const __m512i m511 = _mm512_set1_epi16(511), zero = _mm512_setzero_si512();
 #if !defined(__AVX512BITALG__)
     const __m512i m15 = _mm512_set1_epi8(15);
     const __m512i parity4 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 0, 1, 0, 1, 1, 0));
 #endif
+    /* vpackssdw of groups j and j + 1 puts, in 128-bit lane k, 4 sums of sub-block 4j + k, then
+     * 4 of sub-block 4j + 4 + k: the 16-bit scales in that order, for j = 0 and j = 2 */
+    const __m512i pair0 = _mm512_set_epi16(7, 7, 7, 7, 3, 3, 3, 3, 6, 6, 6, 6, 2, 2, 2, 2,
+                                           5, 5, 5, 5, 1, 1, 1, 1, 4, 4, 4, 4, 0, 0, 0, 0);
+    const __m512i pair1 = _mm512_add_epi16(pair0, _mm512_set1_epi16(8));
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * 74, *yq = xq + i * 292, *yr = xr + i * 292;
@@ -1347,9 +1352,10 @@ static float dot2_iq2_xs(int64_t n, const uint8_t *w, const uint8_t *xq, const u
         uint64_t s8;
         memcpy(&s8, b + 66, 8);
         const __m128i sb = _mm_cvtsi64_si128((long long)s8);
-        /* sub-block g's scale is nibble g (low nibble first): 2s + 1 in 16 lanes */
+        /* sub-block g's scale is nibble g (low nibble first): 2s + 1 as 16 words */
         const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sb, m15x), _mm_and_si128(_mm_srli_epi16(sb, 4), m15x));
-        const __m512i sc32 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_cvtepu8_epi32(nib), 1), _mm512_set1_epi32(1));
+        const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_add_epi8(_mm_add_epi8(nib, nib), one8)));
+        const __m512i scale[2] = {_mm512_permutexvar_epi16(pair0, sc16), _mm512_permutexvar_epi16(pair1, sc16)};
         const __m512i q = _mm512_loadu_si512(b + 2); /* the 32 u16 */
         const __m512i s7 = _mm512_srli_epi16(q, 9);
         /* each u16's sign byte: its 7 bits and their parity as bit 7 (the byte's low 8 bits) */
@@ -1366,20 +1372,19 @@ static float dot2_iq2_xs(int64_t n, const uint8_t *w, const uint8_t *xq, const u
         const __m512i gi = _mm512_and_si512(q, m511);
         const __m512i idx[2] = {_mm512_cvtepu16_epi32(_mm512_castsi512_si256(gi)),
                                 _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(gi, 1))};
-        __m512i sq = zero, sr = zero;
+        __m512i sq = zero, sr = zero, pq[2], pr[2];
         #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) { /* 64 values: 8 grid entries, sub-blocks 4j..4j+3 */
             const __m256i ij = (j & 1) ? _mm512_extracti64x4_epi64(idx[j >> 1], 1) : _mm512_castsi512_si256(idx[j >> 1]);
             const __m512i g = _mm512_i32gather_epi64(ij, (const void *)GRID_IQ2_XS, 8);
             const __m512i vq = _mm512_loadu_si512(yq + 4 + 64 * j), vr = _mm512_loadu_si512(yr + 4 + 64 * j);
-            const __m512i pq = _mm512_dpbusd_epi32(zero, g, _mm512_mask_sub_epi8(vq, (__mmask64)neg[j], zero, vq));
-            const __m512i pr = _mm512_dpbusd_epi32(zero, g, _mm512_mask_sub_epi8(vr, (__mmask64)neg[j], zero, vr));
-            const __m512i sub = _mm512_set_epi32(4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 2, 4 * j + 2,
-                                                 4 * j + 2, 4 * j + 2, 4 * j + 1, 4 * j + 1, 4 * j + 1, 4 * j + 1,
-                                                 4 * j, 4 * j, 4 * j, 4 * j); /* lanes 4l..4l+3: sub-block 4j + l */
-            const __m512i s = _mm512_permutexvar_epi32(sub, sc32);
-            sq = madd_lo16(sq, pq, s);
-            sr = madd_lo16(sr, pr, s);
+            /* each i32 sum of 4 products is within 4 * 43 * 127: it packs to 16 bits exactly */
+            pq[j & 1] = _mm512_dpbusd_epi32(zero, g, _mm512_mask_sub_epi8(vq, (__mmask64)neg[j], zero, vq));
+            pr[j & 1] = _mm512_dpbusd_epi32(zero, g, _mm512_mask_sub_epi8(vr, (__mmask64)neg[j], zero, vr));
+            if (j & 1) {
+                sq = _mm512_dpwssd_epi32(sq, _mm512_packs_epi32(pq[0], pq[1]), scale[j >> 1]);
+                sr = _mm512_dpwssd_epi32(sr, _mm512_packs_epi32(pr[0], pr[1]), scale[j >> 1]);
+            }
         }
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dq), acc);
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dr), acc);
