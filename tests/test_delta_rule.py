@@ -92,3 +92,46 @@ def test_a_prompts_chunked_rule_runs_on_one_torch_thread(monkeypatch):
         assert seen == [1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dv", [48, 64])  # 16-column blocks; 32-column blocks
+def test_a_prompts_rule_in_c_matches_transformers_in_float64(dv, monkeypatch):
+    """A prompt's positions through the C recurrence (gdn_prompt.c: 300 tokens, three blocks of
+    them; q, k, v strided views of one projection; value heads sharing key heads; a right-padded
+    row) against transformers' own recurrence run in float64; the caller's state is kept. With
+    the C call's buffer refused (prefill.c's test hook) the chunked torch form computes it."""
+    import ctypes
+
+    import strata.models.gated_deltanet as gdn
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
+
+    g = torch.Generator().manual_seed(dv)
+    b, t, hk, hv, dk = 2, 300, 2, 4, 32
+    qkv = torch.randn(b, t, 2 * hk * dk + hv * dv, generator=g)
+    q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.view(b, t, hk, dk), k.view(b, t, hk, dk), v.view(b, t, hv, dv)
+    gate = -torch.rand(b, t, hv, generator=g) * 2
+    gate[0, 5, 1] = -200.0  # a decay under float32's range: taken as 0
+    beta = torch.rand(b, t, hv, generator=g)
+    gate[1, -40:], beta[1, -40:] = 0.0, 0.0  # row 1's last 40 positions are padding
+    state = torch.randn(b, hv, dk, dv, generator=g) * 0.3
+    kept = state.clone()
+    want, want_state = torch_recurrent_gated_delta_rule(*(u.double() for u in (q, k, v, gate, beta)),
+                                                        initial_state=state.double(), output_final_state=True,
+                                                        use_qk_l2norm_in_kernel=True)
+    chunked = []
+    real = gdn.chunk_gated_delta_rule
+    monkeypatch.setattr(gdn, "chunk_gated_delta_rule", lambda *a, **kw: chunked.append(1) or real(*a, **kw))
+    out, new_state = gated_delta_rule(q, k, v, gate, beta, state)
+    assert not chunked and torch.equal(state, kept)
+    scale = float(want.abs().max())
+    assert float((out.double() - want).abs().max()) < 2e-5 * scale
+    assert float((new_state.double() - want_state).abs().max()) < 2e-5 * float(want_state.abs().max())
+    refuse = _build.entry("strata_pp_test_fail_allocs", (ctypes.c_long, ctypes.c_long))
+    refuse(0, 1)
+    try:
+        out2, _ = gated_delta_rule(q, k, v, gate, beta, state)
+    finally:
+        refuse(0, 0)
+    assert chunked == [1]
+    assert float((out2.double() - want).abs().max()) < 2e-5 * scale

@@ -11,7 +11,8 @@ projection; q and k are L2-normalised and q is scaled by d_k^-1/2. The output is
 head, multiplied by silu(z) (`attn_gate`), and projected by `ssm_out`.
 
 Prefill runs the chunked form (`chunk_gated_delta_rule`: within a chunk, the delta rule as one
-triangular solve; across chunks, the state); decode runs the one-step recurrence. The conv keeps
+triangular solve; across chunks, the state), or on the CPU the recurrence over all positions in
+one C call (`kernels.delta_rule.try_gdn_prompt`); decode runs the one-step recurrence. The conv keeps
 a rolling state of each row's last K-1 inputs, so decode needs no convolution call.
 
 Right padding: rows of a batch may carry fewer real tokens than the step's width. Padded
@@ -38,7 +39,7 @@ from torch import nn
 
 from strata import kernels
 from strata.kernels.causal_conv import try_causal_conv
-from strata.kernels.delta_rule import try_gdn_step
+from strata.kernels.delta_rule import try_gdn_prompt, try_gdn_step
 from strata.kernels.threads import one_thread_if_small
 from strata.models.cache import StepInfo
 from strata.models.linear import apply_linear
@@ -265,7 +266,11 @@ def gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, recurrent: bool =
     write the new state into `state` (a cache's own, which nothing else keeps).
     """
     scale = q.shape[-1] ** -0.5
-    if q.shape[1] > 1 and not recurrent:  # the chunked form shares each key head's products across its value heads
+    if q.shape[1] > 1 and not recurrent:
+        done = try_gdn_prompt(q, k, v, g, beta, state)  # on the CPU: token by token in C, heads over the pool
+        if done is not None:
+            return done
+        # the chunked form shares each key head's products across its value heads
         q, k, v, g, beta = (u.transpose(1, 2).float() for u in (q, k, v, g, beta))  # heads first
         # a prompt shorter than a chunk pads only to a multiple of 8: an 8-token prompt padded to 64
         # cost 8x the products (70 ms a layer of qwen4exp's shapes, against 9)
