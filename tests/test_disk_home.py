@@ -171,3 +171,59 @@ def test_a_decode_token_computes_its_disk_experts_by_one_call_each_with_the_same
     assert outputs["direct"].keys() == outputs["general"].keys() and outputs["direct"]
     assert all(torch.equal(out, outputs["general"][key]) for key, out in outputs["direct"].items())
     assert "direct" not in lane_calls and "general" in lane_calls  # the direct path made no grouped call
+
+
+def test_a_short_prompts_disk_experts_take_one_call_each_over_their_rows(tmp_path, monkeypatch):
+    """In a short prompt most of a disk home's experts take 1-2 rows: each is one strata_moe_tokens
+    call on its read's bytes over its rows (an expert with PROMPT_AMX_MIN_ROWS rows or more keeps
+    the general path, prefill.c's product where it applies), and the layer's output agrees with the
+    general path's and with float64 products of gguf-py's dequantized weights."""
+    import numpy as np
+    import pytest
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from strata import kernels
+    from strata.tiers.executor import CpuLane
+    from strata.tiers.store import expert_format
+    from test_kernels import random_qtensor
+
+    if not kernels.available():
+        pytest.skip("kernels unavailable")
+    n_exp, hidden, ffn, n = 6, 256, 512, 8
+    types = ("IQ2_XS", "IQ2_XS", "Q4_0")  # the full-size flagship's expert layout
+    stacked = tuple(random_qtensor(t, shape, seed=s) for s, (t, shape) in
+                    enumerate(zip(types, [(n_exp, ffn, hidden), (n_exp, ffn, hidden), (n_exp, hidden, ffn)])))
+    path = tmp_path / "experts.bin"
+    path.write_bytes(b"".join(q.raw.numpy().tobytes() for q in stacked))
+    fmt = expert_format(stacked, [0, stacked[0].nbytes, stacked[0].nbytes + stacked[1].nbytes])
+    home = DiskHome({0: fmt}, FileReader(path), capacity=1 << 22)
+    lane = CpuLane(2, {0: home}, {0: fmt})
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(n, hidden, generator=g) * 0.05
+    # expert 0: 7 rows; 1: 2 rows; 2: 1 row; 3: 6 rows (rows 0-6 pair 0 with 3, 4, 5 or 1)
+    ids = torch.tensor([[0, 3], [0, 3], [0, 3], [0, 3], [0, 3], [0, 3], [0, 1], [2, 1]])
+    w = torch.rand(n, 2, generator=g)
+    used = sorted(set(ids.flatten().tolist()))
+    calls = []
+    at = kernels.moe_tokens_at
+    monkeypatch.setattr(kernels, "moe_tokens_at", lambda x, parts, spec, tokens, *a: calls.append(tuple(tokens)) or
+                        at(x, parts, spec, tokens, *a))
+    try:
+        with kernels.prompt_batches():
+            y = sum(f.result() for f in lane.submit(0, x, ids, w, used))
+            monkeypatch.setattr(CpuLane, "_rows_products", lambda *a: None)
+            general = sum(f.result() for f in lane.submit(0, x, ids, w, used))
+    finally:
+        lane.close()
+        home.close()
+    assert sorted(calls) == [(6, 7), (7,)]  # experts 1 and 2, one call each, their rows ascending
+    assert (y - general).abs().max().item() <= 1e-4 * general.abs().max().item()
+    dense = [torch.from_numpy(gguf_dequantize(q.raw.numpy(), q.qtype)).double().reshape(q.shape) for q in stacked]
+    ref = torch.zeros(n, hidden, dtype=torch.float64)
+    for t in range(n):
+        for e, wt in zip(ids[t].tolist(), w[t].tolist()):
+            xt = x[t].double()
+            h = torch.nn.functional.silu(dense[0][e] @ xt) * (dense[1][e] @ xt)
+            ref[t] += wt * (dense[2][e] @ h)
+    assert np.isfinite(ref.numpy()).all()
+    assert (y.double() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()  # 8-bit x; a wrong sum is O(1) off

@@ -521,6 +521,36 @@ def moe_token_at(x: torch.Tensor, ptrs: list[tuple[int, int, int]], expert_kerne
     return _call_moe_token(x, ([vp(*(p[i] for p in ptrs)) for i in range(3)], *expert_kernels), w, threads, out)
 
 
+def _moe_tokens_fn():
+    """strata_moe_tokens with its argument types declared, or None without the entry point."""
+    lib = _build.load()
+    fn = getattr(lib, "strata_moe_tokens", None) if lib is not None else None
+    if fn is not None and fn.argtypes is None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [p, p, p, p, ctypes.c_int, p, p, p, p, p, p, i64, i64, p, p, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def moe_tokens_at(x: torch.Tensor, parts: tuple[int, int, int], expert_kernels, tokens: list[int],
+                  w: list[float], threads, out: torch.Tensor) -> bool:
+    """One expert over a few rows of x (`tokens`, ascending, with their router weights `w`), given by
+    the addresses of its (gate, up, down) bytes laid out as `expert_kernels` (`token_expert_kernels`)
+    says: out[t] += w * expert(x[t]) in one strata_moe_tokens call (the call `_moe_tokens` makes for
+    resident experts), no route table, QTensor views or plans per expert. False (nothing done) where
+    x or out is not float32, `expert_kernels` is None or the entry point is missing."""
+    fn = _moe_tokens_fn() if USE_KERNELS and expert_kernels is not None and _f32(x, out) else None
+    if fn is None or not tokens:
+        return False
+    (gf, uf, df), ffn = expert_kernels
+    n = len(tokens)
+    one = ctypes.c_void_p * 1
+    ints = ctypes.c_int64 * n
+    return bool(fn(one(parts[0]), one(parts[1]), one(parts[2]), (ctypes.c_int64 * 1)(n), 1, ints(*tokens),
+                   (ctypes.c_float * n)(*w), ints(*range(n)), gf, uf, df, x.shape[-1], ffn, x.data_ptr(),
+                   out.data_ptr(), _build.pool_threads(threads)))
+
+
 # id(stacked raw) -> (plan of expert 0, bytes from one expert to the next) or None
 _stacked = plan_cache.PlanCache()
 
@@ -562,8 +592,7 @@ def _moe_tokens(x: torch.Tensor, table: RouteTable, experts, threads, out: torch
     experts by descending weight (a top-k router's order, which a one-token table keeps; a router
     whose k weights are not sorted, or tie, differs by rounding); a tier's source in the table's
     order (the tiers' tables keep a set of experts, sorted by expert for one token too)."""
-    lib = _build.load()
-    fn = getattr(lib, "strata_moe_tokens", None) if lib is not None else None
+    fn = _moe_tokens_fn()
     if fn is None or not _f32(x, out):
         return False
     used, counts = torch.unique_consecutive(table.expert, return_counts=True)
@@ -574,10 +603,6 @@ def _moe_tokens(x: torch.Tensor, table: RouteTable, experts, threads, out: torch
     if spec is None:
         return False
     (gp, up, dp), (gf, uf, df), ffn = spec
-    if fn.argtypes is None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, p, p, p, ctypes.c_int, p, p, p, p, p, p, i64, i64, p, p, ctypes.c_int]
-        fn.restype = ctypes.c_int
     counts = counts.to(torch.int64).contiguous()
     token = table.token.to(torch.int64).contiguous()
     weight = table.weight.to(torch.float32).contiguous()

@@ -111,7 +111,7 @@ class CpuLane:
             source = lambda: _first_once(expert_source(self.formats[layer], lambda e: home.parts(layer, e)))  # noqa: E731
             if arrival is None or x.shape[0] > (ARRIVAL_ROWS if in_prompt else kernels.FAST_BATCH_MAX):
                 return moe.grouped_swiglu(x, route_table(ids, weights, experts), source())
-            # a disk home at decode, in a verify pass or a decode batch: each expert as its read
+            # a disk home at decode, in a verify pass, a decode batch or a short prompt: each expert as its read
             # lands, the products summed in expert order (so the result does not depend on which
             # read came first, and each row is its one-token step's); one read expert held at a
             # time (one call over them all would hold every one, past the RAM cache). Each worker's
@@ -123,15 +123,15 @@ class CpuLane:
                 products = self._token_products(layer, home, x, ids, weights, experts, threads)
                 if products is not None:
                     return _sum_in_order(products, x)
-            products = {e: moe.grouped_swiglu(x, route_table(ids, weights, {e}), source(), threads=threads)
-                        for e in arrival(layer, sorted(experts))}
-            return _sum_in_order(products, x)
+            general = lambda e: moe.grouped_swiglu(x, route_table(ids, weights, {e}), source(), threads=threads)  # noqa: E731
+            if in_prompt and x.shape[0] > 1:
+                products = self._rows_products(layer, home, x, ids, weights, experts, threads, general)
+                if products is not None:
+                    return _sum_in_order(products, x)
+            return _sum_in_order({e: general(e) for e in arrival(layer, sorted(experts))}, x)
 
-    def _token_products(self, layer, home, x, ids, weights, experts: set[int], threads) -> dict | None:
-        """A decode token's experts of a disk home, each by one C call on its bytes as its read lands
-        (`kernels.moe_token_at`: no route table, QTensor views or per-expert plans, 0.1-0.3 ms of
-        Python an expert); the same call `moe.grouped_swiglu` makes for one token and one expert, so
-        the same products. None where the kernels do not apply (then the general path runs)."""
+    def _expert_kernels(self, layer, x):
+        """The layer's `kernels.token_expert_kernels`, or None where they (or the kernels) do not apply."""
         spec = self._token_kernels.get(layer, False)
         if spec is False:  # the kernels depend on the layout only: planned on scratch bytes, once
             fmt = self.formats[layer]
@@ -139,6 +139,47 @@ class CpuLane:
                                                 x.shape[-1])
             self._token_kernels[layer] = spec
         if spec is None or not kernels.USE_KERNELS or x.dtype is not torch.float32 or not x.is_contiguous():
+            return None
+        return spec
+
+    def _rows_products(self, layer, home, x, ids, weights, experts: set[int], threads, general) -> dict | None:
+        """A short prompt's experts of a disk home (most take 1-2 of its rows), each by one C call on
+        its bytes over its rows as its read lands (`kernels.moe_tokens_at`: the strata_moe_tokens call
+        resident experts of a few rows take); an expert with PROMPT_AMX_MIN_ROWS rows or more by
+        `general(e)` (prefill.c's product, where it applies). Through the route table, QTensor views,
+        per-matrix plans and torch's SwiGLU, 2/3 of the full-size flagship's prompt-expert CPU was
+        Python around the products. None where the kernels do not apply (then the general path runs)."""
+        spec = self._expert_kernels(layer, x)
+        if spec is None:
+            return None
+        k = ids.shape[-1]
+        rows: dict[int, tuple[list[int], list[float]]] = {}
+        for i, (e, w) in enumerate(zip(ids.reshape(-1).tolist(), weights.reshape(-1).tolist())):
+            if e in experts:
+                tokens, ws = rows.setdefault(e, ([], []))
+                tokens.append(i // k)  # ascending: pairs come token by token
+                ws.append(w)
+        products = {}
+        for e in home.arrival(layer, sorted(experts)):
+            if e not in rows:  # asked for but routed by none of these rows (a prediction's read): adds nothing
+                continue
+            if len(rows[e][0]) >= kernels.PROMPT_AMX_MIN_ROWS:
+                products[e] = general(e)
+                continue
+            parts = home.parts(layer, e)
+            y = torch.zeros_like(x)
+            if not kernels.moe_tokens_at(x, tuple(p.data_ptr() for p in parts), spec, *rows[e], threads, y):
+                raise RuntimeError("strata_moe_tokens declined a layout it was planned for (out of memory?)")
+            products[e] = y
+        return products
+
+    def _token_products(self, layer, home, x, ids, weights, experts: set[int], threads) -> dict | None:
+        """A decode token's experts of a disk home, each by one C call on its bytes as its read lands
+        (`kernels.moe_token_at`: no route table, QTensor views or per-expert plans, 0.1-0.3 ms of
+        Python an expert); the same call `moe.grouped_swiglu` makes for one token and one expert, so
+        the same products. None where the kernels do not apply (then the general path runs)."""
+        spec = self._expert_kernels(layer, x)
+        if spec is None:
             return None
         w = dict(zip(ids.reshape(-1).tolist(), weights.reshape(-1).tolist()))
         products = {}
