@@ -15,9 +15,10 @@ Every run is a fresh interpreter with the placement `--pin-experts auto --expert
   * memory bandwidth: a 512 MiB copy (read + write counted).
 
 Limits printed beside the figures: decode tok/s if every byte the decode read from disk came at
-the measured bandwidth (`disk limit`), time to first token if the dense weights and the prefill's
-expert bytes came at that bandwidth, peak anonymous RSS against `--ram-memory` (the interpreter's
-own, measured before loading, shown apart).
+the measured bandwidth (`disk limit`), time to first token if the bytes that must be read before
+it (the dense weights the forward uses, and the experts the prompt used: not the reads ahead it
+left unused, shown apart) came at that bandwidth, peak anonymous RSS against `--ram-memory` (the
+interpreter's own, measured before loading, shown apart).
 
 `--llama-cpp` runs llama.cpp (llama-cpp-python: mmap, the same threads, greedy, the same prompt
 ids) on each file after Strata, and prints its decode and prefill beside Strata's with the ratios
@@ -73,7 +74,8 @@ CHILD = textwrap.dedent("""
     homes = [h for h in {id(h): h for h in engine.tiers.homes.values()}.values() if h.kind == "disk"]
     def counters():
         return (sum(h.reader.bytes_read for h in homes), sum(h.hits for h in homes), sum(h.misses for h in homes),
-                sum(h.wait_s for h in homes), sum(h.read_ahead for h in homes), sum(h.ahead_used for h in homes))
+                sum(h.wait_s for h in homes), sum(h.read_ahead for h in homes), sum(h.ahead_used for h in homes),
+                sum(h.used_bytes for h in homes))
     ids = [(7 * i + 3) % engine.config.vocab_size for i in range(n_prompt)]
     t1, cpu_t1 = time.perf_counter(), time.process_time()
     first = None
@@ -91,7 +93,9 @@ CHILD = textwrap.dedent("""
     print(json.dumps({
         "base": base, "load_s": load_s, "prefill_s": first - t1, "ttft_s": first - t0,
         "prefill_tok_s": n_prompt / (first - t1), "decode_tok_s": (len(out) - 1) / (end - first),
-        "prefill_bytes": at_first[0], "decode_bytes_per_token": d[0] / n_dec,
+        "prefill_bytes": at_first[0], "prefill_used_bytes": at_first[6], "prefill_wait_s": at_first[3],
+        "dense_read": engine.tiers.readahead.total if engine.tiers.readahead is not None else None,
+        "decode_bytes_per_token": d[0] / n_dec,
         "decode_hit_rate": d[1] / max(d[1] + d[2] + d[5], 1), "decode_ahead_rate": d[5] / max(d[1] + d[2] + d[5], 1),
         "decode_wait_s_per_token": d[3] / n_dec, "decode_cpu_s_per_token": (cpu_end - cpu_first) / n_dec, "prefill_cpu_s": cpu_first - cpu_t1, "read_ahead_per_token": d[4] / n_dec,
         "ahead_used_per_token": d[5] / n_dec, "memory": engine.memory.as_dict(), "ctx": engine.ctx_size,
@@ -291,13 +295,23 @@ def main(argv=None) -> int:
         print(f"# run {model.name} (router skew {skew:g}): {r['summary']}", flush=True)
         print(f"# greedy tokens: {r['tokens']}", flush=True)
     dense = rows[0]["memory"]["dense"]
+
+    def dense_of(r):  # the dense weights the first forward reads (read ahead: all but the embedding's rows)
+        return r["dense_read"] if r.get("dense_read") is not None else r["memory"]["dense"]
+
+    def must_read(r):  # bytes that must come from disk before the first token
+        return dense_of(r) + r["prefill_used_bytes"]
     table = [("router skew", lambda r: f"{r['skew']:g}"),
              ("disk GB/s (measured on the file before its run)", lambda r: f"{r['disk'] / 1e9:.2f}"),
              ("load average at the end of the run", lambda r: f"{r['load_avg']:.1f}"),
              ("load s", lambda r: f"{r['load_s']:.1f}"),
              ("time to first token s", lambda r: f"{r['ttft_s']:.1f}"),
-             ("  limit: (dense + prefill reads) / disk s",
-              lambda r: f"{(dense + r['prefill_bytes']) / r['disk']:.1f}"),
+             ("  limit: (dense + experts the prompt used) / disk s", lambda r: f"{must_read(r) / r['disk']:.1f}"),
+             ("  time to first token / limit", lambda r: f"{r['ttft_s'] * r['disk'] / must_read(r):.2f}x"),
+             ("  GiB read before it (dense, experts used, read ahead unused)",
+              lambda r: f"{dense_of(r) / 2**30:.2f}, {r['prefill_used_bytes'] / 2**30:.2f}, "
+                        f"{(r['prefill_bytes'] - r['prefill_used_bytes']) / 2**30:.2f}"),
+             ("  prefill: time waiting for reads s (all workers)", lambda r: f"{r['prefill_wait_s']:.2f}"),
              (f"prefill tok/s ({args.prompt_tokens} tokens)", lambda r: f"{r['prefill_tok_s']:.2f}"),
              ("  prefill CPU time s (all threads)", lambda r: f"{r['prefill_cpu_s']:.2f}"),
              (f"decode tok/s ({args.tokens} tokens)", lambda r: f"{r['decode_tok_s']:.3f}"),

@@ -40,6 +40,7 @@ def test_arrival_yields_reads_as_they_land_and_uses_count_as_misses_hits_and_rea
         for e in (1, 2):
             home.parts(0, e)  # cached now
         assert (home.misses, home.hits, home.ahead_used) == (3, 2, 1)
+        assert home.used_bytes == 4 * sum(SIZES)  # each read once, when its first use needed it
         assert home.stats()["disk_reads"] == 4
     finally:
         gate.set()

@@ -366,6 +366,7 @@ class DiskHome(Home):
         self.read_ahead = 0  # reads started from a prediction, before the layer asked
         self.ahead: dict[tuple[int, int], bool] = {}  # read ahead and not used yet
         self.ahead_used = 0  # uses served by a read ahead (the first use after it)
+        self.used_bytes = 0  # expert bytes of the reads a use needed (misses and reads ahead used): not wasted
         self.demand: dict[tuple[int, int], bool] = {}  # read because a layer asked, not used yet: a miss
         self.wait_s = 0.0  # time compute threads waited for a read
         self.reading = self.max_reading = 0  # reads in progress now / at most
@@ -436,11 +437,14 @@ class DiskHome(Home):
                     self.misses += 1  # read for this use (it landed before the use asked)
                 else:
                     self.hits += 1
+                    return flat
+                self.used_bytes += self.formats[layer].nbytes
                 return flat
             if ahead:
                 self.ahead_used += 1
             else:
                 self.misses += 1
+            self.used_bytes += self.formats[layer].nbytes
             future = self.inflight.get(key)
             if future is None:
                 future = self.inflight[key] = self.pool.submit(key, urgent=True)
@@ -534,6 +538,7 @@ class DiskHome(Home):
                 "read_ahead_used": self.ahead_used,
                 "read_ahead_in_time": self.ahead_used / total if total else 0.0,
                 "bytes_read": self.reader.bytes_read, "device_bytes_read": self.reader.device_bytes,
+                "bytes_used": self.used_bytes,
                 "o_direct": self.reader.direct, "readers": self.readers, "read_ahead": self.read_ahead,
                 "max_reads_in_flight": self.max_reading, "read_wait_s": self.wait_s,
                 "reads_into_kept_buffers": self.spare_reads,
