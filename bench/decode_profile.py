@@ -401,3 +401,116 @@ def replay_products(engine, prompt: list[int], repeats: int = 8) -> None:
           f"{ms[0]:.2f}, waiting for a helper's last tile {ms[1]:.2f}, waking helpers {ms[7]:.2f}, serial outside pool "
           f"jobs {1e3 * caller_cpu / repeats - ms[3]:.2f}; helpers in tiles {ms[2]:.2f}; jobs shared {d[4]:.0f}, run "
           f"alone {d[5]:.0f}, that woke a sleeping helper {d[6]:.0f}")
+
+
+
+MARKS = {1: "prepare x", 10: "attention half", 11: "ffn half", 12: "stack end"}  # (+ any a caller adds)
+EV = 14  # int64 fields of one qmm.c pool_event
+T_IN, T_PUB, T_CALLER, T_OUT, H_FIRST, H_LAST, TAG, INFO, FN, N_TILES, C_TILES, H_TILES, C_IN, C_OUT = range(EV)
+
+
+def _job_name(e, names: dict) -> str:
+    tag, info = e[TAG], e[INFO]
+    if tag == 1:
+        n, rows, cols = info & 0xFFFF, (info >> 16) & 0xFFFFFF, info >> 40
+        return f"products {n}x{rows}x{cols}"
+    if tag == 2:
+        return f"router {info}"
+    return names.setdefault(e[FN], f"fn#{len(names) + 1}")
+
+
+def _shared(e) -> bool:
+    return e[H_TILES] > 0 or e[T_PUB] != e[T_CALLER]
+
+
+def print_timeline(engine, prompt: list[int], steps: int = 16, show: bool = True, marks: dict | None = None) -> None:
+    """Where each decode token's time goes between the calling thread and the pool's helpers
+    (qmm.c's job timeline). Per token, medians: wall ms in pool jobs (publishing them, the calling
+    thread's own tiles, its wait for a helper's last tile) and the helpers' start delay; the
+    calling thread's CPU ms outside pool jobs (while the helpers have nothing to do), inside the
+    one-call stack (preparing x, norms, routing, attention glue) and outside it (Python, embedding,
+    the head's x, sampling); then one token's events in order. The CPU figures hold on a loaded
+    machine; the wall ones include its descheduling."""
+    from strata.runtime.generate import generate_step
+    from strata.runtime.sampling import SamplingParams
+
+    lib = kernels._build.load()
+    model = engine.model
+    tokens = generate_step(model, [prompt], SamplingParams(), model.new_cache(1))  # as bench_vs_llamacpp decodes
+    with torch.inference_mode():
+        for _ in range(4):
+            next(tokens)
+        bounds = []
+        lib.strata_pool_trace(1)
+        try:
+            for _ in range(steps):
+                t0, c0 = time.monotonic_ns(), time.thread_time_ns()
+                next(tokens)
+                bounds.append((t0, time.monotonic_ns(), c0, time.thread_time_ns()))
+        finally:
+            lib.strata_pool_trace(0)
+    buf = (ctypes.c_int64 * (EV * 16384))()
+    n = lib.strata_pool_trace_read(buf, 16384)
+    ev = [tuple(buf[EV * i:EV * i + EV]) for i in range(n)]
+    names: dict = {}
+    rows = []
+    for t0, t1, c0, c1 in bounds:
+        mine = [e for e in ev if t0 <= e[T_IN] < t1]
+        jobs = [e for e in mine if e[TAG] >= 0]
+        shared = [e for e in jobs if _shared(e)]
+        first = {-e[TAG]: e for e in reversed(mine) if e[TAG] < 0}  # each mark kind's first
+        s0, s1 = first.get(10), first.get(12)
+        in_stack = [e for e in jobs if s0 and s1 and s0[T_IN] <= e[T_IN] <= s1[T_IN]]
+        job_cpu = sum(e[C_OUT] - e[C_IN] for e in jobs)
+        stack_cpu = s1[C_IN] - s0[C_IN] if s0 and s1 else 0
+        stack_serial = stack_cpu - sum(e[C_OUT] - e[C_IN] for e in in_stack)
+        prep = 0
+        for i, e in enumerate(mine):
+            if e[TAG] == -1:
+                nxt = next((f for f in mine[i + 1:] if f[TAG] >= 0), None)
+                prep += nxt[C_IN] - e[C_IN] if nxt else 0
+        ct, ht = sum(e[C_TILES] for e in shared), sum(e[H_TILES] for e in shared)
+        rows.append(dict(
+            wall=t1 - t0, cpu=c1 - c0, jobs=len(jobs), shared=len(shared),
+            in_jobs=sum(e[T_OUT] - e[T_IN] for e in jobs), publish=sum(e[T_PUB] - e[T_IN] for e in shared),
+            own=sum(e[T_CALLER] - e[T_PUB] for e in shared), wait=sum(e[T_OUT] - e[T_CALLER] for e in shared),
+            delay=sum(max(e[H_FIRST] - e[T_PUB], 0) for e in shared if e[H_FIRST]),
+            alone=sum(e[T_OUT] - e[T_IN] for e in jobs if not _shared(e)),
+            serial=c1 - c0 - job_cpu, stack_serial=stack_serial, prep=prep,
+            outside=c1 - c0 - job_cpu - stack_serial, share=ht / (ct + ht) if ct + ht else 0.0))
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+    def ms(v):
+        return f"{v / 1e6:.2f}"
+
+    print(f"\n  timeline of {steps} decode tokens, medians per token (uptime: {os.popen('uptime').read().strip()})")
+    print(f"    token {ms(med['wall'])} ms wall, calling thread {ms(med['cpu'])} ms CPU; {med['jobs']:.0f} pool jobs, "
+          f"{med['shared']:.0f} shared, helpers ran {100 * med['share']:.0f}% of their tiles")
+    print(f"    wall in pool jobs {ms(med['in_jobs'])}: shared ones publishing (wake-ups) {ms(med['publish'])}, "
+          f"caller's tiles {ms(med['own'])}, caller waiting for a helper's last tile {ms(med['wait'])}; "
+          f"jobs run alone {ms(med['alone'])}; helpers' first tile after publication (summed) {ms(med['delay'])}")
+    print(f"    calling thread CPU outside pool jobs (helpers idle) {ms(med['serial'])}: in the one-call stack "
+          f"{ms(med['stack_serial'])} (of it preparing x {ms(med['prep'])}), outside it {ms(med['outside'])}")
+    if not show:
+        return
+    t0, t1, c0, _ = bounds[len(bounds) // 2]
+    mine = [e for e in ev if t0 <= e[T_IN] < t1]
+    print(f"    one token's events (wall us from its start; cpu: the calling thread's CPU us since the last event)")
+    print(f"      {'at':>9} {'what':<28} {'gap':>7} {'cpu':>7} {'pub':>6} {'caller':>7} {'wait':>6} {'h.start':>7} "
+          f"{'tiles c/h':>10}")
+    last, lastc = t0, c0
+    names_of = {**MARKS, **(marks or {})}
+    for e in mine:
+        head = f"      {(e[T_IN] - t0) / 1e3:9.1f}"
+        if e[TAG] < 0:
+            what = f"> {names_of.get(-e[TAG], str(-e[TAG]))} {e[INFO]}"
+            print(f"{head} {what:<28} {(e[T_IN] - last) / 1e3:7.1f} {(e[C_IN] - lastc) / 1e3:7.1f}")
+            last, lastc = e[T_IN], e[C_IN]
+            continue
+        sh = _shared(e)
+        start = f"{(e[H_FIRST] - e[T_PUB]) / 1e3:7.1f}" if sh and e[H_FIRST] else f"{'':>7}"
+        print(f"{head} {_job_name(e, names):<28} {(e[T_IN] - last) / 1e3:7.1f} {(e[C_IN] - lastc) / 1e3:7.1f} "
+              f"{(e[T_PUB] - e[T_IN]) / 1e3:6.1f} {(e[T_CALLER] - e[T_PUB]) / 1e3:7.1f} {(e[T_OUT] - e[T_CALLER]) / 1e3:6.1f} "
+              f"{start} {e[C_TILES]:>5}/{e[H_TILES]:<4}")
+        last, lastc = e[T_OUT], e[C_OUT]
+    print(f"      {(t1 - t0) / 1e3:9.1f} {'token end':<28} {(t1 - last) / 1e3:7.1f}")

@@ -56,11 +56,14 @@ def _quantized(name: str, tmp_path, monkeypatch):
 
 
 def _counted(monkeypatch):
-    calls = [0]
+    """calls[0]: tokens the stack ran; calls[1]: of them, from the embedding row to the logits
+    (strata_decode_token: the embedding, layers and head in one call)."""
+    calls = [0, 0]
 
     def counted(*a):
         y = REAL_TRY_DECODE(*a)
         calls[0] += y is not None
+        calls[1] += y is not None and len(a) > 5 and a[5] is not None
         return y
 
     monkeypatch.setattr(decode_stack, "try_decode", counted)
@@ -97,7 +100,7 @@ def test_stack_decode_matches_transformers_and_the_block_path(name, mode, tmp_pa
     want = hf_logits(ref, ids)[13:]
     calls = _counted(monkeypatch)
     fast = _decode(model, ids, 14)
-    assert calls[0] == 10
+    assert calls == [10, 10]  # (a Q8_0 embedding: each token from its row to its logits in one call)
     assert (fast - want).abs().max().item() < 2e-3
     assert torch.equal(fast.argmax(-1), want.argmax(-1))
     monkeypatch.setattr(decode_stack, "try_decode", lambda *a: None)
@@ -137,6 +140,35 @@ def test_stack_is_rebuilt_when_a_weight_changes(tmp_path, monkeypatch):
         assert torch.equal(f32, _decode(model, ids, 16))
     finally:
         kernels.set_activations(mode)
+
+
+@needs_kernels
+def test_token_ends_follow_the_model(tmp_path, monkeypatch):
+    """The one-call token's embedding and head are the model's present ones: an output head with
+    its rows permuted gives the same logits permuted, bit for bit; a float embedding table (looked
+    up in Python, the layers and head still in C) gives the quantized table's logits; a float head
+    (torch's norm and product) agrees to float32 rounding."""
+    from strata.models.linear import Embedding, Linear
+
+    model, _ = _quantized("llama", tmp_path, monkeypatch)
+    ids = prompt(VOCAB, 20, seed=9)
+    before = _decode(model, ids, 16)
+    head = model.output.weight
+    perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))
+    w = copy.deepcopy(head)
+    w.raw = w.raw[perm].contiguous()
+    model.output = Linear(w)
+    calls = _counted(monkeypatch)
+    permuted = _decode(model, ids, 16)
+    assert calls == [4, 4] and torch.equal(permuted, before[:, perm])
+    model.output = Linear(head)
+    model.tok_embd = Embedding(model.tok_embd.weight.dequantize(torch.float32))
+    calls = _counted(monkeypatch)
+    assert torch.equal(_decode(model, ids, 16), before) and calls == [4, 0]
+    model.output = Linear(head.dequantize(torch.float32))
+    calls = _counted(monkeypatch)
+    floats = _decode(model, ids, 16)
+    assert calls == [4, 0] and (floats - before).abs().max().item() < 1e-4 * before.abs().max().item()
 
 
 @needs_kernels

@@ -35,6 +35,11 @@ int strata_gdn_decode(const float *x, int64_t B, int64_t T, const int64_t *n_new
                       float *steps, const float *ssm_norm_w, float ssm_eps, int gate_sigmoid, void *o_fn,
                       const void *o_W, const int64_t *o_order, int residual, float *out, int nth);
 
+void strata_pool_mark(int64_t tag, int64_t info);
+void strata_rms_norm(const float *x, const float *w, int64_t n, float eps, float *y);
+int strata_dequant(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, void *Y, int bf16, int nth);
+typedef void (*qmm_fn)(const uint8_t *, int64_t, int64_t, const float *, int64_t, float *, int);
+
 #define STACK_MAX_K 128
 
 typedef struct {
@@ -99,6 +104,7 @@ int64_t strata_decode_stack(const strata_layer *L, int64_t n, int64_t hidden, fl
     const int64_t one = 1;
     for (int64_t i = 0; i < n; i++) {
         const strata_layer *l = &L[i];
+        strata_pool_mark(10, i); /* the timeline's layer boundaries */
         if (l->gdn) {
             if (!strata_gdn_decode(x, 1, 1, &one, hidden, l->attn_norm, (float)l->attn_eps, l->gdn_fn, l->gdn_w,
                                    l->gdn_rows, l->nk, l->nv, l->dk, l->dv, l->conv, (float *)0, l->taps, l->kernel,
@@ -111,6 +117,7 @@ int64_t strata_decode_stack(const strata_layer *L, int64_t n, int64_t hidden, fl
                                 l->o_fn, l->o_w, (int)l->gated, tmp, nth))
             return 2 * i;
         int ok;
+        strata_pool_mark(11, i);
         if (l->moe) {
             if (l->k <= 0 || l->k > STACK_MAX_K) return 2 * i + 1;
             ok = strata_moe_decode(tmp, hidden, l->ffn_norm, (float)l->ffn_eps, l->router, l->n_exp, (int)l->k,
@@ -126,5 +133,32 @@ int64_t strata_decode_stack(const strata_layer *L, int64_t n, int64_t hidden, fl
         }
         if (!ok) return 2 * i + 1;
     }
+    strata_pool_mark(12, n);
     return 2 * n;
+}
+
+/* logits = W_out rms_norm(x) for one decode token (xn: hidden floats of scratch): the final norm and
+ * the output head by its strata_qmm_* kernel. The model calls it after the layers whichever way they
+ * ran (strata_decode_token below, or block by block), so both give the same logits. */
+void strata_decode_head(const float *x, int64_t hidden, const float *norm_w, float eps, void *head_fn,
+                        const void *head_w, int64_t vocab, float *xn, float *logits, int nth) {
+    strata_rms_norm(x, norm_w, hidden, eps, xn);
+    ((qmm_fn)head_fn)((const uint8_t *)head_w, vocab, hidden, xn, 1, logits, nth);
+}
+
+/* A whole decode token in one call: x = the embedding row (ggml type embd_type at embd_row, by
+ * ggml's to_float as the model's Embedding decodes it; embd_row NULL: x holds it already), then
+ * strata_decode_stack, then, all layers done, strata_decode_head into logits. What it saves is the
+ * Python around the stack (the embedding's and the head's module calls, the final norm's torch
+ * operators: ~1 ms of a qwen3-30b token at 2 threads, while the pool's helper had nothing to do).
+ * Returns what strata_decode_stack returns, or -1 (nothing run) when the embedding's type has no
+ * to_float. */
+int64_t strata_decode_token(const strata_layer *L, int64_t n, int64_t hidden, float *x, const float *cs,
+                            const float *sn, int64_t pos, float *tmp, int nth, int embd_type, const uint8_t *embd_row,
+                            int64_t embd_bytes, const float *norm_w, float eps, void *head_fn, const void *head_w,
+                            int64_t vocab, float *logits) {
+    if (embd_row && !strata_dequant(embd_type, embd_row, 1, hidden, embd_bytes, x, 0, 1)) return -1;
+    const int64_t done = strata_decode_stack(L, n, hidden, x, cs, sn, pos, tmp, nth);
+    if (done == 2 * n) strata_decode_head(x, hidden, norm_w, eps, head_fn, head_w, vocab, tmp, logits, nth);
+    return done;
 }

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from strata import kernels
+from strata.formats.weights import QTensor
 from strata.kernels import _build, decode_ops
 from strata.kernels.decode_ops import _ok, _swiglu_plans, _vec
 
@@ -230,6 +231,68 @@ def current(stack: Stack | None, key: list | None, hidden: int, rot_half: int) -
 
 
 _ARGTYPES = (_P, _I64, _I64, _P, _P, _P, _I64, _P, ctypes.c_int)
+_TOKEN_ARGTYPES = _ARGTYPES + (ctypes.c_int, _P, _I64, _P, ctypes.c_float, _P, _P, _I64, _P)
+_HEAD_ARGTYPES = (_P, _I64, _P, ctypes.c_float, _P, _P, _I64, _P, _P, ctypes.c_int)
+
+
+class Ends(NamedTuple):
+    """A decode token's two ends in C (decode_stack.c's strata_decode_token / strata_decode_head):
+    the embedding row by ggml's to_float as `Embedding` decodes it (embd_ptr 0: a table of another
+    kind, looked up in Python), and the final RMS norm with the output head's strata_qmm_* kernel.
+    `sources`: what it was built from, compared by identity each step."""
+
+    sources: tuple
+    embd_type: int
+    embd_ptr: int
+    embd_bytes: int  # one row's
+    vocab_rows: int  # the embedding's rows (token ids below it)
+    norm: int
+    eps: float
+    head_fn: int
+    head_w: int
+    vocab: int
+    hidden: int
+    keep: tuple  # the tensors the pointers name
+
+
+def ends(sources: tuple, norm_w: torch.Tensor, eps: float, head: QTensor, embd: QTensor | None,
+         hidden: int) -> Ends | None:
+    """The Ends of a model's final norm (its weight, eps), output head (a quantized weight, no bias)
+    and embedding table (a quantized one C can decode, else None: looked up in Python); None where
+    the head does not apply (a type without a strata_qmm_* kernel): the model runs it in torch.
+    `sources`: what the caller compares to rebuild it (the caller checks the modules' kinds)."""
+    if not _vec(norm_w) or norm_w.numel() != hidden:
+        return None
+    plan = kernels._plan(head)
+    if plan is None or plan.fnptr is None or plan.cols != hidden:
+        return None
+    keep: list = [norm_w, plan]
+    embd_type = embd_ptr = embd_bytes = rows = 0
+    if (embd is not None and embd.raw.device.type == "cpu" and len(embd.shape) == 2 and embd.shape[1] == hidden
+            and kernels._type_name(embd.qtype) in _build.GGML_TYPES):
+        raw = _build.raw_bytes(embd)
+        per_row = raw.numel() // embd.shape[0]
+        if raw.is_contiguous() and per_row * embd.shape[0] == raw.numel():
+            embd_type, embd_ptr, embd_bytes, rows = int(embd.qtype), raw.data_ptr(), per_row, embd.shape[0]
+            keep.append(raw)
+    return Ends(sources, embd_type, embd_ptr, embd_bytes, rows, norm_w.data_ptr(), float(eps), plan.fnptr, plan.ptr,
+                plan.rows, hidden, tuple(keep))
+
+
+def try_head(e: Ends, x: torch.Tensor) -> torch.Tensor | None:
+    """The logits (1, 1, vocab) of one decode token's last hidden state x (1, 1, hidden) by
+    strata_decode_head, or None where it does not apply (then the model's torch modules run)."""
+    if not _ok(x) or x.numel() != e.hidden:
+        return None
+    fn = _build.entry("strata_decode_head", _HEAD_ARGTYPES, None)
+    if fn is None:
+        return None
+    x = x.contiguous()
+    xn = torch.empty(e.hidden)
+    logits = torch.empty(1, 1, e.vocab)
+    fn(x.data_ptr(), e.hidden, e.norm, e.eps, e.head_fn, e.head_w, e.vocab, xn.data_ptr(), logits.data_ptr(),
+       torch.get_num_threads())
+    return logits
 
 
 class Partial(NamedTuple):
@@ -242,44 +305,63 @@ class Partial(NamedTuple):
     h: torch.Tensor | None
 
 
-def try_decode(stack: Stack, x: torch.Tensor, caches, pos: int, rope_cs) -> torch.Tensor | Partial | None:
+def try_decode(stack: Stack, x: torch.Tensor | None, caches, pos: int, rope_cs, token: tuple | None = None):
     """x (1, 1, hidden) after every layer of `stack` for the token at `pos`, the keys and values
     written into `caches` (a KVCache per attention layer, a GDNCache per DeltaNet one), a `Partial`
     where a half found no memory, or None where it does not apply (not one float32 token on the
-    CPU, a cache of another dtype or layout or tracking, kernels off)."""
-    if stack.layers is None or not _ok(x) or x.numel() != stack.hidden:
+    CPU, a cache of another dtype or layout or tracking, kernels off). With `token` (an `Ends`
+    with a C-decodable embedding, the token id), x is unused: the token goes from its embedding
+    row through the layers and the head in one C call, and its logits (1, 1, vocab) come back
+    (or a Partial, its x the input of the layer that failed)."""
+    if stack.layers is None:
         return None
-    fn = _build.entry("strata_decode_stack", _ARGTYPES, ctypes.c_int64)
+    if token is None:
+        if not _ok(x) or x.numel() != stack.hidden:
+            return None
+        fn = _build.entry("strata_decode_stack", _ARGTYPES, ctypes.c_int64)
+    else:
+        e, tid = token
+        if not e.embd_ptr or e.hidden != stack.hidden or not 0 <= tid < e.vocab_rows:
+            return None
+        fn = _build.entry("strata_decode_token", _TOKEN_ARGTYPES, ctypes.c_int64)
     cos, sin = rope_cs
     if fn is None or not (_vec(cos) and _vec(sin)) or cos.numel() != stack.rot_half or sin.numel() != stack.rot_half:
         return None
     if not stack.lock.acquire(blocking=False):  # another thread is decoding with this model: its own path
         return None
     try:
-        return _run(fn, stack, x, caches, pos, cos, sin)
+        if token is None:
+            return _run(fn, stack, x.contiguous().clone(), caches, pos, cos, sin)
+        logits = torch.empty(1, 1, e.vocab)
+        return _run(fn, stack, torch.empty(1, 1, stack.hidden), caches, pos, cos, sin,
+                    (e.embd_type, e.embd_ptr + tid * e.embd_bytes, e.embd_bytes, e.norm, e.eps, e.head_fn, e.head_w,
+                     e.vocab, logits.data_ptr()), logits)
     finally:
         stack.lock.release()
 
 
-def _run(fn, stack: Stack, x: torch.Tensor, caches, pos: int, cos: torch.Tensor, sin: torch.Tensor):
+def _run(fn, stack: Stack, out: torch.Tensor, caches, pos: int, cos: torch.Tensor, sin: torch.Tensor,
+         ends: tuple = (), logits: torch.Tensor | None = None):
     """try_decode under the stack's lock: each layer's cache checked (nothing is stepped before all
     apply: a DeltaNet state stepped twice would be wrong), grown to hold pos, its pointers
-    refreshed where its tensors changed, then the one C call."""
+    refreshed where its tensors changed, then the one C call (out: the token's x, the layers' input
+    and output; `ends`: strata_decode_token's further arguments, its logits into `logits`)."""
     for i, (lay, cache) in enumerate(zip(stack.layers, caches)):
         if lay.gdn:
-            if not _deltanet_cache(stack, i, lay, cache, x):
+            if not _deltanet_cache(stack, i, lay, cache, out):
                 return None
-        elif not _kv_cache(stack, i, lay, cache, x, pos):
+        elif not _kv_cache(stack, i, lay, cache, out, pos):
             return None
-    out = x.contiguous().clone()
     n = len(stack.layers)
     done = fn(ctypes.addressof(stack.layers), n, stack.hidden, out.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos,
-              stack.tmp.data_ptr(), torch.get_num_threads())
+              stack.tmp.data_ptr(), torch.get_num_threads(), *ends)
+    if done < 0:
+        return None
     for lay, cache in zip(stack.layers[:(done + 1) // 2], caches):
         if lay.gdn:
             cache.window = None  # as try_gdn_block leaves an untracked cache
     if done == 2 * n:
-        return out
+        return out if logits is None else logits
     h = stack.tmp.clone().view_as(out) if done % 2 else None
     return Partial(out, done // 2, h)
 

@@ -422,16 +422,69 @@ void strata_pool_times(int64_t *out) {
     for (int i = 0; i < 8; i++) out[i] = atomic_load(&pool_times[i]);
 }
 
+/* A timeline of the pool's jobs (bench/decode_profile.py's timeline view), recorded only while
+ * strata_pool_trace(1): per job, CLOCK_MONOTONIC ns (Python's time.monotonic_ns) at the call, at
+ * its publication (after any wake-up), when the calling thread ran out of tiles and when the last
+ * tile was done; when the helpers claimed their first tile and finished their last; the tiles each
+ * side ran; and what the job was (a call site's tag and info, else 0 and the tile function). A job
+ * run alone has t_pub = t_caller and no helper times. Marks (strata_pool_mark) note where a caller
+ * is (a layer half's start) in the same buffer. With several helpers their times are the last
+ * writer's: a profile, not a count. */
+typedef struct {
+    int64_t t_in, t_pub, t_caller, t_out, h_first, h_last;
+    int64_t tag, info, fn, n_tiles, caller_tiles, helper_tiles;
+    int64_t c_in, c_out; /* the calling thread's CPU ns (CLOCK_THREAD_CPUTIME_ID) at the call and at its end */
+} pool_event;
+#define TRACE_MAX 16384
+static pool_event trace_buf[TRACE_MAX];
+static _Atomic int64_t trace_n;
+static _Atomic int trace_on;
+static pool_event *_Atomic trace_cur; /* the shared job being run (helpers write their times into it) */
+static int64_t pool_tag, pool_info;    /* what the next job is, set by its call site (one job at a time) */
+void strata_pool_trace(int on) {
+    if (on) atomic_store(&trace_n, 0);
+    atomic_store(&trace_on, on);
+}
+/* Copies up to max events into out (14 int64 each); returns how many there are. */
+int64_t strata_pool_trace_read(int64_t *out, int64_t max) {
+    int64_t n = atomic_load(&trace_n);
+    if (n > TRACE_MAX) n = TRACE_MAX;
+    if (n > max) n = max;
+    memcpy(out, trace_buf, sizeof(pool_event) * (size_t)n);
+    return n;
+}
+static pool_event *trace_new(void) {
+    if (!atomic_load_explicit(&trace_on, memory_order_relaxed)) return NULL;
+    const int64_t i = atomic_fetch_add(&trace_n, 1);
+    if (i >= TRACE_MAX) return NULL;
+    pool_event *e = &trace_buf[i];
+    memset(e, 0, sizeof *e);
+    return e;
+}
+static inline int64_t now_ns(void);
+void strata_pool_mark(int64_t tag, int64_t info) {
+    pool_event *e = trace_new();
+    if (e) {
+        e->t_in = e->t_pub = e->t_caller = e->t_out = now_ns();
+        e->c_in = e->c_out = cpu_ns();
+        e->tag = -tag;
+        e->info = info;
+    }
+}
+
 /* Claim and run tiles of the current job until none is left; returns how many were run. */
 static int64_t pool_work(int who) {
     int64_t ran = 0;
     const int timing = atomic_load_explicit(&pool_timing, memory_order_relaxed);
     const int64_t t0 = timing ? cpu_ns() : 0;
+    pool_event *ev = who == 2 ? atomic_load_explicit(&trace_cur, memory_order_acquire) : NULL;
     uint64_t s = atomic_load_explicit(&pool_state, memory_order_acquire);
     while (st_next(s) < st_count(s)) {
         if (atomic_compare_exchange_weak_explicit(&pool_state, &s, s + (1u << 16), memory_order_acq_rel,
                                                   memory_order_acquire)) {
+            if (ev && !ran) ev->h_first = now_ns();
             pool_job.fn(pool_job.args, st_next(s));
+            if (ev) ev->h_last = now_ns();
             atomic_fetch_add_explicit(&pool_done, 1, memory_order_release);
             ran++;
             s = atomic_load_explicit(&pool_state, memory_order_acquire);
@@ -491,9 +544,24 @@ static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_
     if (nth > MAX_HELPERS + 1) nth = MAX_HELPERS + 1;
     const int timing = atomic_load_explicit(&pool_timing, memory_order_relaxed);
     const int64_t t_in = timing ? cpu_ns() : 0;
+    pool_event *ev = trace_new();
+    if (ev) {
+        ev->t_in = now_ns();
+        ev->c_in = cpu_ns();
+        ev->tag = pool_tag;
+        ev->info = pool_info;
+        ev->fn = (int64_t)(intptr_t)fn;
+        ev->n_tiles = n_tiles;
+    }
+    pool_tag = pool_info = 0;
     /* One job at a time; a second caller (another Python thread) runs its job alone. */
     if (nth <= 1 || n_tiles > 0xFFFF || pthread_mutex_trylock(&call_mu) != 0) {
         for (int64_t t = 0; t < n_tiles; t++) fn(args, t);
+        if (ev) {
+            ev->t_pub = ev->t_caller = ev->t_out = now_ns();
+            ev->c_out = cpu_ns();
+            ev->caller_tiles = n_tiles;
+        }
         if (timing) {
             const int64_t d = cpu_ns() - t_in;
             atomic_fetch_add_explicit(&pool_times[0], d, memory_order_relaxed);
@@ -516,6 +584,7 @@ static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_
     pool_job.args = args;
     atomic_store_explicit(&pool_done, 0, memory_order_relaxed);
     atomic_store_explicit(&pool_wanted, nth - 1, memory_order_relaxed);
+    atomic_store_explicit(&trace_cur, ev, memory_order_relaxed);
     const uint64_t old = atomic_load_explicit(&pool_state, memory_order_relaxed);
     /* seq_cst store, then load: pairs with the helper's sleepers++ then state load, so either
      * the helper sees the new epoch or we see it about to sleep and wake it. */
@@ -530,7 +599,10 @@ static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_
             atomic_fetch_add_explicit(&pool_times[7], cpu_ns() - t_wake, memory_order_relaxed);
         }
     }
-    atomic_fetch_add_explicit(&pool_caller_tiles, pool_work(0), memory_order_relaxed);
+    if (ev) ev->t_pub = now_ns();
+    const int64_t mine = pool_work(0);
+    atomic_fetch_add_explicit(&pool_caller_tiles, mine, memory_order_relaxed);
+    if (ev) ev->t_caller = now_ns(), ev->caller_tiles = mine;
     const int64_t t_wait = timing ? cpu_ns() : 0;
     /* A helper may hold a claimed tile while descheduled: poll briefly, then yield the core to it. */
     for (int spun = 0; atomic_load_explicit(&pool_done, memory_order_acquire) < n_tiles; spun++) {
@@ -548,6 +620,8 @@ static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_
         atomic_fetch_add_explicit(&pool_times[3], t_out - t_in, memory_order_relaxed);
         atomic_fetch_add_explicit(&pool_times[4], 1, memory_order_relaxed);
     }
+    if (ev) ev->t_out = now_ns(), ev->c_out = cpu_ns(), ev->helper_tiles = n_tiles - mine;
+    atomic_store_explicit(&trace_cur, NULL, memory_order_relaxed);
     pthread_mutex_unlock(&call_mu);
 }
 
@@ -2266,6 +2340,7 @@ static int prepare_act(many_act *p, const ext_kernel *k, int twice) {
  * memory. */
 static int many_run(int n, const many_req *req, int nth, int twice) {
     if (n <= 0 || n > MANY_MAX) return 0;
+    strata_pool_mark(1, n); /* the timeline tells preparing x from the products */
     many_item it[MANY_MAX];
     many_act acts[MANY_MAX];
     int n_act = 0, ok = 1;
@@ -2313,6 +2388,8 @@ static int many_run(int n, const many_req *req, int nth, int twice) {
         }
         nth = parallel_threads(bytes, nth); /* waking a helper costs more than it saves */
         const many_args args = {it, n, tile_rows};
+        pool_tag = 1;
+        pool_info = n | it[0].rows << 16 | it[0].cols << 40;
         pool_run(tile_many, &args, total, nth < 1 ? 1 : nth);
     }
     for (int a = 0; a < n_act; a++) free(acts[a].buf);
@@ -2979,6 +3056,8 @@ int strata_moe_decode(const float *h, int64_t hidden, const float *norm_w, float
     float *n = buf, *y = n + hidden, *p = y + hidden;
     rms_norm(h, norm_w, hidden, eps, n);
     const router_args ra = {router, n, hidden, n_exp, p};
+    pool_tag = 2;
+    pool_info = n_exp;
     pool_run(router_tile, &ra, (n_exp + ROUTER_TILE - 1) / ROUTER_TILE, parallel_threads(n_exp * hidden * 4, nth));
     float m = -INFINITY;
     for (int64_t e = 0; e < n_exp; e++)

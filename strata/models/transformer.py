@@ -6,6 +6,7 @@ cache bookkeeping and padding rules live here once.
 
 from __future__ import annotations
 
+import operator
 from functools import partial
 
 import torch
@@ -14,12 +15,13 @@ from torch import nn
 
 from strata import kernels
 from strata.kernels import decode_ops, decode_stack
+from strata.formats.weights import QTensor
 from strata.kernels.threads import one_thread_if_small
 from strata.models.cache import KVCache, ModelCache, StepInfo
 from strata.models.gated_deltanet import GatedDeltaNet, GDNCache
 from strata.models.layers import (Attention, DenseFFN, Experts, RMSNorm, ResidentExperts, SharedExpert, Tap, no_tap,
                                   softmax_topk)
-from strata.models.linear import Linear
+from strata.models.linear import Embedding, Linear
 from strata.models.rope import Rope
 from strata.models.seams import InPlace, Resident, Seams
 from strata.models.weights import WeightLoader
@@ -148,6 +150,7 @@ class DecoderLM(nn.Module):
             self.output = Linear(self.tok_embd.weight)
         self.rope = rope
         self._c_stack: decode_stack.Stack | None = None  # a decode token's layers in one C call
+        self._c_ends: decode_stack.Ends | None = None  # ... and its embedding, final norm and head
 
     def _decode_layers(self):
         """Each block's (attn_norm, mixer, ffn_norm, ffn, route) for decode_stack, or None where a
@@ -168,27 +171,64 @@ class DecoderLM(nn.Module):
             layers.append((b.attn_norm, b.attn, b.ffn_norm, ffn, route))
         return layers
 
-    def _stack_decode(self, x, cache: ModelCache, step: StepInfo, rope_cs) -> torch.Tensor | None:
-        """x after every block for one decode token of one row in one C call (decode_stack), or None
-        where it does not apply: the caller runs the blocks one by one."""
-        if (not kernels.USE_KERNELS or x.dtype is not torch.float32 or x.device.type != "cpu"
-                or type(self.seams.experts) is not Resident or type(self.seams.placement) is not InPlace
-                or step.start.numel() != 1 or int(step.n_new[0]) != 1
-                or any(type(c) is not KVCache and type(c) is not GDNCache for c in cache.layers)):
+    def _token_decode(self, token: int, ends: decode_stack.Ends, cache: ModelCache, step: StepInfo, rope_cs):
+        """One decode token's logits through the embedding, every block and the head in one C call
+        (decode_stack.try_decode with the token), a Partial, or None where it does not apply (nothing ran)."""
+        if not ends.embd_ptr or not self._stack_ok(cache, step):
             return None
-        hidden, rot_half = x.shape[-1], rope_cs[0].numel()
+        stack = self._current_stack(ends.hidden, rope_cs[0].numel())
+        return None if stack is None else decode_stack.try_decode(stack, None, cache.layers, int(step.start[0]),
+                                                                    rope_cs, (ends, token))
+
+    def _stack_ok(self, cache: ModelCache, step: StepInfo) -> bool:
+        return (kernels.USE_KERNELS and type(self.seams.experts) is Resident and type(self.seams.placement) is InPlace
+                and step.start.numel() == 1 and int(step.n_new[0]) == 1
+                and all(type(c) is KVCache or type(c) is GDNCache for c in cache.layers))
+
+    def _current_stack(self, hidden: int, rot_half: int) -> decode_stack.Stack | None:
+        """The one-call Stack of the blocks as they are now (built or rebuilt here), or None where
+        it does not apply (declined until a block or the mode changes)."""
         stack = self._c_stack
         if stack is not None and stack.layers is None:  # declined: until a block or the mode changes
             if decode_stack.current(stack, self._block_kinds(), hidden, rot_half):
                 return None
         elif stack is not None and decode_stack.current(stack, decode_stack.sources(self.blocks), hidden, rot_half):
-            return decode_stack.try_decode(stack, x, cache.layers, int(step.start[0]), rope_cs)
+            return stack
         layers = self._decode_layers()
         stack = decode_stack.build(decode_stack.sources(self.blocks), layers, hidden, rot_half) if layers else None
         if stack is None or stack.layers is None:
             stack = decode_stack.Stack(self._block_kinds(), None, [], hidden, rot_half)
         self._c_stack = stack
-        return decode_stack.try_decode(stack, x, cache.layers, int(step.start[0]), rope_cs)
+        return stack if stack.layers is not None else None
+
+    def _stack_decode(self, x, cache: ModelCache, step: StepInfo, rope_cs) -> torch.Tensor | None:
+        """x after every block for one decode token of one row in one C call (decode_stack), or None
+        where it does not apply: the caller runs the blocks one by one."""
+        if x.dtype is not torch.float32 or x.device.type != "cpu" or not self._stack_ok(cache, step):
+            return None
+        stack = self._current_stack(x.shape[-1], rope_cs[0].numel())
+        return None if stack is None else decode_stack.try_decode(stack, x, cache.layers, int(step.start[0]), rope_cs)
+
+    def _ends(self) -> decode_stack.Ends | None:
+        """The embedding, final norm and head of a decode token in C (decode_stack.Ends), rebuilt
+        when one of them or the activation mode changes; None where they do not apply (kernels off,
+        a norm or head of another kind, placement or experts the stack does not take)."""
+        if (not kernels.USE_KERNELS or type(self.seams.experts) is not Resident
+                or type(self.seams.placement) is not InPlace):
+            return None
+        norm, head, embd = self.output_norm, self.output, self.tok_embd
+        src = (kernels.activations(), norm, norm._parameters.get("weight"), head, head.weight, head.bias, embd,
+               embd.weight)
+        known = self._c_ends
+        if known is not None and all(map(operator.is_, known.sources, src)):
+            return known if known.head_fn else None
+        ew = embd.weight if type(embd) is Embedding and embd.dtype is torch.float32 else None
+        ok = (type(norm) is RMSNorm and type(head) is Linear and head.bias is None and isinstance(head.weight, QTensor)
+              and src[2] is not None)
+        e = decode_stack.ends(src, src[2], norm.eps, head.weight, ew if isinstance(ew, QTensor) else None,
+                              self.config.hidden_size) if ok else None
+        self._c_ends = e if e is not None else decode_stack.Ends(src, *([0] * 10), ())  # (declined: head_fn 0)
+        return e
 
     def _block_kinds(self) -> list:
         """The blocks and their parts (a declined stack is tried again when one of these changes)."""
@@ -205,10 +245,19 @@ class DecoderLM(nn.Module):
         state after the final norm (what the output head reads; an MTP draft head's input),
         whatever `last_only` says of the logits."""
         step = cache.step(tokens.shape[1], n_new)
-        x = self.tok_embd(tokens)  # (B, T, hidden)
+        one = tap is no_tap and tokens.shape == (1, 1)  # a decode token: its layers in one C call
+        ends = self._ends() if one and not hidden and tokens.device.type == "cpu" else None
         rope_cs = self.rope.cos_sin(step.positions)
         experts, place = self.seams.experts, self.seams.placement
-        y = self._stack_decode(x, cache, step, rope_cs) if tap is no_tap and tokens.shape == (1, 1) else None
+        y = None
+        if ends is not None:  # ... with its embedding and head: no Python between them
+            y = self._token_decode(int(tokens[0, 0]), ends, cache, step, rope_cs)
+            if type(y) is torch.Tensor:
+                cache.advance(step)
+                return y
+        if y is None:
+            x = self.tok_embd(tokens)  # (B, T, hidden)
+            y = self._stack_decode(x, cache, step, rope_cs) if one else None
         first = 0  # the first block the loop below runs
         if type(y) is decode_stack.Partial:  # a layer half found no memory: the blocks from there on
             x, first = y.x, y.layer
@@ -230,6 +279,10 @@ class DecoderLM(nn.Module):
             return self.output(last), h
         if last_only:  # decode and sampling need only each row's last real position
             x = step.last_real(x)
+        if ends is not None:  # the head the one-call token takes (the same logits, whichever ran)
+            y = decode_stack.try_head(ends, x)
+            if y is not None:
+                return y
         x = self.output_norm(x)
         return self.output(x)
 
