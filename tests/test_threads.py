@@ -239,3 +239,28 @@ def test_load_runs_without_the_cyclic_collector_and_restores_it(tmp_path, monkey
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_every_tile_of_a_pool_job_runs_once_whatever_the_threads():
+    """The kernel pool's tile claims (each thread's own contiguous share from its front, the others'
+    stolen from their back): every tile of every job runs exactly once, with more threads than
+    cores (helpers descheduled while holding a share), fewer tiles than threads, and one tile."""
+    import ctypes
+    from collections import Counter
+
+    from strata.kernels import _build
+
+    lib = _build.load()
+    if lib is None:
+        pytest.skip(f"kernels unavailable: {_build.error()}")
+    tile_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+    run = lib.strata_pool_run
+    run.argtypes, run.restype = [tile_fn, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int], None
+    for nth in (2, 3, 8):
+        for n in (1, 2, 5, 64, 777):
+            seen = Counter()
+            fn = tile_fn(lambda _args, t: seen.update((t,)))  # (ctypes takes the GIL for each call)
+            before = lib.strata_pool_jobs()
+            run(fn, None, n, nth)
+            assert lib.strata_pool_jobs() == before + 1
+            assert seen == Counter(range(n)), (nth, n)
