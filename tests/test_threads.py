@@ -264,3 +264,46 @@ def test_every_tile_of_a_pool_job_runs_once_whatever_the_threads():
             run(fn, None, n, nth)
             assert lib.strata_pool_jobs() == before + 1
             assert seen == Counter(range(n)), (nth, n)
+
+
+def test_pool_timeline_accounts_each_decode_token(tmp_path, capsys, two_threads):
+    """bench/decode_profile.py's timeline: every pool job of a token lies inside it, the stack's
+    layer marks come in order, and the summary and one token's events are printed."""
+    import importlib.util
+    from pathlib import Path
+
+    from strata.kernels import _build
+
+    if _build.load() is None:
+        pytest.skip(f"kernels unavailable: {_build.error()}")
+    spec = importlib.util.spec_from_file_location(
+        "decode_profile", Path(__file__).resolve().parents[1] / "bench" / "decode_profile.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    engine = strata.load(write_q8_llama(tmp_path / "tiny.gguf"), cpu_threads=2, draft="off")
+    profile.print_timeline(engine, [1, 2, 3], steps=3)
+    out = capsys.readouterr().out
+    assert "timeline of 3 decode tokens" in out and "calling thread CPU outside pool jobs" in out
+    lines = out.splitlines()
+    events = lines[lines.index(next(l for l in lines if "one token's events" in l)) + 2:]
+    marks = [l.split(">")[1].split()[:2] for l in events if ">" in l]
+    layers = len(engine.model.blocks)
+    assert [m for m in marks if m[0] in ("attention", "ffn")] == [
+        [kind, "half"] for _ in range(layers) for kind in ("attention", "ffn")]
+    assert events[-1].split()[1:3] == ["token", "end"]
+    jobs = int(next(l for l in lines if "pool jobs" in l).split(" pool jobs")[0].split()[-1])
+    assert jobs > 0 and sum(1 for l in events if ">" not in l) - 1 == jobs  # (the middle token's, printed)
+
+
+def write_q8_llama(path):
+    """The tiny llama with its matrices in Q8_0 (so decode takes the kernels and the one-call stack)."""
+    import gguf
+
+    from strata.formats import llama
+    from strata.gguf.writer import write_gguf
+    from tiny import byte_tokenizer_metadata, llama_config, llama_tensors
+
+    c = llama_config(ffn_size=64)  # (every matrix's rows a whole number of 32-value blocks)
+    q8, f32 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
+    tensors = [(n, t, q8 if t.dim() >= 2 else f32) for n, t in llama_tensors(c).items()]
+    return write_gguf(path, "llama", {**llama.gguf_metadata(c), **byte_tokenizer_metadata()}, tensors)
