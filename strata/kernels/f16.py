@@ -66,3 +66,41 @@ def try_f16_matmul(x: torch.Tensor, w: torch.Tensor, threads: int | None = None)
     out = torch.empty(*x.shape[:-1], p.rows)
     fn(p.ptr, p.rows, p.cols, xf.data_ptr(), b, out.data_ptr(), _build.pool_threads(threads))
     return out if x.dtype is torch.float32 else out.to(x.dtype)
+
+
+_HC_ARGTYPES = (_P, _I64, _I64, _I64, _P, ctypes.c_float, _P, _P, _P, _I64, _P, _P, ctypes.c_int)
+
+
+def try_hc_mix(x: torch.Tensor, norm: torch.Tensor, down: torch.Tensor, up: torch.Tensor,
+               inject: torch.Tensor | None, hc: int, hidden: int, eps: float,
+               threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A hyper-connection mix (`HyperConnection.mix`) of float32 x (..., hc*hidden) with float16
+    down / up / inject matrices, by qmm.c's `strata_hc_mix` (one call; the torch form ran ~15
+    operators around its three products): (mixed (..., hidden), weights (..., hc) or None), or
+    None where it does not apply (as `try_f16_matmul`, or norm not a float32 vector)."""
+    if not kernels.USE_KERNELS or x.device.type != "cpu" or x.dtype is not torch.float32:
+        return None
+    fn = _build.entry("strata_hc_mix", _HC_ARGTYPES, ctypes.c_int)
+    if fn is None:
+        return None
+    width = hc * hidden
+    pd, pu = _plan(down), _plan(up)
+    pi = _plan(inject) if inject is not None else None
+    if pd is None or pu is None or (inject is not None and pi is None):
+        return None
+    rank = pd.rows
+    if (x.shape[-1] != width or pd.cols != width or (pu.rows, pu.cols) != (width, rank)
+            or (pi is not None and (pi.rows, pi.cols) != (hc, width))
+            or norm.dtype is not torch.float32 or norm.numel() != width or not norm.is_contiguous()
+            or norm.device.type != "cpu"):
+        return None
+    b = x.numel() // width
+    if not 0 < b <= kernels.FAST_BATCH_MAX:
+        return None
+    xc = x.contiguous()
+    mixed = torch.empty(*x.shape[:-1], hidden)
+    weights = torch.empty(*x.shape[:-1], hc) if inject is not None else None
+    if not fn(xc.data_ptr(), b, hc, hidden, norm.data_ptr(), eps, pd.ptr, pu.ptr, 0 if pi is None else pi.ptr, rank,
+              mixed.data_ptr(), 0 if weights is None else weights.data_ptr(), _build.pool_threads(threads)):
+        return None
+    return mixed, weights

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.kernels import f16
+from strata.models.linear import Linear
 from strata.models.weights import WeightLoader
 
 
@@ -46,8 +48,25 @@ class HyperConnection(nn.Module):
         self.up = w.linear(f"{prefix}_up.weight", (width, rank))
         self.inject = w.linear(f"{prefix}_inject.weight", (hc, width)) if inject else None
 
+    @property
+    def _f16_weights(self) -> tuple | None:
+        """(down, up, inject or None) as plain float16 tensors, or None (quantized, moved, biased)."""
+        lins = (self.down, self.up) if self.inject is None else (self.down, self.up, self.inject)
+        if not all(type(lin) is Linear and lin.bias is None and not lin.quantized
+                   and lin.weight.dtype is torch.float16 for lin in lins):
+            return None
+        return self.down.weight, self.up.weight, None if self.inject is None else self.inject.weight
+
     def mix(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x (..., hc*hidden) -> (block input (..., hidden), per-stream weights (..., hc) or None)."""
+        """x (..., hc*hidden) -> (block input (..., hidden), per-stream weights (..., hc) or None).
+
+        Float16 weights (as the flagship stores them) and decode-sized x on the CPU: one C call
+        (`kernels.f16.try_hc_mix`); else the torch form below, which it computes."""
+        weights = self._f16_weights
+        if weights is not None:
+            fast = f16.try_hc_mix(x, self.norm, *weights, self.hc, self.hidden, self.eps)
+            if fast is not None:
+                return fast
         xn = grouped_rms_norm(x, self.norm, self.hidden, self.eps)
         gate = torch.sigmoid(F.linear(F.silu(F.linear(xn, self.down) / self.hc), self.up))
         streams = (gate * xn).unflatten(-1, (self.hc, self.hidden))
