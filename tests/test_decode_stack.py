@@ -172,6 +172,24 @@ def test_token_ends_follow_the_model(tmp_path, monkeypatch):
 
 
 @needs_kernels
+def test_one_call_token_rotations_are_the_ropes_own(tmp_path, monkeypatch):
+    """The one-call token's rotary tables: row p is what `rope.cos_sin` gives position p alone
+    (what the blocks rotate by), across the tables' growth, and a replaced rope is picked up."""
+    import dataclasses
+
+    from strata.models.rope import Rope
+
+    model, _ = _quantized("llama", tmp_path, monkeypatch)
+    for pos in (0, 63, 64, 65, 200, 130, 7):
+        cos, sin = model._rope_rows(pos)
+        c, s = model.rope.cos_sin(torch.tensor([[pos]]))
+        assert cos.shape[0] > pos and torch.equal(cos[pos], c.reshape(-1)) and torch.equal(sin[pos], s.reshape(-1))
+    model.rope = Rope(dataclasses.replace(model.rope.cfg, theta=model.rope.cfg.theta * 3))
+    c, _ = model.rope.cos_sin(torch.tensor([[5]]))
+    assert torch.equal(model._rope_rows(5)[0][5], c.reshape(-1))
+
+
+@needs_kernels
 def test_two_threads_decoding_one_model_get_what_each_gets_alone(tmp_path, monkeypatch):
     """The stack's layer descriptions (KV pointers, scratch) serve one call at a time; a second
     thread decoding the same model meanwhile takes the block path, with the same results."""

@@ -310,9 +310,10 @@ def try_decode(stack: Stack, x: torch.Tensor | None, caches, pos: int, rope_cs, 
     written into `caches` (a KVCache per attention layer, a GDNCache per DeltaNet one), a `Partial`
     where a half found no memory, or None where it does not apply (not one float32 token on the
     CPU, a cache of another dtype or layout or tracking, kernels off). With `token` (an `Ends`
-    with a C-decodable embedding, the token id), x is unused: the token goes from its embedding
-    row through the layers and the head in one C call, and its logits (1, 1, vocab) come back
-    (or a Partial, its x the input of the layer that failed)."""
+    with a C-decodable embedding, the token id), x is unused and rope_cs are (rows, rot / 2)
+    tables of which row pos is this token's: the token goes from its embedding row through the
+    layers and the head in one C call, and its logits (1, 1, vocab) come back (or a Partial, its
+    x the input of the layer that failed)."""
     if stack.layers is None:
         return None
     if token is None:
@@ -325,23 +326,31 @@ def try_decode(stack: Stack, x: torch.Tensor | None, caches, pos: int, rope_cs, 
             return None
         fn = _build.entry("strata_decode_token", _TOKEN_ARGTYPES, ctypes.c_int64)
     cos, sin = rope_cs
-    if fn is None or not (_vec(cos) and _vec(sin)) or cos.numel() != stack.rot_half or sin.numel() != stack.rot_half:
+    if fn is None or not (_vec(cos) and _vec(sin)):
         return None
+    if token is None:
+        if cos.numel() != stack.rot_half or sin.numel() != stack.rot_half:
+            return None
+        rot = cos.data_ptr(), sin.data_ptr()
+    else:  # rope_cs: (rows, rot / 2) tables, row pos this token's
+        if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != stack.rot_half or not 0 <= pos < cos.shape[0]:
+            return None
+        rot = cos.data_ptr() + 4 * pos * stack.rot_half, sin.data_ptr() + 4 * pos * stack.rot_half
     if not stack.lock.acquire(blocking=False):  # another thread is decoding with this model: its own path
         return None
     try:
         if token is None:
-            return _run(fn, stack, x.contiguous().clone(), caches, pos, cos, sin)
+            return _run(fn, stack, x.contiguous().clone(), caches, pos, rot)
         logits = torch.empty(1, 1, e.vocab)
-        return _run(fn, stack, torch.empty(1, 1, stack.hidden), caches, pos, cos, sin,
+        return _run(fn, stack, torch.empty(1, 1, stack.hidden), caches, pos, rot,
                     (e.embd_type, e.embd_ptr + tid * e.embd_bytes, e.embd_bytes, e.norm, e.eps, e.head_fn, e.head_w,
                      e.vocab, logits.data_ptr()), logits)
     finally:
         stack.lock.release()
 
 
-def _run(fn, stack: Stack, out: torch.Tensor, caches, pos: int, cos: torch.Tensor, sin: torch.Tensor,
-         ends: tuple = (), logits: torch.Tensor | None = None):
+def _run(fn, stack: Stack, out: torch.Tensor, caches, pos: int, rot: tuple[int, int], ends: tuple = (),
+         logits: torch.Tensor | None = None):
     """try_decode under the stack's lock: each layer's cache checked (nothing is stepped before all
     apply: a DeltaNet state stepped twice would be wrong), grown to hold pos, its pointers
     refreshed where its tensors changed, then the one C call (out: the token's x, the layers' input
@@ -353,7 +362,7 @@ def _run(fn, stack: Stack, out: torch.Tensor, caches, pos: int, cos: torch.Tenso
         elif not _kv_cache(stack, i, lay, cache, out, pos):
             return None
     n = len(stack.layers)
-    done = fn(ctypes.addressof(stack.layers), n, stack.hidden, out.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos,
+    done = fn(ctypes.addressof(stack.layers), n, stack.hidden, out.data_ptr(), rot[0], rot[1], pos,
               stack.tmp.data_ptr(), torch.get_num_threads(), *ends)
     if done < 0:
         return None

@@ -151,6 +151,7 @@ class DecoderLM(nn.Module):
         self.rope = rope
         self._c_stack: decode_stack.Stack | None = None  # a decode token's layers in one C call
         self._c_ends: decode_stack.Ends | None = None  # ... and its embedding, final norm and head
+        self._c_rope = None  # (rope, cos rows, sin rows, rows filled): the one-call token's rotations
 
     def _decode_layers(self):
         """Each block's (attn_norm, mixer, ffn_norm, ffn, route) for decode_stack, or None where a
@@ -171,19 +172,58 @@ class DecoderLM(nn.Module):
             layers.append((b.attn_norm, b.attn, b.ffn_norm, ffn, route))
         return layers
 
-    def _token_decode(self, token: int, ends: decode_stack.Ends, cache: ModelCache, step: StepInfo, rope_cs):
-        """One decode token's logits through the embedding, every block and the head in one C call
-        (decode_stack.try_decode with the token), a Partial, or None where it does not apply (nothing ran)."""
-        if not ends.embd_ptr or not self._stack_ok(cache, step):
+    def _token_decode(self, tokens: torch.Tensor, ends: decode_stack.Ends, cache: ModelCache):
+        """One decode token's logits (1, 1, vocab) through the embedding, every block and the head in
+        one C call (decode_stack.try_decode with the token), the cache advanced; a Partial (the cache
+        not advanced: the blocks run the rest); or None where it does not apply (nothing ran). The
+        Python around the call is kept to a few operations: it runs on caches the kernels have just
+        flushed (a qwen3-30b token at 2 threads spent ~2 ms of wall time in it)."""
+        lengths = cache.lengths
+        if not ends.embd_ptr or lengths.numel() != 1 or not self._caches_ok(cache):
             return None
-        stack = self._current_stack(ends.hidden, rope_cs[0].numel())
-        return None if stack is None else decode_stack.try_decode(stack, None, cache.layers, int(step.start[0]),
-                                                                    rope_cs, (ends, token))
+        pos = int(lengths.item())
+        rows = self._rope_rows(pos)
+        stack = self._current_stack(ends.hidden, rows[0].shape[1])
+        if stack is None:
+            return None
+        y = decode_stack.try_decode(stack, None, cache.layers, pos, rows, (ends, int(tokens.item())))
+        if type(y) is torch.Tensor:
+            cache.lengths = lengths + 1  # (ModelCache.advance of a one-token step)
+        return y
+
+    def _rope_rows(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) tables (rows, rot / 2) of the rope's values at positions 0 .. >= pos, each row
+        what `rope.cos_sin` gives that position alone (so the one-call token and the blocks rotate
+        by the same values), filled ROPE_ROWS positions at a time and kept while the rope is."""
+        t = self._c_rope
+        if t is None or t[0] is not self.rope or pos >= t[3]:
+            t = self._fill_rope(pos)
+        return t[1], t[2]
+
+    def _fill_rope(self, pos: int):
+        rope, t = self.rope, self._c_rope
+        if t is None or t[0] is not rope:
+            t = (rope, torch.empty(0, 0), torch.empty(0, 0), 0)
+        _, cos, sin, filled = t
+        want = max(pos + 1, filled + ROPE_ROWS)
+        if want > cos.shape[0]:
+            half = rope.inv_freq.numel()
+            grown = [torch.empty(max(want, 2 * cos.shape[0]), half) for _ in range(2)]
+            if filled:
+                grown[0][:filled], grown[1][:filled] = cos[:filled], sin[:filled]
+            cos, sin = grown
+        for p in range(filled, want):
+            c, s = rope.cos_sin(torch.tensor([[p]]))
+            cos[p], sin[p] = c.reshape(-1), s.reshape(-1)
+        self._c_rope = t = (rope, cos, sin, want)
+        return t
+
+    def _caches_ok(self, cache: ModelCache) -> bool:
+        return (kernels.USE_KERNELS and type(self.seams.experts) is Resident and type(self.seams.placement) is InPlace
+                and all(type(c) is KVCache or type(c) is GDNCache for c in cache.layers))
 
     def _stack_ok(self, cache: ModelCache, step: StepInfo) -> bool:
-        return (kernels.USE_KERNELS and type(self.seams.experts) is Resident and type(self.seams.placement) is InPlace
-                and step.start.numel() == 1 and int(step.n_new[0]) == 1
-                and all(type(c) is KVCache or type(c) is GDNCache for c in cache.layers))
+        return step.start.numel() == 1 and int(step.n_new[0]) == 1 and self._caches_ok(cache)
 
     def _current_stack(self, hidden: int, rot_half: int) -> decode_stack.Stack | None:
         """The one-call Stack of the blocks as they are now (built or rebuilt here), or None where
@@ -244,17 +284,16 @@ class DecoderLM(nn.Module):
         With `hidden`, returns (logits, h): h (B, T, hidden) is every position's last hidden
         state after the final norm (what the output head reads; an MTP draft head's input),
         whatever `last_only` says of the logits."""
-        step = cache.step(tokens.shape[1], n_new)
         one = tap is no_tap and tokens.shape == (1, 1)  # a decode token: its layers in one C call
         ends = self._ends() if one and not hidden and tokens.device.type == "cpu" else None
+        y = None
+        if ends is not None and n_new is None:  # ... with its embedding and head, and little Python
+            y = self._token_decode(tokens, ends, cache)
+            if type(y) is torch.Tensor:
+                return y
+        step = cache.step(tokens.shape[1], n_new)
         rope_cs = self.rope.cos_sin(step.positions)
         experts, place = self.seams.experts, self.seams.placement
-        y = None
-        if ends is not None:  # ... with its embedding and head: no Python between them
-            y = self._token_decode(int(tokens[0, 0]), ends, cache, step, rope_cs)
-            if type(y) is torch.Tensor:
-                cache.advance(step)
-                return y
         if y is None:
             x = self.tok_embd(tokens)  # (B, T, hidden)
             y = self._stack_decode(x, cache, step, rope_cs) if one else None
@@ -285,6 +324,9 @@ class DecoderLM(nn.Module):
                 return y
         x = self.output_norm(x)
         return self.output(x)
+
+
+ROPE_ROWS = 64  # positions of rotary values the one-call token path computes at a time
 
 
 def _prefixed(tap: Tap, layer: int) -> Tap:
