@@ -228,3 +228,20 @@ def test_a_short_prompts_disk_experts_take_one_call_each_over_their_rows(tmp_pat
             ref[t] += wt * (dense[2][e] @ h)
     assert np.isfinite(ref.numpy()).all()
     assert (y.double() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()  # 8-bit x; a wrong sum is O(1) off
+
+
+def test_a_cache_whose_arena_the_kernel_refuses_allocates_a_buffer_per_read(tmp_path, monkeypatch):
+    from strata.tiers import store
+
+    def refused(nbytes):
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(store, "Arena", refused)
+    home = _home(tmp_path / "m.gguf", capacity=2**20)  # large enough for an arena
+    try:
+        assert home.arena is None
+        data = (tmp_path / "m.gguf").read_bytes()
+        got = home.parts(0, 2)
+        offsets = [0, SIZES[0] * N_EXPERTS, (SIZES[0] + SIZES[1]) * N_EXPERTS]
+        assert [bytes(t.numpy()) for t in got] == [data[o + 2 * n:o + 3 * n] for o, n in zip(offsets, SIZES)]
+    finally:
+        home.close()

@@ -273,6 +273,15 @@ class RamHome(Home):
         return {"home": self.kind, "bytes": sum(t.numel() for ts in self.data.values() for t in ts)}
 
 
+def _arena(capacity: int) -> Arena | None:
+    """The RAM cache's arena, or None where the kernel refuses one mapping that large (the cache then
+    allocates a buffer per read, as a small cache does)."""
+    try:
+        return Arena(capacity)
+    except (OSError, ValueError, OverflowError):
+        return None
+
+
 def _held(parts: tuple[torch.Tensor, ...]) -> int:
     """Bytes a read expert holds: its buffer (each storage once), alignment slack included."""
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in parts}.values())
@@ -380,7 +389,7 @@ class DiskHome(Home):
         self._owners: dict[tuple[int, int], np.ndarray] = {}  # a cached expert's buffer
         self._spare_reads = 0  # reads into a kept buffer (outside the arena)
         # the cache's memory, populated from now on (a small cache frees its buffers instead)
-        self.arena = Arena(capacity) if self._keep_spares else None
+        self.arena = _arena(capacity) if self._keep_spares else None
 
     def request(self, layer: int, experts, ahead: bool = False) -> None:
         """Start reading each of `experts` that is neither cached nor being read; returns at once."""
