@@ -13,6 +13,8 @@
                                                   # AVX-VNNI, AVX2) vs ggml's vec_dot run twice
     .venv/bin/python bench/bench_kernels.py --compare-ggml --types Q4_0 Q4_K IQ2_XS --threads 1 2
                                                   # the kept library: ggml (ggml-python) on the same blocks
+    .venv/bin/python bench/bench_kernels.py --moe-token --types Q4_K IQ2_XS --threads 1 2 --experts 128
+                                                  # a decode token's 8 routed experts, as a MoE layer runs them
 
 Weights are Qwen3-30B-A3B expert matrices (gate/up 768x2048, down 2048x768), N_EXPERTS of them
 cycled so the working set does not fit the caches, as on the expert miss path. GB/s counts the
@@ -361,6 +363,58 @@ def fused_ab(types, threads_list, n_experts):
                       " | ".join(f"{med[isa] * 1e3:14.3f} {med['two'] / med[isa]:6.2f}x" for isa in isas), flush=True)
 
 
+def moe_token(types, threads_list, n_experts, k: int = 8, reps: int = 200):
+    """One decode token's routed experts as a MoE layer runs them (qmm.c's two parallel regions:
+    every expert's gate and up over one quantized x, then every down), k of n_experts Qwen3-30B
+    experts drawn at random per call (the working set beyond the caches): ms per call and GB/s of
+    the weights read, at each thread count, the same draws for each."""
+    import ctypes
+
+    lib = _build.load()
+    if kernels.activations() not in ("q8", "q8x2"):
+        print(f"--moe-token needs an 8-bit activation mode (now {kernels.activations()})")
+        return
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    print(f"{'type':<8} {'experts':>7} {'k':>2} {'thr':>3} | {'ms':>7} {'GB/s':>6}")
+    for name in types:
+        qt = T[name]
+        up_rows, cols = SHAPES["gate/up 768x2048"]
+        gates, ups = experts(qt, (up_rows, cols), n_experts, 1), experts(qt, (up_rows, cols), n_experts, 2)
+        downs = experts(qt, (cols, up_rows), n_experts, 3)
+        x = torch.randn(cols)
+        g = torch.empty(2 * k, up_rows)
+        h = torch.randn(k, up_rows) * 0.1
+        y = torch.empty(k, cols)
+        draws = [torch.randperm(n_experts, generator=torch.Generator().manual_seed(i))[:k].tolist() for i in range(reps)]
+        nbytes = k * (2 * gates[0].nbytes + downs[0].nbytes)
+
+        def arrays(ws, xs, ys, rows, cols_):
+            n = len(ws)
+            return (n, (ctypes.c_int * n)(*[int(qt)] * n), (p * n)(*[_build.raw_bytes(w).data_ptr() for w in ws]),
+                    (i64 * n)(*[rows] * n), (i64 * n)(*[cols_] * n), (i64 * n)(*[ws[0].nbytes // rows] * n),
+                    (p * n)(*xs), (p * n)(*ys))
+
+        calls = []
+        for d in draws:
+            gu = [w for e in d for w in (gates[e], ups[e])]
+            calls.append((arrays(gu, [x.data_ptr()] * (2 * k), [g[j].data_ptr() for j in range(2 * k)], up_rows, cols),
+                          arrays([downs[e] for e in d], [h[j].data_ptr() for j in range(k)],
+                                 [y[j].data_ptr() for j in range(k)], cols, up_rows)))
+        for threads in threads_list:
+            def run(c):
+                for a in c:
+                    if not lib.strata_qmm_many(*a[:7], 1, a[7], threads):
+                        raise RuntimeError("strata_qmm_many declined")
+            run(calls[0])
+            ts = []
+            for c in calls:
+                t = time.perf_counter()
+                run(c)
+                ts.append(time.perf_counter() - t)
+            med = statistics.median(ts)
+            print(f"{name:<8} {n_experts:>7} {k:>2} {threads:>3} | {med * 1e3:7.3f} {nbytes / med / 1e9:6.2f}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", nargs="*", default=list(_build.KERNEL_TYPES))
@@ -373,6 +427,8 @@ def main(argv=None):
     ap.add_argument("--prompt-crossover", action="store_true", help="only the batched vs 8-bit kernel crossover")
     ap.add_argument("--fused-ab", action="store_true", help="only q8x2 one pass vs ggml's two passes")
     ap.add_argument("--prompt-amx", action="store_true", help="only the AMX prompt product vs the others, by rows")
+    ap.add_argument("--moe-token", action="store_true",
+                    help="only a decode token's k=8 routed experts (gate/up, then down) as a MoE layer runs them")
     args = ap.parse_args(argv)
     if not kernels.available():
         print(f"kernels unavailable: {_build.error()}")
@@ -392,6 +448,9 @@ def main(argv=None):
         return 0
     if args.compare_ggml:
         compare_ggml(args.types, args.threads, args.experts)
+        return 0
+    if args.moe_token:
+        moe_token(args.types, args.threads, args.experts)
         return 0
     if args.batches:
         bench_batches(args.threads[0])

@@ -407,8 +407,8 @@ def replay_products(engine, prompt: list[int], repeats: int = 8) -> None:
 
 
 MARKS = {1: "prepare x", 10: "attention half", 11: "ffn half", 12: "stack end"}  # (+ any a caller adds)
-EV = 14  # int64 fields of one qmm.c pool_event
-T_IN, T_PUB, T_CALLER, T_OUT, H_FIRST, H_LAST, TAG, INFO, FN, N_TILES, C_TILES, H_TILES, C_IN, C_OUT = range(EV)
+EV = 15  # int64 fields of one qmm.c pool_event
+T_IN, T_PUB, T_CALLER, T_OUT, H_FIRST, H_LAST, TAG, INFO, FN, N_TILES, C_TILES, H_TILES, C_IN, C_OUT, BYTES = range(EV)
 
 
 def _job_name(e, names: dict) -> str:
@@ -493,6 +493,17 @@ def print_timeline(engine, prompt: list[int], steps: int = 16, show: bool = True
           f"jobs run alone {ms(med['alone'])}; helpers' first tile after publication (summed) {ms(med['delay'])}")
     print(f"    calling thread CPU outside pool jobs (helpers idle) {ms(med['serial'])}: in the one-call stack "
           f"{ms(med['stack_serial'])} (of it preparing x {ms(med['prep'])}), outside it {ms(med['outside'])}")
+    kinds: dict = defaultdict(list)  # the products' and routers' jobs by what they are: wall us, GB/s
+    for t0, t1, _, _ in bounds:
+        for e in ev:
+            if t0 <= e[T_IN] < t1 and e[TAG] > 0 and e[BYTES]:
+                kinds[_job_name(e, names)].append((e[T_OUT] - e[T_IN], e[BYTES], e[C_TILES], e[H_TILES]))
+    print(f"    {'job (medians over the tokens)':<32} {'per token':>9} {'us':>8} {'GB/s':>6} {'caller tiles':>12}")
+    for name, js in sorted(kinds.items(), key=lambda kv: -sum(j[0] for j in kv[1])):
+        us = statistics.median(j[0] for j in js) / 1e3
+        nb = statistics.median(j[1] for j in js)
+        share = sum(j[2] for j in js) / max(1, sum(j[2] + j[3] for j in js))
+        print(f"    {name:<32} {len(js) / len(bounds):9.1f} {us:8.1f} {nb / us / 1e3:6.1f} {100 * share:11.0f}%")
     if not show:
         return
     t0, t1, c0, _ = bounds[len(bounds) // 2]

@@ -446,18 +446,19 @@ typedef struct {
     int64_t t_in, t_pub, t_caller, t_out, h_first, h_last;
     int64_t tag, info, fn, n_tiles, caller_tiles, helper_tiles;
     int64_t c_in, c_out; /* the calling thread's CPU ns (CLOCK_THREAD_CPUTIME_ID) at the call and at its end */
+    int64_t bytes;       /* weight bytes the job reads, where its call site says (else 0) */
 } pool_event;
 #define TRACE_MAX 16384
 static pool_event trace_buf[TRACE_MAX];
 static _Atomic int64_t trace_n;
 static _Atomic int trace_on;
 static pool_event *_Atomic trace_cur; /* the shared job being run (helpers write their times into it) */
-static int64_t pool_tag, pool_info;    /* what the next job is, set by its call site (one job at a time) */
+static int64_t pool_tag, pool_info, pool_bytes; /* what the next job is, set by its call site (one job at a time) */
 void strata_pool_trace(int on) {
     if (on) atomic_store(&trace_n, 0);
     atomic_store(&trace_on, on);
 }
-/* Copies up to max events into out (14 int64 each); returns how many there are. */
+/* Copies up to max events into out (15 int64 each); returns how many there are. */
 int64_t strata_pool_trace_read(int64_t *out, int64_t max) {
     int64_t n = atomic_load(&trace_n);
     if (n > TRACE_MAX) n = TRACE_MAX;
@@ -594,10 +595,11 @@ static void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_
         ev->c_in = cpu_ns();
         ev->tag = pool_tag;
         ev->info = pool_info;
+        ev->bytes = pool_bytes;
         ev->fn = (int64_t)(intptr_t)fn;
         ev->n_tiles = n_tiles;
     }
-    pool_tag = pool_info = 0;
+    pool_tag = pool_info = pool_bytes = 0;
     /* One job at a time; a second caller (another Python thread) runs its job alone. */
     if (nth <= 1 || n_tiles > 0xFFFF || pthread_mutex_trylock(&call_mu) != 0) {
         for (int64_t t = 0; t < n_tiles; t++) fn(args, t);
@@ -2440,6 +2442,7 @@ static int many_run(int n, const many_req *req, int nth, int twice) {
         const many_args args = {it, n, tile_rows};
         pool_tag = 1;
         pool_info = n | it[0].rows << 16 | it[0].cols << 40;
+        pool_bytes = bytes;
         pool_run(tile_many, &args, total, nth < 1 ? 1 : nth);
     }
     for (int a = 0; a < n_act; a++) free(acts[a].buf);
@@ -3108,6 +3111,7 @@ int strata_moe_decode(const float *h, int64_t hidden, const float *norm_w, float
     const router_args ra = {router, n, hidden, n_exp, p};
     pool_tag = 2;
     pool_info = n_exp;
+    pool_bytes = n_exp * hidden * 4;
     pool_run(router_tile, &ra, (n_exp + ROUTER_TILE - 1) / ROUTER_TILE, parallel_threads(n_exp * hidden * 4, nth));
     float m = -INFINITY;
     for (int64_t e = 0; e < n_exp; e++)
