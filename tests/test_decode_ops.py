@@ -484,3 +484,48 @@ def test_decode_attention_matches_float64(heads, kv, dim, threads):
     probs = torch.softmax((k @ q.double()[:, :, None])[..., 0] / dim ** 0.5, -1)
     ref = (probs[:, None] @ v)[:, 0]
     torch.testing.assert_close(att.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv,dim,t", [(8, 2, 40, 3), (4, 4, 16, 1), (6, 1, 64, 4)])
+def test_attention_of_several_new_tokens_matches_float64_and_one_token_steps(heads, kv, dim, t):
+    """A verify pass's or decode batch's attention (decode_attention.c's strata_attend_rows, through
+    KVCache.attend): rows of different lengths, t new tokens each, token j of row b seeing keys up to
+    start[b] + j, against float64 softmax attention under StepInfo's causal mask; each (row, token)
+    equal bit for bit to the one-token C attention over the same keys."""
+    import ctypes
+
+    from strata.models.cache import KVCache, StepInfo
+
+    g = torch.Generator().manual_seed(heads + t)
+    b, start = 3, torch.tensor([5, 17, 0])
+    cache = KVCache()
+    first = StepInfo(torch.zeros(b, dtype=torch.long), start, int(start.max()))
+    w = int(start.max())
+    cache.update_and_fetch(torch.randn(b, kv, w, dim, generator=g), torch.randn(b, kv, w, dim, generator=g), first)
+    step = StepInfo(start, torch.full((b,), t), t)
+    q = torch.randn(b, t, heads, dim, generator=g).transpose(1, 2)  # (B, H, T, D), strided as the layer's
+    k, v = torch.randn(b, kv, t, dim, generator=g), torch.randn(b, kv, t, dim, generator=g)
+    calls = []
+    real = decode_ops.try_attend_rows
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode_ops, "try_attend_rows", lambda *a: calls.append(1) or real(*a))
+        got = cache.attend(q, k, v, step)
+    assert calls == [1] and got.shape == (b, heads, t, dim)
+    keys, values = cache.k[:, :, :int(start.max()) + t].double(), cache.v[:, :, :int(start.max()) + t].double()
+    keys, values = (u.repeat_interleave(heads // kv, 1) for u in (keys, values))
+    scores = (q.double() @ keys.transpose(-1, -2)) / dim ** 0.5
+    scores = scores.masked_fill(~step.attention_mask(keys.shape[2]), float("-inf"))
+    want = torch.softmax(scores, -1) @ values
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    one = _build.entry("strata_attend_decode", (p, p, p, i64, i64, i64, i64, i64, p, p, ctypes.c_int))
+    for row in range(b):
+        for j in range(t):
+            s = int(start[row]) + j + 1
+            qj = q[row, :, j].contiguous()
+            kc, vc = cache.k[row].contiguous(), cache.v[row].contiguous()
+            scores1, att = torch.empty(heads * s), torch.empty(heads, dim)
+            one(qj.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[1], s, heads, kv, dim, scores1.data_ptr(),
+                att.data_ptr(), 2)
+            assert torch.equal(att, got[row, :, j]), (row, j)

@@ -103,3 +103,60 @@ void strata_attend_decode(const float *q, const float *kc, const float *vc, int6
     const attend_args a = {q, kc, vc, scores, att, cap, S, D, grp, split, per, 1.0f / sqrtf((float)D)};
     strata_pool_run(attend_tile, &a, n_kv * split, nth);
 }
+
+/* ------------------------------------------------------------------ several new tokens a row
+ *
+ * A verify pass (a row's k + 1 new tokens) or a decode batch (B rows of one) attended in torch:
+ * a (B, 1, T, S) mask built per layer, then scaled_dot_product_attention over a few query rows,
+ * each a handful of torch operators per layer. Here a pool tile takes one (row, query head, new
+ * token): new token t of row b attends keys 0 .. start[b] + t of its kv head, by the arithmetic of
+ * attend_tile above (the same dot products, softmax and sums in the same order), so each row's
+ * attention equals its one-token step's. */
+typedef struct {
+    const float *q, *kc, *vc;
+    const int64_t *start;
+    float *scores, *att;
+    int64_t q_b, q_h, q_t; /* q's strides, in floats (D values contiguous) */
+    int64_t n_heads, n_kv, T, cap, D, most; /* most: scores per tile */
+    float scale;
+} rows_args;
+
+static void rows_tile(const void *a_, int64_t tile) {
+    const rows_args *a = a_;
+    const int64_t t = tile % a->T, h = (tile / a->T) % a->n_heads, b = tile / (a->T * a->n_heads);
+    const int64_t g = h / (a->n_heads / a->n_kv), D = a->D, S = a->start[b] + t + 1;
+    const float *q = a->q + b * a->q_b + h * a->q_h + t * a->q_t;
+    const float *K = a->kc + (b * a->n_kv + g) * a->cap * D, *V = a->vc + (b * a->n_kv + g) * a->cap * D;
+    float *p = a->scores + tile * a->most, m = -INFINITY, sum = 0.0f;
+    for (int64_t s = 0; s < S; s++) p[s] = dot_lanes(q, K + s * D, D) * a->scale;
+    for (int64_t s = 0; s < S; s++) m = p[s] > m ? p[s] : m;
+    for (int64_t s = 0; s < S; s++) p[s] = p[s] - m;
+    exp_nonpositive(p, S);
+    for (int64_t s = 0; s < S; s++) sum += p[s];
+    for (int64_t s = 0; s < S; s++) p[s] = p[s] / sum;
+    float *restrict ah = a->att + ((b * a->T + t) * a->n_heads + h) * D;
+    for (int64_t i = 0; i < D; i++) ah[i] = 0.0f;
+    for (int64_t s = 0; s < S; s++) {
+        const float ps = p[s], *vs = V + s * D;
+        for (int64_t i = 0; i < D; i++) ah[i] += ps * vs[i];
+    }
+}
+
+/* q: (B, n_heads, T, D) at strides q_b, q_h, q_t (floats); kc, vc: (B, n_kv, cap, D) holding each
+ * row's start[b] + T positions; new token t of row b attends keys 0 .. start[b] + t. scores:
+ * B * n_heads * T * (max start + T) floats of scratch; att: (B, T, n_heads, D) out. 0 (nothing
+ * written) when a row's keys pass cap. */
+int strata_attend_rows(const float *q, int64_t q_b, int64_t q_h, int64_t q_t, const float *kc, const float *vc,
+                       int64_t cap, const int64_t *start, int64_t B, int64_t T, int64_t n_heads, int64_t n_kv,
+                       int64_t D, float *scores, float *att, int nth) {
+    if (B < 1 || T < 1 || n_kv < 1 || n_heads % n_kv) return 0;
+    int64_t most = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (start[b] < 0 || start[b] + T > cap) return 0;
+        most = start[b] + T > most ? start[b] + T : most;
+    }
+    const rows_args a = {q, kc, vc, start, scores, att, q_b, q_h, q_t, n_heads, n_kv, T, cap, D, most,
+                         1.0f / sqrtf((float)D)};
+    strata_pool_run(rows_tile, &a, B * n_heads * T, nth < 1 ? 1 : nth);
+    return 1;
+}

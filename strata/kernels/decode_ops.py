@@ -384,3 +384,33 @@ def try_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     out = torch.empty_like(x)
     fn(x.data_ptr(), x.numel() // n, n, weight.data_ptr(), eps, out.data_ptr())
     return out
+
+
+_ROWS_ARGTYPES = (_P, _I64, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT)
+
+
+def try_attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor) -> torch.Tensor | None:
+    """Causal attention of a few new tokens per row over a KV cache in one C call
+    (decode_attention.c's strata_attend_rows): q (B, H, T, D) (any strides, D contiguous);
+    k_cache, v_cache (B, H_kv, capacity, D), this step's keys written; new token t of row b sees
+    keys 0 .. start[b] + t, as `StepInfo.attention_mask` says. Returns (B, H, T, D) (a view of
+    (B, T, H, D)), each row equal to its one-token step's attention; None where it does not apply
+    (kernels off, not float32 contiguous caches on the CPU, more than FAST_BATCH_MAX new tokens)."""
+    b, h, t, d = q.shape
+    if (not kernels.USE_KERNELS or b * t > kernels.FAST_BATCH_MAX or q.dtype is not torch.float32
+            or q.device.type != "cpu" or q.stride(3) != 1 or not (_vec(k_cache) and _vec(v_cache))
+            or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d
+            or h % k_cache.shape[1] or start.device.type != "cpu" or start.shape != (b,)):
+        return None
+    fn = _build.entry("strata_attend_rows", _ROWS_ARGTYPES, _INT)
+    if fn is None:
+        return None
+    start = start.to(torch.int64).contiguous()
+    most = int(start.max()) + t
+    scores = torch.empty(b * h * t * most)
+    out = torch.empty(b, t, h, d)
+    if not fn(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k_cache.data_ptr(), v_cache.data_ptr(),
+              k_cache.shape[2], start.data_ptr(), b, t, h, k_cache.shape[1], d, scores.data_ptr(), out.data_ptr(),
+              _build.pool_threads(None)):
+        return None
+    return out.transpose(1, 2)

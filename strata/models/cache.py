@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from strata.kernels import decode_ops
 from strata.kernels.gpu.graphs import boundary
 from strata.kernels.threads import one_thread_if_small
 
@@ -112,6 +113,11 @@ class KVCache:
         if allowed is None and q.shape[0] == 1 and q.shape[2] == 1:
             mask = None  # one row's one new token: every key written so far is its past
         else:
+            if allowed is None and q.device.type == "cpu" and keys.data_ptr() == self.k.data_ptr():
+                # a verify pass or a decode batch: one C call, each row as its one-token step attends
+                out = decode_ops.try_attend_rows(q, self.k, self.v, step.start)
+                if out is not None:
+                    return out
             mask = _to(step.attention_mask(keys.shape[2]), q.device)  # (B, 1, T, S)
             if allowed is not None:
                 mask = mask & allowed
