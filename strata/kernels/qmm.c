@@ -511,6 +511,10 @@ static int64_t pool_work(int who, int me, uint32_t epoch) {
     pool_event *ev = who == 2 ? atomic_load_explicit(&trace_cur, memory_order_acquire) : NULL;
     const job_t job = pool_job; /* (claims of `epoch` succeed only while these are its arguments) */
     const int nth = pool_nth;
+    /* A helper that read pool_wanted of job `epoch` and pool_nth of a later one with fewer threads
+     * (parallel_threads sizes each job) is no thread of it: `epoch` is over (its claims would all
+     * fail) and the steal loop below would never come back round to `me`. */
+    if (me >= nth) return 0;
     if (pool_shared_counter) { /* A/B: every thread from the front of one range */
         for (int64_t tile; (tile = claim(&pool_range[0].w, epoch, 0)) >= 0; ran++) {
             if (ev && !ran) ev->h_first = now_ns();
