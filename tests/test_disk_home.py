@@ -245,3 +245,41 @@ def test_a_cache_whose_arena_the_kernel_refuses_allocates_a_buffer_per_read(tmp_
         assert [bytes(t.numpy()) for t in got] == [data[o + 2 * n:o + 3 * n] for o, n in zip(offsets, SIZES)]
     finally:
         home.close()
+
+
+def test_a_short_prompts_disk_expert_whose_call_declines_takes_the_general_path(tmp_path, monkeypatch):
+    """strata_moe_tokens returns 0 when its scratch cannot be allocated: that expert's product comes
+    from the general path (a traceback before), and the layer's output is the general path's."""
+    import pytest
+
+    from strata import kernels
+    from strata.tiers.executor import CpuLane
+    from strata.tiers.store import expert_format
+    from test_kernels import random_qtensor
+
+    if not kernels.available():
+        pytest.skip("kernels unavailable")
+    n_exp, hidden, ffn, n = 4, 256, 256, 4
+    stacked = tuple(random_qtensor("Q4_0", shape, seed=s) for s, shape in
+                    enumerate([(n_exp, ffn, hidden), (n_exp, ffn, hidden), (n_exp, hidden, ffn)]))
+    path = tmp_path / "experts.bin"
+    path.write_bytes(b"".join(q.raw.numpy().tobytes() for q in stacked))
+    fmt = expert_format(stacked, [0, stacked[0].nbytes, stacked[0].nbytes + stacked[1].nbytes])
+    home = DiskHome({0: fmt}, FileReader(path), capacity=1 << 22)
+    lane = CpuLane(1, {0: home}, {0: fmt})
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, hidden, generator=g) * 0.05
+    ids = torch.tensor([[0, 1], [2, 1], [3, 0], [2, 3]])  # every expert 2 rows: the one-call path
+    w = torch.rand(n, 2, generator=g)
+    calls = []
+    monkeypatch.setattr(kernels, "moe_tokens_at", lambda *a: calls.append(a) or False)
+    try:
+        with kernels.prompt_batches():
+            y = sum(f.result() for f in lane.submit(0, x, ids, w, [0, 1, 2, 3]))
+            monkeypatch.setattr(CpuLane, "_rows_products", lambda *a: None)
+            general = sum(f.result() for f in lane.submit(0, x, ids, w, [0, 1, 2, 3]))
+    finally:
+        lane.close()
+        home.close()
+    assert len(calls) == 4
+    assert torch.equal(y, general) and general.abs().max().item() > 0

@@ -168,9 +168,9 @@ class CpuLane:
                 continue
             parts = home.parts(layer, e)
             y = torch.zeros_like(x)
-            if not kernels.moe_tokens_at(x, tuple(p.data_ptr() for p in parts), spec, *rows[e], threads, y):
-                raise RuntimeError("strata_moe_tokens declined a layout it was planned for (out of memory?)")
-            products[e] = y
+            # declined (its scratch not allocated): y is dropped, the general path computes the expert
+            ok = kernels.moe_tokens_at(x, tuple(p.data_ptr() for p in parts), spec, *rows[e], threads, y)
+            products[e] = y if ok else general(e)
         return products
 
     def _token_products(self, layer, home, x, ids, weights, experts: set[int], threads) -> dict | None:
