@@ -434,3 +434,21 @@ def test_from_dir_without_tokenizer_json(tmp_path):
 def test_unsupported_gguf_tokenizer():
     with pytest.raises(StrataError, match="not supported"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
+
+
+def test_a_normal_gguf_token_outside_the_byte_alphabet_is_respelled_and_added_tokens_are_not():
+    """A byte-level vocabulary spells every byte in `bytes_to_unicode`'s alphabet; a normal token
+    with a raw character outside it (a converter slip) is respelled so BPE can reach it, while a
+    control or user-defined token keeps its raw text."""
+    from strata.formats.tokenizer import CONTROL, NORMAL, USER_DEFINED, Tokenizer, bytes_to_unicode
+
+    spelling = bytes_to_unicode()
+    tokens = ["a", "b", "a b", "é", "x\n", "<|c|>", "u v"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [NORMAL] * 5 + [CONTROL, USER_DEFINED], "tokenizer.ggml.merges": []}
+    vocab = Tokenizer.from_gguf_metadata(meta).backend.get_vocab()
+    space, newline = spelling[ord(" ")], spelling[ord("\n")]
+    assert vocab["a" + space + "b"] == 2 and vocab.get("a b") != 2
+    assert vocab["é"] == 3  # inside the alphabet: as it is
+    assert vocab["x" + newline] == 4
+    assert vocab["<|c|>"] == 5 and vocab["u v"] == 6
