@@ -3128,13 +3128,16 @@ int strata_moe_decode(const float *h, int64_t hidden, const float *norm_w, float
     for (int64_t e = 0; e < n_exp; e++) p[e] = p[e] / sum;
     const void *G[MANY_MAX], *U[MANY_MAX], *Dn[MANY_MAX];
     float wsum = 0.0f;
+    uint8_t *taken = calloc((size_t)n_exp, 1); /* (a scan of the k chosen per expert: 51k steps a qwen3-next layer) */
+    if (!taken) {
+        free(buf);
+        return 0;
+    }
     for (int j = 0; j < k; j++) {
         int64_t best = -1;
-        for (int64_t e = 0; e < n_exp; e++) {
-            int taken = 0;
-            for (int i = 0; i < j; i++) taken |= ids_out[i] == e;
-            if (!taken && (best < 0 || p[e] > p[best])) best = e;
-        }
+        for (int64_t e = 0; e < n_exp; e++)
+            if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+        taken[best] = 1;
         ids_out[j] = best;
         w_out[j] = p[best];
         wsum += p[best];
@@ -3142,6 +3145,7 @@ int strata_moe_decode(const float *h, int64_t hidden, const float *norm_w, float
         U[j] = up + best * us;
         Dn[j] = down + best * ds;
     }
+    free(taken);
     if (normalize)
         for (int j = 0; j < k; j++) w_out[j] = w_out[j] / wsum;
     float *scratch = malloc(sizeof(float) * (size_t)(3 * ffn + hidden) + 64);
