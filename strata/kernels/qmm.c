@@ -453,7 +453,9 @@ static pool_event trace_buf[TRACE_MAX];
 static _Atomic int64_t trace_n;
 static _Atomic int trace_on;
 static pool_event *_Atomic trace_cur; /* the shared job being run (helpers write their times into it) */
-static int64_t pool_tag, pool_info, pool_bytes; /* what the next job is, set by its call site (one job at a time) */
+/* what the next job is, set by its call site; per thread: a second Python thread runs its jobs alone
+ * meanwhile, and its labels must not land on the first one's */
+static __thread int64_t pool_tag, pool_info, pool_bytes;
 void strata_pool_trace(int on) {
     if (on) atomic_store(&trace_n, 0);
     atomic_store(&trace_on, on);
