@@ -333,7 +333,7 @@ def replay_products(engine, prompt: list[int], repeats: int = 8) -> None:
     stack_original = decode_stack.try_decode
 
     def rec_stack(stack, x, *rest):  # replayed at the same position: the same keys and values rewritten
-        calls.append((stack_original, (stack, x.clone(), *rest)))
+        calls.append((stack_original, (stack, None if x is None else x.clone(), *rest)))  # (None: the token path)
         return stack_original(stack, x, *rest)
 
     def rec_q(x, w, threads=None):
