@@ -266,7 +266,7 @@ def test_every_tile_of_a_pool_job_runs_once_whatever_the_threads():
             assert seen == Counter(range(n)), (nth, n)
 
 
-def test_pool_timeline_accounts_each_decode_token(tmp_path, capsys, two_threads):
+def test_pool_timeline_accounts_each_decode_token(tmp_path, capsys, monkeypatch, two_threads):
     """bench/decode_profile.py's timeline: every pool job of a token lies inside it, the stack's
     layer marks come in order, and the summary and one token's events are printed."""
     import importlib.util
@@ -293,6 +293,11 @@ def test_pool_timeline_accounts_each_decode_token(tmp_path, capsys, two_threads)
     assert events[-1].split()[1:3] == ["token", "end"]
     jobs = int(next(l for l in lines if "pool jobs" in l).split(" pool jobs")[0].split()[-1])
     assert jobs > 0 and sum(1 for l in events if ">" not in l) - 1 == jobs  # (the middle token's, printed)
+    monkeypatch.setattr(profile, "memory_bandwidth", lambda: 10.0)  # (a 1 GiB copy, not what is tested)
+    profile.print_profile(engine, [1, 2, 3], 2)  # bench_vs_llamacpp --profile's other views, over the one-call token
+    profile.replay_products(engine, [1, 2, 3], repeats=2)
+    out = capsys.readouterr().out
+    assert "stack of 2 layers" in out and "replayed: 1 product calls alone" in out
 
 
 def write_q8_llama(path):
