@@ -452,7 +452,9 @@ def print_timeline(engine, prompt: list[int], steps: int = 16, show: bool = True
         finally:
             lib.strata_pool_trace(0)
     buf = (ctypes.c_int64 * (EV * 16384))()
-    n = lib.strata_pool_trace_read(buf, 16384)
+    n = lib.strata_pool_trace_read(buf, 16384, EV)
+    if n < 0:
+        raise SystemExit(f"decode_profile: EV = {EV} is not the library's pool_event size (qmm.c): update EV")
     ev = [tuple(buf[EV * i:EV * i + EV]) for i in range(n)]
     names: dict = {}
     rows = []

@@ -269,6 +269,7 @@ def test_every_tile_of_a_pool_job_runs_once_whatever_the_threads():
 def test_pool_timeline_accounts_each_decode_token(tmp_path, capsys, monkeypatch, two_threads):
     """bench/decode_profile.py's timeline: every pool job of a token lies inside it, the stack's
     layer marks come in order, and the summary and one token's events are printed."""
+    import ctypes
     import importlib.util
     from pathlib import Path
 
@@ -293,6 +294,11 @@ def test_pool_timeline_accounts_each_decode_token(tmp_path, capsys, monkeypatch,
     assert events[-1].split()[1:3] == ["token", "end"]
     jobs = int(next(l for l in lines if "pool jobs" in l).split(" pool jobs")[0].split()[-1])
     assert jobs > 0 and sum(1 for l in events if ">" not in l) - 1 == jobs  # (the middle token's, printed)
+    # a reader sized for another event layout gets nothing, not an overrun buffer
+    buf = (ctypes.c_int64 * (2 * profile.EV))()
+    read = _build.load().strata_pool_trace_read
+    assert read(buf, 1, profile.EV - 1) == -1 and read(buf, 1, profile.EV + 1) == -1
+    assert read(buf, 1, profile.EV) == 1
     monkeypatch.setattr(profile, "memory_bandwidth", lambda: 10.0)  # (a 1 GiB copy, not what is tested)
     profile.print_profile(engine, [1, 2, 3], 2)  # bench_vs_llamacpp --profile's other views, over the one-call token
     profile.replay_products(engine, [1, 2, 3], repeats=2)

@@ -195,7 +195,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_pool_timing.restype = None
     lib.strata_pool_trace.argtypes = [ctypes.c_int]
     lib.strata_pool_trace.restype = None
-    lib.strata_pool_trace_read.argtypes = [p, i64]
+    lib.strata_pool_trace_read.argtypes = [p, i64, i64]
     lib.strata_pool_trace_read.restype = i64
     lib.strata_pool_mark.argtypes = [i64, i64]
     lib.strata_pool_mark.restype = None

@@ -460,8 +460,11 @@ void strata_pool_trace(int on) {
     if (on) atomic_store(&trace_n, 0);
     atomic_store(&trace_on, on);
 }
-/* Copies up to max events into out (15 int64 each); returns how many there are. */
-int64_t strata_pool_trace_read(int64_t *out, int64_t max) {
+/* Copies up to max events into out (`fields` int64 each, the caller's idea of a pool_event);
+ * returns how many there are, or -1 (nothing copied) when `fields` is not this build's count: a
+ * caller sized for an older event would have its buffer overrun. */
+int64_t strata_pool_trace_read(int64_t *out, int64_t max, int64_t fields) {
+    if (fields != (int64_t)(sizeof(pool_event) / sizeof(int64_t))) return -1;
     int64_t n = atomic_load(&trace_n);
     if (n > TRACE_MAX) n = TRACE_MAX;
     if (n > max) n = max;
