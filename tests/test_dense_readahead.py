@@ -105,3 +105,27 @@ def test_a_load_that_fails_after_the_file_opened_stops_its_read_ahead(tmp_path, 
     with pytest.raises(StrataError):  # a budget far below the dense weights: refused by the plan
         strata.load(path, ram_memory="1M", pin_experts="disk", experts_cache="0", cpu_threads=1)
     assert events[:2] == ["readahead", "build"] and made and all(ra._thread is None for ra in made)
+
+
+def test_an_install_that_fails_after_taking_the_early_read_ahead_stops_it(tmp_path, monkeypatch):
+    """install takes the read ahead started as the file opened; failing after that (here: the
+    install's own spans cannot be worked out) still stops it."""
+    import pytest
+
+    from strata.tiers import runtime
+
+    path = synth.write(tmp_path / "m.gguf", "qwen3-30b-a3b", 1, "Q4_K_M", vocab=512, experts=8, sparse=True)
+    events = []
+    made = _recording(monkeypatch, events)
+    spans = runtime.dense_spans
+    calls = []
+
+    def second_fails(*a):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("install's spans")
+        return spans(*a)
+    monkeypatch.setattr(runtime, "dense_spans", second_fails)
+    with pytest.raises(RuntimeError, match="install's spans"):
+        strata.load(path, ram_memory="2G", pin_experts="disk", experts_cache="0", cpu_threads=1)
+    assert events == ["readahead", "build", "install"] and len(made) == 1 and made[0]._thread is None

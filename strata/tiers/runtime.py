@@ -166,15 +166,17 @@ def install(loaded, options, byte_bar=None) -> TierRuntime:
     provider.runtime = TierRuntime(plan, homes, executor, prefetcher, cache, reader, options.trace_experts,
                                    _decode_width(loaded.model, options))
     early, provider.readahead = provider.readahead, None
-    if reader is not None and not device.is_cuda:  # the dense weights stay in the mapping: read them ahead
-        tensors = loaded.source.file.tensors
-        spans = dense_spans(tensors, set(tensors) - _unread(plan.expert_names))
-        if early is not None and early.spans == spans:  # started as the file opened
-            provider.runtime.readahead, early = early, None
-        else:
-            provider.runtime.readahead = DenseReadahead(reader.path, spans)
-    if early is not None:
-        early.close()
+    try:  # (from here the load's failure path no longer sees the early read ahead: closed below)
+        if reader is not None and not device.is_cuda:  # the dense weights stay in the mapping: read them ahead
+            tensors = loaded.source.file.tensors
+            spans = dense_spans(tensors, set(tensors) - _unread(plan.expert_names))
+            if early is not None and early.spans == spans:  # started as the file opened
+                provider.runtime.readahead, early = early, None
+            else:
+                provider.runtime.readahead = DenseReadahead(reader.path, spans)
+    finally:
+        if early is not None:
+            early.close()
     return provider.runtime
 
 
