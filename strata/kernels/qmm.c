@@ -2237,6 +2237,8 @@ typedef struct {
     const int64_t *pick;
     int64_t B;
     float *Y;
+    float *silu; /* non-NULL: this product is a gate and the next one its up (same rows, B and pick): each
+                  * tile computes both and writes silu(gate) * up [B, rows] here */
 } many_req;
 
 typedef struct {
@@ -2249,6 +2251,8 @@ typedef struct {
     ggml_vec_dot_fn dot;
     int burst;            /* prefetch each row's bytes before it (ggml's dot; the one-pass kernels stream_prefetch) */
     const float *unscale; /* ggml's two passes: per x row, the inverse of the factor it was quantized at (or NULL) */
+    float *silu;          /* many_req's: this item's tiles also run the next item's rows, then silu(gate) * up */
+    int tiles;            /* 0: an up whose gate's tiles run it */
 } many_item;
 
 typedef struct {
@@ -2257,9 +2261,14 @@ typedef struct {
     int64_t tile_rows;
 } many_args;
 
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+static void many_rows(const many_item *m, int64_t t0, int64_t t1);
+
 static void tile_many(const void *a_, int64_t tile) {
     const many_args *a = (const many_args *)a_;
-    int lo = 0, hi = a->n - 1; /* the item holding this tile: the last with tile0 <= tile */
+    int lo = 0, hi = a->n - 1; /* the item holding this tile: the last with tile0 <= tile (an up without
+                                * tiles of its own shares its tile0 with the next item) */
     while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
         if (a->it[mid].tile0 <= tile) lo = mid;
@@ -2268,6 +2277,17 @@ static void tile_many(const void *a_, int64_t tile) {
     const many_item *m = &a->it[lo];
     const int64_t t0 = (tile - m->tile0) * a->tile_rows;
     const int64_t t1 = t0 + a->tile_rows < m->rows ? t0 + a->tile_rows : m->rows;
+    many_rows(m, t0, t1);
+    if (m->silu) { /* the up's same rows, then the SwiGLU product of both (as the serial loop computed it) */
+        const many_item *u = m + 1;
+        many_rows(u, t0, t1);
+        for (int64_t b = 0; b < m->B; b++)
+            for (int64_t r = t0; r < t1; r++) m->silu[b * m->rows + r] = silu(m->Y[b * m->rows + r]) * u->Y[b * u->rows + r];
+    }
+}
+
+/* Rows [t0, t1) of item m, every batch row. */
+static void many_rows(const many_item *m, int64_t t0, int64_t t1) {
     const uint8_t *end = m->W + m->rows * m->wrow;
     for (int64_t b = 0; b < m->B; b++) {
         const int64_t xb = (m->pick ? m->pick[b] : b) * m->xrow;
@@ -2432,8 +2452,15 @@ static int many_run(int n, const many_req *req, int nth, int twice) {
             }
             n_act++;
         }
+        const int paired_up = j > 0 && req[j - 1].silu != NULL;
+        if (q->silu && (j + 1 >= n || req[j + 1].rows != q->rows || req[j + 1].B != q->B || req[j + 1].pick != q->pick ||
+                        req[j + 1].silu)) {
+            ok = 0; /* a gate without its up */
+            break;
+        }
         it[j] = (many_item){q->W, q->rows, q->cols, q->wrow, acts[a].xrow, 0, q->B, q->pick,
-                            acts[a].xq, acts[a].xr, q->Y, dot2, k->dot, dot2 == NULL, acts[a].unscale};
+                            acts[a].xq, acts[a].xr, q->Y, dot2, k->dot, dot2 == NULL, acts[a].unscale, q->silu,
+                            !paired_up};
         bytes += q->rows * q->wrow * q->B;
     }
     if (ok) {
@@ -2442,7 +2469,7 @@ static int many_run(int n, const many_req *req, int nth, int twice) {
             total = 0;
             for (int j = 0; j < n; j++) {
                 it[j].tile0 = total;
-                total += (it[j].rows + tile_rows - 1) / tile_rows;
+                total += it[j].tiles ? (it[j].rows + tile_rows - 1) / tile_rows : 0;
             }
             if (total <= 0xFFFF) break;
             tile_rows *= 2;
@@ -2614,8 +2641,6 @@ DEFINE_QMM(mxfp4, 32, 17, 39)
  */
 typedef void (*qmm_fn)(const uint8_t *, int64_t, int64_t, const float *, int64_t, float *, int);
 
-static inline float silu(float v) { return v / (1.0f + expf(-v)); }
-
 /* strata_qmm_<type> -> its ggml type and block layout, for the calls that take kernels by pointer. */
 static const struct {
     qmm_fn fn;
@@ -2672,33 +2697,21 @@ static int moe_token_many(const void *const *gate, const void *const *up, const 
     int64_t rows[MANY_MAX], cols[MANY_MAX], wr[MANY_MAX];
     const float *Xs[MANY_MAX];
     float *Ys[MANY_MAX];
-    for (int j = 0; j < k; j++)
-        for (int s = 0; s < 2; s++) {
-            const int i = 2 * j + s;
-            types[i] = s ? ut : gt;
-            Ws[i] = s ? up[j] : gate[j];
-            rows[i] = ffn;
-            cols[i] = hidden;
-            wr[i] = s ? uw : gw;
-            Xs[i] = x;
-            Ys[i] = (s ? u : g) + j * ffn;
-        }
-    for (int s = 0; s < 2 * sh; s++) {
-        const int i = 2 * k + s;
-        types[i] = st[s];
-        Ws[i] = sh_W[s];
-        rows[i] = sh_ffn;
-        cols[i] = hidden;
-        wr[i] = sw[s];
-        Xs[i] = x;
-        Ys[i] = s ? su : sg;
+    /* each expert's gate and up as a pair: a tile runs both over the same rows and writes h =
+     * silu(gate) * up there (no serial pass over k * ffn values between the two jobs) */
+    many_req gu[MANY_MAX];
+    for (int j = 0; j < k; j++) {
+        gu[2 * j] = (many_req){gt, (const uint8_t *)gate[j], ffn, hidden, gw, x, 1, NULL, 1, g + j * ffn, h + j * ffn};
+        gu[2 * j + 1] = (many_req){ut, (const uint8_t *)up[j], ffn, hidden, uw, x, 1, NULL, 1, u + j * ffn, NULL};
     }
-    if (!strata_qmm_many(2 * k + 2 * sh, types, Ws, rows, cols, wr, Xs, 1, Ys, nth)) {
+    if (sh) {
+        gu[2 * k] = (many_req){st[0], (const uint8_t *)sh_W[0], sh_ffn, hidden, sw[0], x, 1, NULL, 1, sg, shh};
+        gu[2 * k + 1] = (many_req){st[1], (const uint8_t *)sh_W[1], sh_ffn, hidden, sw[1], x, 1, NULL, 1, su, NULL};
+    }
+    if (!many_run(2 * k + 2 * sh, gu, nth, act_mode == 3)) {
         free(buf);
         return 0;
     }
-    for (int64_t i = 0; i < k * ffn; i++) h[i] = silu(g[i]) * u[i];
-    for (int64_t i = 0; i < sh_ffn; i++) shh[i] = silu(sg[i]) * su[i];
     for (int j = 0; j < k; j++) {
         types[j] = dt;
         Ws[j] = down[j];
