@@ -192,10 +192,13 @@ class Stack:
     """The C descriptions of a model's layers, built once (`layers` None: some layer does not
     apply, so the model runs its blocks one by one); the KV cache pointers are refreshed per call."""
 
-    __slots__ = ("sources", "layers", "keep", "hidden", "rot_half", "caches", "tmp", "lock")
+    __slots__ = ("sources", "layers", "keep", "hidden", "rot_half", "caches", "tmp", "lock", "gdn")
 
     def __init__(self, sources, layers: ctypes.Array | None, keep: list, hidden: int, rot_half: int):
         self.sources, self.layers, self.keep, self.hidden, self.rot_half = sources, layers, keep, hidden, rot_half
+        # per layer, whether it is a Gated DeltaNet one (read once: a ctypes field read per layer per token
+        # is Python on caches the kernels have just flushed)
+        self.gdn = tuple(bool(lay.gdn) for lay in layers) if layers is not None else ()
         self.caches: list = [None] * (len(layers) if layers is not None else 0)  # weak references to the
         # (k, v) each layer's pointers name
         self.tmp = torch.empty(hidden)
@@ -355,19 +358,20 @@ def _run(fn, stack: Stack, out: torch.Tensor, caches, pos: int, rot: tuple[int, 
     apply: a DeltaNet state stepped twice would be wrong), grown to hold pos, its pointers
     refreshed where its tensors changed, then the one C call (out: the token's x, the layers' input
     and output; `ends`: strata_decode_token's further arguments, its logits into `logits`)."""
-    for i, (lay, cache) in enumerate(zip(stack.layers, caches)):
-        if lay.gdn:
-            if not _deltanet_cache(stack, i, lay, cache, out):
+    layers = stack.layers
+    for i, (gdn, cache) in enumerate(zip(stack.gdn, caches)):
+        if gdn:
+            if not _deltanet_cache(stack, i, layers[i], cache, out):
                 return None
-        elif not _kv_cache(stack, i, lay, cache, out, pos):
+        elif not _kv_cache(stack, i, layers[i], cache, out, pos):
             return None
     n = len(stack.layers)
     done = fn(ctypes.addressof(stack.layers), n, stack.hidden, out.data_ptr(), rot[0], rot[1], pos,
               stack.tmp.data_ptr(), torch.get_num_threads(), *ends)
     if done < 0:
         return None
-    for lay, cache in zip(stack.layers[:(done + 1) // 2], caches):
-        if lay.gdn:
+    for gdn, cache in zip(stack.gdn[:(done + 1) // 2], caches):
+        if gdn:
             cache.window = None  # as try_gdn_block leaves an untracked cache
     if done == 2 * n:
         return out if logits is None else logits
