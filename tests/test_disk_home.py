@@ -283,3 +283,35 @@ def test_a_short_prompts_disk_expert_whose_call_declines_takes_the_general_path(
         home.close()
     assert len(calls) == 4
     assert torch.equal(y, general) and general.abs().max().item() > 0
+
+
+def test_a_failed_read_gives_its_arena_buffer_back(tmp_path):
+    """A read that fails (the file shrank, an I/O error) hands its arena buffer back, so the retry
+    and later reads take it again instead of carving the arena away, read after failed read."""
+    import gc
+
+    import pytest
+
+    home = _home(tmp_path / "m.gguf", capacity=2**20)
+    try:
+        assert home.arena is not None
+        read_spans, failures = home.reader.read_spans, []
+
+        def failing(spans, into=None):
+            if len(failures) < 3:
+                failures.append(1)
+                raise OSError(5, "Input/output error")
+            return read_spans(spans, into)
+        home.reader.read_spans = failing
+        for _ in range(3):
+            with pytest.raises(OSError):
+                home.parts(0, 1)
+        gc.collect()  # (each failed read's traceback holds its buffer in a reference cycle)
+        carved = home.arena._carved
+        data = (tmp_path / "m.gguf").read_bytes()
+        got = home.parts(0, 1)
+        offsets = [0, SIZES[0] * N_EXPERTS, (SIZES[0] + SIZES[1]) * N_EXPERTS]
+        assert [bytes(t.numpy()) for t in got] == [data[o + n:o + 2 * n] for o, n in zip(offsets, SIZES)]
+        assert home.arena._carved == carved and home.arena.reused == 1  # a failed read's buffer, taken again
+    finally:
+        home.close()

@@ -489,7 +489,12 @@ class DiskHome(Home):
         if not self._keep_spares:
             return self.reader.read_spans(spans)
         buf = self._buffer(self._sizes[layer])
-        flat = self.reader.read_spans(spans, torch.from_numpy(buf))
+        try:
+            flat = self.reader.read_spans(spans, torch.from_numpy(buf))
+        except BaseException:
+            if self.arena is not None:  # else an arena buffer per failed read was lost for good
+                self.arena.give(buf)
+            raise
         with self._lock:
             self._owners[(layer, e)] = buf
         return flat
