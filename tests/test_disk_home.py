@@ -174,6 +174,21 @@ def test_a_decode_token_computes_its_disk_experts_by_one_call_each_with_the_same
     assert "direct" not in lane_calls and "general" in lane_calls  # the direct path made no grouped call
 
 
+def _disk_experts_lane(tmp_path, types, n_exp, hidden, ffn, workers):
+    """Random stacked (gate, up, down) of `types` written to a file, its DiskHome and a CpuLane over it."""
+    from strata.tiers.executor import CpuLane
+    from strata.tiers.store import expert_format
+    from test_kernels import random_qtensor
+
+    shapes = [(n_exp, ffn, hidden), (n_exp, ffn, hidden), (n_exp, hidden, ffn)]
+    stacked = tuple(random_qtensor(t, shape, seed=s) for s, (t, shape) in enumerate(zip(types, shapes)))
+    path = tmp_path / "experts.bin"
+    path.write_bytes(b"".join(q.raw.numpy().tobytes() for q in stacked))
+    fmt = expert_format(stacked, [0, stacked[0].nbytes, stacked[0].nbytes + stacked[1].nbytes])
+    home = DiskHome({0: fmt}, FileReader(path), capacity=1 << 22)
+    return stacked, home, CpuLane(workers, {0: home}, {0: fmt})
+
+
 def test_a_short_prompts_disk_experts_take_one_call_each_over_their_rows(tmp_path, monkeypatch):
     """In a short prompt most of a disk home's experts take 1-2 rows: each is one strata_moe_tokens
     call on its read's bytes over its rows (an expert with PROMPT_AMX_MIN_ROWS rows or more keeps
@@ -185,20 +200,12 @@ def test_a_short_prompts_disk_experts_take_one_call_each_over_their_rows(tmp_pat
 
     from strata import kernels
     from strata.tiers.executor import CpuLane
-    from strata.tiers.store import expert_format
-    from test_kernels import random_qtensor
 
     if not kernels.available():
         pytest.skip("kernels unavailable")
     n_exp, hidden, ffn, n = 6, 256, 512, 8
     types = ("IQ2_XS", "IQ2_XS", "Q4_0")  # the full-size flagship's expert layout
-    stacked = tuple(random_qtensor(t, shape, seed=s) for s, (t, shape) in
-                    enumerate(zip(types, [(n_exp, ffn, hidden), (n_exp, ffn, hidden), (n_exp, hidden, ffn)])))
-    path = tmp_path / "experts.bin"
-    path.write_bytes(b"".join(q.raw.numpy().tobytes() for q in stacked))
-    fmt = expert_format(stacked, [0, stacked[0].nbytes, stacked[0].nbytes + stacked[1].nbytes])
-    home = DiskHome({0: fmt}, FileReader(path), capacity=1 << 22)
-    lane = CpuLane(2, {0: home}, {0: fmt})
+    stacked, home, lane = _disk_experts_lane(tmp_path, types, n_exp, hidden, ffn, workers=2)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(n, hidden, generator=g) * 0.05
     # expert 0: 7 rows; 1: 2 rows; 2: 1 row; 3: 6 rows (rows 0-6 pair 0 with 3, 4, 5 or 1)
@@ -254,19 +261,11 @@ def test_a_short_prompts_disk_expert_whose_call_declines_takes_the_general_path(
 
     from strata import kernels
     from strata.tiers.executor import CpuLane
-    from strata.tiers.store import expert_format
-    from test_kernels import random_qtensor
 
     if not kernels.available():
         pytest.skip("kernels unavailable")
     n_exp, hidden, ffn, n = 4, 256, 256, 4
-    stacked = tuple(random_qtensor("Q4_0", shape, seed=s) for s, shape in
-                    enumerate([(n_exp, ffn, hidden), (n_exp, ffn, hidden), (n_exp, hidden, ffn)]))
-    path = tmp_path / "experts.bin"
-    path.write_bytes(b"".join(q.raw.numpy().tobytes() for q in stacked))
-    fmt = expert_format(stacked, [0, stacked[0].nbytes, stacked[0].nbytes + stacked[1].nbytes])
-    home = DiskHome({0: fmt}, FileReader(path), capacity=1 << 22)
-    lane = CpuLane(1, {0: home}, {0: fmt})
+    _, home, lane = _disk_experts_lane(tmp_path, ("Q4_0",) * 3, n_exp, hidden, ffn, workers=1)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(n, hidden, generator=g) * 0.05
     ids = torch.tensor([[0, 1], [2, 1], [3, 0], [2, 3]])  # every expert 2 rows: the one-call path
