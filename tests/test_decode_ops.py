@@ -529,3 +529,5 @@ def test_attention_of_several_new_tokens_matches_float64_and_one_token_steps(hea
             one(qj.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[1], s, heads, kv, dim, scores1.data_ptr(),
                 att.data_ptr(), 2)
             assert torch.equal(att, got[row, :, j]), (row, j)
+    long = decode_ops.ROWS_NEW_MAX + 1  # a prompt's chunk, not a verify pass: torch's SDPA attends it
+    assert decode_ops.try_attend_rows(torch.randn(1, heads, long, dim), cache.k[:1], cache.v[:1], start[:1]) is None

@@ -386,6 +386,10 @@ def try_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return out
 
 
+# A verify pass's new tokens per row: up to 16 drafted ones (--draft-tokens) and the last accepted
+# one. A prompt of more attends by torch's SDPA, as prefill and the tiered KV caches do, so a short
+# prompt's logits do not depend on which cache holds its keys.
+ROWS_NEW_MAX = 17
 _ROWS_ARGTYPES = (_P, _I64, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT)
 
 
@@ -395,9 +399,10 @@ def try_attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     k_cache, v_cache (B, H_kv, capacity, D), this step's keys written; new token t of row b sees
     keys 0 .. start[b] + t, as `StepInfo.attention_mask` says. Returns (B, H, T, D) (a view of
     (B, T, H, D)), each row equal to its one-token step's attention; None where it does not apply
-    (kernels off, not float32 contiguous caches on the CPU, more than FAST_BATCH_MAX new tokens)."""
+    (kernels off, not float32 contiguous caches on the CPU, more than FAST_BATCH_MAX new tokens or
+    ROWS_NEW_MAX a row)."""
     b, h, t, d = q.shape
-    if (not kernels.USE_KERNELS or b * t > kernels.FAST_BATCH_MAX or q.dtype is not torch.float32
+    if (not kernels.USE_KERNELS or b * t > kernels.FAST_BATCH_MAX or t > ROWS_NEW_MAX or q.dtype is not torch.float32
             or q.device.type != "cpu" or q.stride(3) != 1 or not (_vec(k_cache) and _vec(v_cache))
             or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d
             or h % k_cache.shape[1] or start.device.type != "cpu" or start.shape != (b,)):
