@@ -30,12 +30,13 @@ from strata.kernels.threads import kernel_threads
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmm.c")
-SOURCES = [SOURCE, Path(__file__).with_name("prefill.c"),  # one library: these run on qmm.c's thread pool
+SOURCES = [SOURCE, Path(__file__).with_name("pool.c"),  # one library: these all run on pool.c's thread pool
+           Path(__file__).with_name("hc_mix.c"), Path(__file__).with_name("prefill.c"),
            Path(__file__).with_name("causal_conv.c"), Path(__file__).with_name("deltanet_decode.c"),
            Path(__file__).with_name("decode_attention.c"), Path(__file__).with_name("decode_stack.c"),
            Path(__file__).with_name("gdn_prompt.c")]
-HEADERS = [Path(__file__).with_name("qmm_avx2.h"),  # included by qmm.c / prefill.c: part of the cache key
-           Path(__file__).with_name("blocks.h")]
+HEADERS = [Path(__file__).with_name("qmm_avx2.h"),  # included by the sources: part of the cache key
+           Path(__file__).with_name("blocks.h"), Path(__file__).with_name("pool.h")]
 FLAGS = ["-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno"]
 ABI_VERSION = 10
 

@@ -12,7 +12,7 @@
 #include <math.h>
 #include <stdint.h>
 
-void strata_pool_run(void (*fn)(const void *, int64_t), const void *args, int64_t n_tiles, int nth);
+#include "pool.h"
 
 #define ATT_LANES 16
 

@@ -35,7 +35,7 @@ int strata_gdn_decode(const float *x, int64_t B, int64_t T, const int64_t *n_new
                       float *steps, const float *ssm_norm_w, float ssm_eps, int gate_sigmoid, void *o_fn,
                       const void *o_W, const int64_t *o_order, int residual, float *out, int nth);
 
-void strata_pool_mark(int64_t tag, int64_t info);
+#include "pool.h"
 void strata_rms_norm(const float *x, const float *w, int64_t n, float eps, float *y);
 int strata_dequant(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, void *Y, int bf16, int nth);
 typedef void (*qmm_fn)(const uint8_t *, int64_t, int64_t, const float *, int64_t, float *, int);

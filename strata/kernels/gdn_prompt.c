@@ -26,7 +26,7 @@
 #include <xmmintrin.h>
 #endif
 
-void strata_pool_run(void (*fn)(const void *, int64_t), const void *args, int64_t n_tiles, int nth);
+#include "pool.h"
 void *strata_pp_malloc(size_t bytes); /* prefill.c: malloc, or NULL where its test hook refuses */
 
 typedef float v16 __attribute__((vector_size(64)));

@@ -37,8 +37,8 @@
 
 typedef void (*pp_to_float)(const void *row, float *out, int64_t n);
 
-/* from qmm.c: its thread pool, and ggml's to_float (NULL without ggml) */
-void strata_pool_run(void (*fn)(const void *, int64_t), const void *args, int64_t n_tiles, int nth);
+#include "pool.h"
+/* from qmm.c: ggml's to_float (NULL without ggml) */
 void *strata_to_float_fn(int type);
 
 #define PP_MAX_TYPES 64
