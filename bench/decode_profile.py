@@ -407,7 +407,7 @@ def replay_products(engine, prompt: list[int], repeats: int = 8) -> None:
 
 
 MARKS = {1: "prepare x", 10: "attention half", 11: "ffn half", 12: "stack end"}  # (+ any a caller adds)
-EV = 15  # int64 fields of one qmm.c pool_event
+EV = 15  # int64 fields of one pool.c pool_event
 T_IN, T_PUB, T_CALLER, T_OUT, H_FIRST, H_LAST, TAG, INFO, FN, N_TILES, C_TILES, H_TILES, C_IN, C_OUT, BYTES = range(EV)
 
 
@@ -427,7 +427,7 @@ def _shared(e) -> bool:
 
 def print_timeline(engine, prompt: list[int], steps: int = 16, show: bool = True, marks: dict | None = None) -> None:
     """Where each decode token's time goes between the calling thread and the pool's helpers
-    (qmm.c's job timeline). Per token, medians: wall ms in pool jobs (publishing them, the calling
+    (pool.c's job timeline). Per token, medians: wall ms in pool jobs (publishing them, the calling
     thread's own tiles, its wait for a helper's last tile) and the helpers' start delay; the
     calling thread's CPU ms outside pool jobs (while the helpers have nothing to do), inside the
     one-call stack (preparing x, norms, routing, attention glue) and outside it (Python, embedding,
@@ -454,7 +454,7 @@ def print_timeline(engine, prompt: list[int], steps: int = 16, show: bool = True
     buf = (ctypes.c_int64 * (EV * 16384))()
     n = lib.strata_pool_trace_read(buf, 16384, EV)
     if n < 0:
-        raise SystemExit(f"decode_profile: EV = {EV} is not the library's pool_event size (qmm.c): update EV")
+        raise SystemExit(f"decode_profile: EV = {EV} is not the library's pool_event size (pool.c): update EV")
     ev = [tuple(buf[EV * i:EV * i + EV]) for i in range(n)]
     names: dict = {}
     rows = []

@@ -1,4 +1,4 @@
-"""The one-call hyper-connection mix (kernels/f16.py try_hc_mix, qmm.c strata_hc_mix) against the
+"""The one-call hyper-connection mix (kernels/f16.py try_hc_mix, hc_mix.c strata_hc_mix) against the
 formula worked out here in float64 from the float16 weights, and against the module's torch form."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Compile qmm.c once per machine and load it with ctypes.
+"""Compile the kernel library (qmm.c and the other SOURCES) once per machine and load it with ctypes.
 
 The library is cached under $STRATA_CACHE (default ~/.cache/strata)/kernels, keyed by a hash of
 the source, the compiler and the flags, so a source edit or a new CPU (-march=native) rebuilds

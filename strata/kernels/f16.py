@@ -75,7 +75,7 @@ def try_hc_mix(x: torch.Tensor, norm: torch.Tensor, down: torch.Tensor, up: torc
                inject: torch.Tensor | None, hc: int, hidden: int, eps: float,
                threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A hyper-connection mix (`HyperConnection.mix`) of float32 x (..., hc*hidden) with float16
-    down / up / inject matrices, by qmm.c's `strata_hc_mix` (one call; the torch form ran ~15
+    down / up / inject matrices, by hc_mix.c's `strata_hc_mix` (one call; the torch form ran ~15
     operators around its three products): (mixed (..., hidden), weights (..., hc) or None), or
     None where it does not apply (as `try_f16_matmul`, or norm not a float32 vector)."""
     if not kernels.USE_KERNELS or x.device.type != "cpu" or x.dtype is not torch.float32:
