@@ -523,13 +523,9 @@ def moe_token_at(x: torch.Tensor, ptrs: list[tuple[int, int, int]], expert_kerne
 
 def _moe_tokens_fn():
     """strata_moe_tokens with its argument types declared, or None without the entry point."""
-    lib = _build.load()
-    fn = getattr(lib, "strata_moe_tokens", None) if lib is not None else None
-    if fn is not None and fn.argtypes is None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, p, p, p, ctypes.c_int, p, p, p, p, p, p, i64, i64, p, p, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    return fn
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    return _build.entry("strata_moe_tokens", [p, p, p, p, ctypes.c_int, p, p, p, p, p, p, i64, i64, p, p, ctypes.c_int],
+                        ctypes.c_int)
 
 
 def moe_tokens_at(x: torch.Tensor, parts: tuple[int, int, int], expert_kernels, tokens: list[int],
