@@ -48,7 +48,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, progress: b
 def load_with_tiers(path: str | Path, options) -> tuple[LoadedModel, object | None, object | None]:
     """The model built with the seams `options` (an `EngineOptions`) ask for, then those completed
     over it: (loaded, the expert tiers or expert-parallel runtime or None, --kv-device's
-    `KVTierConfig` or None). Without tier options the model is the plain resident one."""
+    `KVTierConfig` or None). Without tier options, for a file that fits in RAM, the model is the
+    plain resident one."""
+    from strata.tiers.auto import exceeds_ram
     from strata.tiers.options import tiers_requested
 
     dtype = getattr(torch, options.dtype)
@@ -57,7 +59,9 @@ def load_with_tiers(path: str | Path, options) -> tuple[LoadedModel, object | No
         from strata.tiers.expert_parallel.rank0 import ParallelProvider, install as install_parallel
 
         experts, placement = ParallelProvider(), BlockPlacement()
-    elif tiers_requested(options):
+    elif tiers_requested(options) or exceeds_ram(path):
+        if options.pin_experts is None:  # a file larger than RAM: its experts from the file (tiers/auto.py)
+            options.pin_experts = "auto"
         experts, placement = TieredProvider(), BlockPlacement()
     kv = TieredKV(options.kv_device_budget, dtype) if options.kv_device_budget is not None else None
     tiered = isinstance(experts, TieredProvider)

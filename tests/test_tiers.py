@@ -338,6 +338,23 @@ def test_tiers_plug_in_at_construction_and_assign_nothing_onto_the_model(model, 
     runtime.close()
 
 
+def test_a_file_larger_than_the_ram_budget_reads_its_experts_from_the_file_without_flags(model, monkeypatch):
+    """No tier flag, a file larger than RAM can hold: the experts are read from the file (as
+    --pin-experts auto), not the whole file mapped and paged by the kernel; still exact."""
+    import os
+
+    from strata.tiers import auto, hardware
+
+    path, ids, ref_logits, ref_tokens, _ = model
+    assert not auto.exceeds_ram(path) and strata.load(path).tiers is None  # fits: the plain resident path
+    # the tiny file stands for one larger than RAM: the share of the budget the weights may take shrinks
+    monkeypatch.setattr(auto, "RAM_HEADROOM", os.path.getsize(path) / hardware.ram_default_budget() / 2)
+    engine = strata.load(path)
+    assert engine.tiers is not None and set(engine.tiers.stats()["plan"]["expert_homes"]) == {"disk"}
+    check_exact(engine, ids, ref_logits, ref_tokens)
+    engine.close()
+
+
 def test_a_disk_homes_demanded_reads_go_before_its_reads_ahead():
     """The next layer's predicted reads are queued before this layer routes; its misses must not
     wait behind them, and a queued read ahead that a layer asks for moves to the front."""

@@ -35,7 +35,7 @@ def tiers_requested(opts) -> bool:
 
 
 def add_tier_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("tiers (any of these turns the tiered expert runtime on)")
+    g = p.add_argument_group("tiers (any of these, or a file larger than RAM, turns the tiered expert runtime on)")
     g.add_argument("--gpu-layers", default="auto", help="auto | all | N blocks' non-expert weights on the device")
     g.add_argument("--gpu-memory", help="device budget, e.g. 32G (default: 90%% of free CUDA memory)")
     g.add_argument("--ram-memory", help="host budget, e.g. 64G (default: 90%% of available RAM)")
