@@ -59,9 +59,7 @@ def load_with_tiers(path: str | Path, options) -> tuple[LoadedModel, object | No
         from strata.tiers.expert_parallel.rank0 import ParallelProvider, install as install_parallel
 
         experts, placement = ParallelProvider(), BlockPlacement()
-    elif tiers_requested(options) or exceeds_ram(path):
-        if options.pin_experts is None:  # a file larger than RAM: its experts from the file (tiers/auto.py)
-            options.pin_experts = "auto"
+    elif tiers_requested(options) or exceeds_ram(path):  # no --pin-experts: the plan picks the home
         experts, placement = TieredProvider(), BlockPlacement()
     kv = TieredKV(options.kv_device_budget, dtype) if options.kv_device_budget is not None else None
     tiered = isinstance(experts, TieredProvider)

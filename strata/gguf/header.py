@@ -49,14 +49,10 @@ class _Cursor:
         return len(self.data) - self.pos
 
     def string(self) -> str:
-        n = self.take("<Q")
-        if n > self.left():
-            raise HeaderError(f"string of {n} bytes runs past the end of the file")
-        self.pos += n
-        return str(self.data[self.pos - n: self.pos], "utf-8", "replace")
+        return self.strings(1)[0]
 
     def strings(self, count: int) -> list[str]:
-        """`count` strings, as `string` reads each, in one tight loop (a vocabulary)."""
+        """`count` length-prefixed strings in one tight loop (a vocabulary reads all of its at once)."""
         data, pos, end = self.data, self.pos, len(self.data)
         out = []
         append = out.append

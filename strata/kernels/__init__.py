@@ -521,11 +521,13 @@ def moe_token_at(x: torch.Tensor, ptrs: list[tuple[int, int, int]], expert_kerne
     return _call_moe_token(x, ([vp(*(p[i] for p in ptrs)) for i in range(3)], *expert_kernels), w, threads, out)
 
 
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_MOE_TOKENS_ARGTYPES = (_P, _P, _P, _P, ctypes.c_int, _P, _P, _P, _P, _P, _P, _I64, _I64, _P, _P, ctypes.c_int)
+
+
 def _moe_tokens_fn():
     """strata_moe_tokens with its argument types declared, or None without the entry point."""
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    return _build.entry("strata_moe_tokens", [p, p, p, p, ctypes.c_int, p, p, p, p, p, p, i64, i64, p, p, ctypes.c_int],
-                        ctypes.c_int)
+    return _build.entry("strata_moe_tokens", _MOE_TOKENS_ARGTYPES, ctypes.c_int)
 
 
 def moe_tokens_at(x: torch.Tensor, parts: tuple[int, int, int], expert_kernels, tokens: list[int],

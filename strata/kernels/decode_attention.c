@@ -62,6 +62,17 @@ static void exp_nonpositive(float *p, int64_t n) {
     }
 }
 
+/* p[0..S) to its softmax, in place: one order of operations for every attention here, so a
+ * verify pass's row equals its one-token step's bit for bit. */
+static void softmax_inplace(float *p, int64_t S) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t s = 0; s < S; s++) m = p[s] > m ? p[s] : m;
+    for (int64_t s = 0; s < S; s++) p[s] = p[s] - m;
+    exp_nonpositive(p, S);
+    for (int64_t s = 0; s < S; s++) sum += p[s];
+    for (int64_t s = 0; s < S; s++) p[s] = p[s] / sum;
+}
+
 static void attend_tile(const void *a_, int64_t tile) {
     const attend_args *a = a_;
     const int64_t g = tile / a->split, h0 = g * a->grp + (tile % a->split) * a->per;
@@ -72,12 +83,7 @@ static void attend_tile(const void *a_, int64_t tile) {
     for (int64_t s = 0; s < S; s++)
         for (int64_t h = h0; h < h1; h++) a->scores[h * S + s] = dot_lanes(a->q + h * D, K + s * D, D) * a->scale;
     for (int64_t h = h0; h < h1; h++) {
-        float *p = a->scores + h * S, m = -INFINITY, sum = 0.0f;
-        for (int64_t s = 0; s < S; s++) m = p[s] > m ? p[s] : m;
-        for (int64_t s = 0; s < S; s++) p[s] = p[s] - m;
-        exp_nonpositive(p, S);
-        for (int64_t s = 0; s < S; s++) sum += p[s];
-        for (int64_t s = 0; s < S; s++) p[s] = p[s] / sum;
+        softmax_inplace(a->scores + h * S, S);
         float *ah = a->att + h * D;
         for (int64_t i = 0; i < D; i++) ah[i] = 0.0f;
     }
@@ -127,13 +133,9 @@ static void rows_tile(const void *a_, int64_t tile) {
     const int64_t g = h / (a->n_heads / a->n_kv), D = a->D, S = a->start[b] + t + 1;
     const float *q = a->q + b * a->q_b + h * a->q_h + t * a->q_t;
     const float *K = a->kc + (b * a->n_kv + g) * a->cap * D, *V = a->vc + (b * a->n_kv + g) * a->cap * D;
-    float *p = a->scores + tile * a->most, m = -INFINITY, sum = 0.0f;
+    float *p = a->scores + tile * a->most;
     for (int64_t s = 0; s < S; s++) p[s] = dot_lanes(q, K + s * D, D) * a->scale;
-    for (int64_t s = 0; s < S; s++) m = p[s] > m ? p[s] : m;
-    for (int64_t s = 0; s < S; s++) p[s] = p[s] - m;
-    exp_nonpositive(p, S);
-    for (int64_t s = 0; s < S; s++) sum += p[s];
-    for (int64_t s = 0; s < S; s++) p[s] = p[s] / sum;
+    softmax_inplace(p, S);
     float *restrict ah = a->att + ((b * a->T + t) * a->n_heads + h) * D;
     for (int64_t i = 0; i < D; i++) ah[i] = 0.0f;
     for (int64_t s = 0; s < S; s++) {

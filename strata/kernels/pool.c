@@ -159,7 +159,6 @@ static pool_event *trace_new(void) {
     memset(e, 0, sizeof *e);
     return e;
 }
-static inline int64_t now_ns(void);
 void strata_pool_mark(int64_t tag, int64_t info) {
     pool_event *e = trace_new();
     if (e) {
@@ -170,16 +169,13 @@ void strata_pool_mark(int64_t tag, int64_t info) {
     }
 }
 
-static int pool_shared_counter;
-void strata_set_pool_shared(int64_t on) { pool_shared_counter = (int)on; }
-static inline uint32_t rg_epoch(uint64_t w) { return (uint32_t)(w >> 32); }
 static inline int64_t rg_next(uint64_t w) { return (int64_t)((w >> 16) & 0xFFFF); }
 static inline int64_t rg_end(uint64_t w) { return (int64_t)(w & 0xFFFF); }
 
 /* One tile of job `epoch` from range word r: its front (own) or its back (steal); -1: none left. */
 static inline int64_t claim(_Atomic uint64_t *r, uint32_t epoch, int back) {
     uint64_t w = atomic_load_explicit(r, memory_order_acquire);
-    while (rg_epoch(w) == epoch && rg_next(w) < rg_end(w)) {
+    while (st_epoch(w) == epoch && rg_next(w) < rg_end(w)) {
         if (atomic_compare_exchange_weak_explicit(r, &w, back ? w - 1 : w + (1u << 16), memory_order_acq_rel,
                                                   memory_order_acquire))
             return back ? rg_end(w) - 1 : rg_next(w);
@@ -200,16 +196,6 @@ static int64_t pool_work(int who, int me, uint32_t epoch) {
      * (parallel_threads sizes each job) is no thread of it: `epoch` is over (its claims would all
      * fail) and the steal loop below would never come back round to `me`. */
     if (me >= nth) return 0;
-    if (pool_shared_counter) { /* A/B: every thread from the front of one range */
-        for (int64_t tile; (tile = claim(&pool_range[0].w, epoch, 0)) >= 0; ran++) {
-            if (ev && !ran) ev->h_first = now_ns();
-            job.fn(job.args, tile);
-            if (ev) ev->h_last = now_ns();
-        }
-        if (ran) atomic_fetch_add_explicit(&pool_done, ran, memory_order_release);
-        if (timing) atomic_fetch_add_explicit(&pool_times[who], cpu_ns() - t0, memory_order_relaxed);
-        return ran;
-    }
     for (int victim = me;;) {
         int64_t tile = claim(&pool_range[victim].w, epoch, victim != me);
         while (tile < 0) {
@@ -323,10 +309,9 @@ void pool_run(void (*fn)(const void *, int64_t), const void *args, int64_t n_til
     const uint64_t old = atomic_load_explicit(&pool_state, memory_order_relaxed);
     const uint32_t epoch = st_epoch(old) + 1;
     pool_nth = nth;
-    const int parts = pool_shared_counter ? 1 : nth;
     for (int p = 0; p < nth; p++) /* contiguous shares, in order: the caller's first */
-        atomic_store_explicit(&pool_range[p].w, (uint64_t)epoch << 32 | (uint64_t)(p < parts ? p * n_tiles / parts : 0) << 16 |
-                                                    (uint64_t)(p < parts ? (p + 1) * n_tiles / parts : 0), memory_order_relaxed);
+        atomic_store_explicit(&pool_range[p].w, (uint64_t)epoch << 32 | (uint64_t)(p * n_tiles / nth) << 16 |
+                                                    (uint64_t)((p + 1) * n_tiles / nth), memory_order_relaxed);
     /* seq_cst store, then load: pairs with the helper's sleepers++ then state load, so either
      * the helper sees the new epoch or we see it about to sleep and wake it. */
     atomic_store(&pool_state, (uint64_t)epoch << 32 | (uint64_t)n_tiles);

@@ -2766,9 +2766,11 @@ int strata_moe_decode(const float *h, int64_t hidden, const float *norm_w, float
                       int64_t ffn, void *const *sh_fns, const void *const *sh_W, int64_t sh_ffn,
                       const float *sh_gate, int64_t *ids_out, float *w_out, float *out, int nth) {
     if (k <= 0 || k > n_exp || 2 * k > MANY_MAX) return 0;
-    float *buf = malloc(sizeof(float) * (size_t)(2 * hidden + n_exp) + 64);
+    float *buf = malloc(sizeof(float) * (size_t)(2 * hidden + n_exp) + (size_t)n_exp + 64);
     if (!buf) return 0;
     float *n = buf, *y = n + hidden, *p = y + hidden;
+    uint8_t *taken = (uint8_t *)(p + n_exp); /* chosen marks (a scan of the k chosen per expert: 51k steps a qwen3-next layer) */
+    memset(taken, 0, (size_t)n_exp);
     rms_norm(h, norm_w, hidden, eps, n);
     const router_args ra = {router, n, hidden, n_exp, p};
     pool_tag = 2;
@@ -2786,11 +2788,6 @@ int strata_moe_decode(const float *h, int64_t hidden, const float *norm_w, float
     for (int64_t e = 0; e < n_exp; e++) p[e] = p[e] / sum;
     const void *G[MANY_MAX], *U[MANY_MAX], *Dn[MANY_MAX];
     float wsum = 0.0f;
-    uint8_t *taken = calloc((size_t)n_exp, 1); /* (a scan of the k chosen per expert: 51k steps a qwen3-next layer) */
-    if (!taken) {
-        free(buf);
-        return 0;
-    }
     for (int j = 0; j < k; j++) {
         int64_t best = -1;
         for (int64_t e = 0; e < n_exp; e++)
@@ -2803,7 +2800,6 @@ int strata_moe_decode(const float *h, int64_t hidden, const float *norm_w, float
         U[j] = up + best * us;
         Dn[j] = down + best * ds;
     }
-    free(taken);
     if (normalize)
         for (int j = 0; j < k; j++) w_out[j] = w_out[j] / wsum;
     float *scratch = malloc(sizeof(float) * (size_t)(3 * ffn + hidden) + 64);
