@@ -331,6 +331,22 @@ def test_stack_decodes_qwen3next_like_transformers_and_the_block_path(mode, qwen
 
 
 @needs_kernels
+def test_stack_starts_the_deltanet_state_of_a_one_token_prompt(qwen3next_q8, monkeypatch):
+    """A one-token prompt is the stack's first step on a fresh cache (no DeltaNet state yet: the
+    stack makes it), after a request whose caches are gone (the layers' references to its tensors
+    are dead): its logits equal the blocks', bit for bit."""
+    path, _ = qwen3next_q8
+    model = strata.load(path, draft="off").model
+    ids = prompt(VOCAB, 8, seed=7)
+    calls = _counted(monkeypatch)
+    _decode(model, ids, 4)
+    fast = _decode(model, ids, 1)
+    assert calls[0] == 4 + 8
+    monkeypatch.setattr(decode_stack, "try_decode", lambda *a: None)
+    assert torch.equal(fast, _decode(model, ids, 1))
+
+
+@needs_kernels
 def test_stack_leaves_qwen3next_batches_and_verify_passes_to_the_blocks(qwen3next_q8, monkeypatch):
     """Two rows, or a tracked (speculative) cache: the stack is not run, and the DeltaNet layers'
     per-block C half is (what a verify pass's rollback reads stays its own)."""

@@ -196,13 +196,27 @@ class Stack:
 
     def __init__(self, sources, layers: ctypes.Array | None, keep: list, hidden: int, rot_half: int):
         self.sources, self.layers, self.keep, self.hidden, self.rot_half = sources, layers, keep, hidden, rot_half
-        # per layer, whether it is a Gated DeltaNet one (read once: a ctypes field read per layer per token
-        # is Python on caches the kernels have just flushed)
-        self.gdn = tuple(bool(lay.gdn) for lay in layers) if layers is not None else ()
+        # per layer, a Gated DeltaNet one's cache shapes (`_gdn_dims`), else None (read once: a ctypes
+        # field read per layer per token is Python on caches the kernels have just flushed)
+        self.gdn = tuple(_gdn_dims(lay) if lay.gdn else None for lay in layers) if layers is not None else ()
         self.caches: list = [None] * (len(layers) if layers is not None else 0)  # weak references to the
         # (k, v) each layer's pointers name
         self.tmp = torch.empty(hidden)
         self.lock = threading.Lock()  # the layers' KV pointers and tmp serve one call at a time
+
+
+class _GDNDims(NamedTuple):
+    """A DeltaNet layer's recurrent cache shapes, read from its Layer once."""
+
+    kernel: int
+    conv_dim: int
+    nv: int
+    dk: int
+    dv: int
+
+
+def _gdn_dims(lay: Layer) -> _GDNDims:
+    return _GDNDims(lay.kernel, 2 * lay.nk * lay.dk + lay.nv * lay.dv, lay.nv, lay.dk, lay.dv)
 
 
 def build(key: list | None, layers, hidden: int, rot_half: int) -> Stack:
@@ -360,8 +374,8 @@ def _run(fn, stack: Stack, out: torch.Tensor, caches, pos: int, rot: tuple[int, 
     and output; `ends`: strata_decode_token's further arguments, its logits into `logits`)."""
     layers = stack.layers
     for i, (gdn, cache) in enumerate(zip(stack.gdn, caches)):
-        if gdn:
-            if not _deltanet_cache(stack, i, layers[i], cache, out):
+        if gdn is not None:
+            if not _deltanet_cache(stack, i, layers[i], gdn, cache, out):
                 return None
         elif not _kv_cache(stack, i, layers[i], cache, out, pos):
             return None
@@ -371,7 +385,7 @@ def _run(fn, stack: Stack, out: torch.Tensor, caches, pos: int, rot: tuple[int, 
     if done < 0:
         return None
     for gdn, cache in zip(stack.gdn[:(done + 1) // 2], caches):
-        if gdn:
+        if gdn is not None:
             cache.window = None  # as try_gdn_block leaves an untracked cache
     if done == 2 * n:
         return out if logits is None else logits
@@ -401,20 +415,23 @@ def _kv_cache(stack: Stack, i: int, lay: Layer, cache, x: torch.Tensor, pos: int
     return True
 
 
-def _deltanet_cache(stack: Stack, i: int, lay: Layer, cache, x: torch.Tensor) -> bool:
+def _deltanet_cache(stack: Stack, i: int, lay: Layer, dims: _GDNDims, cache, x: torch.Tensor) -> bool:
     """Layer i's recurrent cache (a GDNCache, not tracking: a speculative pass keeps per-position
-    states, which the block path does) made, checked, its conv / state pointers refreshed."""
+    states, which the block path does) made on its first token, checked, its conv / state pointers
+    refreshed where its tensors changed (`dims`: the layer's shapes, read once)."""
     d = cache.__dict__
     if "state" not in d or d["tracking"]:
         return False
-    conv_dim = 2 * lay.nk * lay.dk + lay.nv * lay.dv
-    cache.ensure(1, lay.kernel, conv_dim, lay.nv, lay.dk, lay.dv, x.dtype, x.device)
-    conv, state = cache.conv, cache.state
+    conv, state = d["conv"], d["state"]
     known = stack.caches[i]
-    if known is None or known[0]() is not conv or known[1]() is not state:
-        if conv.shape != (1, lay.kernel - 1, conv_dim) or state.shape != (1, lay.nv, lay.dk, lay.dv) \
-                or not (_vec(conv) and _vec(state)):
-            return False
-        lay.conv, lay.state = conv.data_ptr(), state.data_ptr()
-        stack.caches[i] = (weakref.ref(conv), weakref.ref(state))
+    if conv is not None and known is not None and known[0]() is conv and known[1]() is state:
+        return True  # (a dead reference reads None: hence the first test)
+    if conv is None:
+        cache.ensure(1, dims.kernel, dims.conv_dim, dims.nv, dims.dk, dims.dv, x.dtype, x.device)
+        conv, state = cache.conv, cache.state
+    if conv.shape != (1, dims.kernel - 1, dims.conv_dim) or state.shape != (1, dims.nv, dims.dk, dims.dv) \
+            or not (_vec(conv) and _vec(state)):
+        return False
+    lay.conv, lay.state = conv.data_ptr(), state.data_ptr()
+    stack.caches[i] = (weakref.ref(conv), weakref.ref(state))
     return True
