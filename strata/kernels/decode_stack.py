@@ -308,7 +308,7 @@ def try_head(e: Ends, x: torch.Tensor) -> torch.Tensor | None:
     xn = torch.empty(e.hidden)
     logits = torch.empty(1, 1, e.vocab)
     fn(x.data_ptr(), e.hidden, e.norm, e.eps, e.head_fn, e.head_w, e.vocab, xn.data_ptr(), logits.data_ptr(),
-       torch.get_num_threads())
+       _build.pool_threads(None))
     return logits
 
 
@@ -381,7 +381,7 @@ def _run(fn, stack: Stack, out: torch.Tensor, caches, pos: int, rot: tuple[int, 
             return None
     n = len(stack.layers)
     done = fn(ctypes.addressof(stack.layers), n, stack.hidden, out.data_ptr(), rot[0], rot[1], pos,
-              stack.tmp.data_ptr(), torch.get_num_threads(), *ends)
+              stack.tmp.data_ptr(), _build.pool_threads(None), *ends)
     if done < 0:
         return None
     for gdn, cache in zip(stack.gdn[:(done + 1) // 2], caches):
