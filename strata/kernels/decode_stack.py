@@ -255,10 +255,8 @@ _HEAD_ARGTYPES = (_P, _I64, _P, ctypes.c_float, _P, _P, _I64, _P, _P, ctypes.c_i
 class Ends(NamedTuple):
     """A decode token's two ends in C (decode_stack.c's strata_decode_token / strata_decode_head):
     the embedding row by ggml's to_float as `Embedding` decodes it (embd_ptr 0: a table of another
-    kind, looked up in Python), and the final RMS norm with the output head's strata_qmm_* kernel.
-    `sources`: what it was built from, compared by identity each step."""
+    kind, looked up in Python), and the final RMS norm with the output head's strata_qmm_* kernel."""
 
-    sources: tuple
     embd_type: int
     embd_ptr: int
     embd_bytes: int  # one row's
@@ -272,12 +270,11 @@ class Ends(NamedTuple):
     keep: tuple  # the tensors the pointers name
 
 
-def ends(sources: tuple, norm_w: torch.Tensor, eps: float, head: QTensor, embd: QTensor | None,
-         hidden: int) -> Ends | None:
+def ends(norm_w: torch.Tensor, eps: float, head: QTensor, embd: QTensor | None, hidden: int) -> Ends | None:
     """The Ends of a model's final norm (its weight, eps), output head (a quantized weight, no bias)
     and embedding table (a quantized one C can decode, else None: looked up in Python); None where
-    the head does not apply (a type without a strata_qmm_* kernel): the model runs it in torch.
-    `sources`: what the caller compares to rebuild it (the caller checks the modules' kinds)."""
+    the head does not apply (a type without a strata_qmm_* kernel): the model runs it in torch
+    (the caller checks the modules' kinds)."""
     if not _vec(norm_w) or norm_w.numel() != hidden:
         return None
     plan = kernels._plan(head)
@@ -292,7 +289,7 @@ def ends(sources: tuple, norm_w: torch.Tensor, eps: float, head: QTensor, embd: 
         if raw.is_contiguous() and per_row * embd.shape[0] == raw.numel():
             embd_type, embd_ptr, embd_bytes, rows = int(embd.qtype), raw.data_ptr(), per_row, embd.shape[0]
             keep.append(raw)
-    return Ends(sources, embd_type, embd_ptr, embd_bytes, rows, norm_w.data_ptr(), float(eps), plan.fnptr, plan.ptr,
+    return Ends(embd_type, embd_ptr, embd_bytes, rows, norm_w.data_ptr(), float(eps), plan.fnptr, plan.ptr,
                 plan.rows, hidden, tuple(keep))
 
 

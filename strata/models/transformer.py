@@ -150,7 +150,9 @@ class DecoderLM(nn.Module):
             self.output = Linear(self.tok_embd.weight)
         self.rope = rope
         self._c_stack: decode_stack.Stack | None = None  # a decode token's layers in one C call
-        self._c_ends: decode_stack.Ends | None = None  # ... and its embedding, final norm and head
+        # ... and its embedding, final norm and head: (what they were built from, the Ends or None
+        # where the head was declined), compared by identity each step
+        self._c_ends: tuple[tuple, decode_stack.Ends | None] | None = None
         self._c_rope = None  # (rope, cos rows, sin rows, rows filled): the one-call token's rotations
 
     def _decode_layers(self):
@@ -260,14 +262,14 @@ class DecoderLM(nn.Module):
         src = (kernels.activations(), norm, norm._parameters.get("weight"), head, head.weight, head.bias, embd,
                embd.weight)
         known = self._c_ends
-        if known is not None and all(map(operator.is_, known.sources, src)):
-            return known if known.head_fn else None
+        if known is not None and all(map(operator.is_, known[0], src)):
+            return known[1]
         ew = embd.weight if type(embd) is Embedding and embd.dtype is torch.float32 else None
         ok = (type(norm) is RMSNorm and type(head) is Linear and head.bias is None and isinstance(head.weight, QTensor)
               and src[2] is not None)
-        e = decode_stack.ends(src, src[2], norm.eps, head.weight, ew if isinstance(ew, QTensor) else None,
+        e = decode_stack.ends(src[2], norm.eps, head.weight, ew if isinstance(ew, QTensor) else None,
                               self.config.hidden_size) if ok else None
-        self._c_ends = e if e is not None else decode_stack.Ends(src, *([0] * 10), ())  # (declined: head_fn 0)
+        self._c_ends = (src, e)
         return e
 
     def _block_kinds(self) -> list:
