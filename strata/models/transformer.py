@@ -179,9 +179,10 @@ class DecoderLM(nn.Module):
         one C call (decode_stack.try_decode with the token), the cache advanced; a Partial (the cache
         not advanced: the blocks run the rest); or None where it does not apply (nothing ran). The
         Python around the call is kept to a few operations: it runs on caches the kernels have just
-        flushed (a qwen3-30b token at 2 threads spent ~2 ms of wall time in it)."""
+        flushed (a qwen3-30b token at 2 threads spent ~2 ms of wall time in it). The caller checked
+        the seams and caches (`_seams_ok`, `_caches_ok`)."""
         lengths = cache.lengths
-        if not ends.embd_ptr or lengths.numel() != 1 or not self._caches_ok(cache):
+        if not ends.embd_ptr or lengths.numel() != 1:
             return None
         pos = int(lengths.item())
         rows = self._rope_rows(pos)
@@ -220,12 +221,15 @@ class DecoderLM(nn.Module):
         self._c_rope = t = (rope, cos, sin, want)
         return t
 
-    def _caches_ok(self, cache: ModelCache) -> bool:
-        return (kernels.USE_KERNELS and type(self.seams.experts) is Resident and type(self.seams.placement) is InPlace
-                and all(type(c) is KVCache or type(c) is GDNCache for c in cache.layers))
+    def _seams_ok(self) -> bool:
+        """Whether a decode token's ends may run in C (`_ends`): kernels on, resident experts in place."""
+        return kernels.USE_KERNELS and type(self.seams.experts) is Resident and type(self.seams.placement) is InPlace
 
-    def _stack_ok(self, cache: ModelCache, step: StepInfo) -> bool:
-        return step.start.numel() == 1 and int(step.n_new[0]) == 1 and self._caches_ok(cache)
+    @staticmethod
+    def _caches_ok(cache: ModelCache) -> bool:
+        """... and its layers in one call: every layer's cache a KVCache or GDNCache. Both are checked
+        once a step, in `forward`."""
+        return all(type(c) is KVCache or type(c) is GDNCache for c in cache.layers)
 
     def _current_stack(self, hidden: int, rot_half: int) -> decode_stack.Stack | None:
         """The one-call Stack of the blocks as they are now (built or rebuilt here), or None where
@@ -245,19 +249,18 @@ class DecoderLM(nn.Module):
 
     def _stack_decode(self, x, cache: ModelCache, step: StepInfo, rope_cs) -> torch.Tensor | None:
         """x after every block for one decode token of one row in one C call (decode_stack), or None
-        where it does not apply: the caller runs the blocks one by one."""
-        if x.dtype is not torch.float32 or x.device.type != "cpu" or not self._stack_ok(cache, step):
+        where it does not apply: the caller runs the blocks one by one (the caller checked the seams
+        and caches, `_seams_ok`, `_caches_ok`)."""
+        if (x.dtype is not torch.float32 or x.device.type != "cpu" or step.start.numel() != 1
+                or int(step.n_new[0]) != 1):
             return None
         stack = self._current_stack(x.shape[-1], rope_cs[0].numel())
         return None if stack is None else decode_stack.try_decode(stack, x, cache.layers, int(step.start[0]), rope_cs)
 
     def _ends(self) -> decode_stack.Ends | None:
         """The embedding, final norm and head of a decode token in C (decode_stack.Ends), rebuilt
-        when one of them or the activation mode changes; None where they do not apply (kernels off,
-        a norm or head of another kind, placement or experts the stack does not take)."""
-        if (not kernels.USE_KERNELS or type(self.seams.experts) is not Resident
-                or type(self.seams.placement) is not InPlace):
-            return None
+        when one of them or the activation mode changes; None where they do not apply (a norm or
+        head of another kind; the caller checked the seams, `_seams_ok`)."""
         norm, head, embd = self.output_norm, self.output, self.tok_embd
         src = (kernels.activations(), norm, norm._parameters.get("weight"), head, head.weight, head.bias, embd,
                embd.weight)
@@ -286,10 +289,12 @@ class DecoderLM(nn.Module):
         With `hidden`, returns (logits, h): h (B, T, hidden) is every position's last hidden
         state after the final norm (what the output head reads; an MTP draft head's input),
         whatever `last_only` says of the logits."""
-        one = tap is no_tap and tokens.shape == (1, 1)  # a decode token: its layers in one C call
-        ends = self._ends() if one and not hidden and tokens.device.type == "cpu" else None
+        # a decode token on the CPU: its head in C, its layers too where its caches are the stack's
+        c = tap is no_tap and tokens.shape == (1, 1) and tokens.device.type == "cpu" and self._seams_ok()
+        ends = self._ends() if c and not hidden else None
+        one = c and self._caches_ok(cache)
         y = None
-        if ends is not None and n_new is None:  # ... with its embedding and head, and little Python
+        if ends is not None and n_new is None and one:  # ... with its embedding and head, and little Python
             y = self._token_decode(tokens, ends, cache)
             if type(y) is torch.Tensor:
                 return y
