@@ -23,6 +23,7 @@ import torch
 
 from strata import kernels
 from strata.kernels import _build, plan_cache
+from strata.kernels.decode_ops import _vec
 
 
 class _Plan(NamedTuple):
@@ -90,9 +91,7 @@ def try_hc_mix(x: torch.Tensor, norm: torch.Tensor, down: torch.Tensor, up: torc
         return None
     rank = pd.rows
     if (x.shape[-1] != width or pd.cols != width or (pu.rows, pu.cols) != (width, rank)
-            or (pi is not None and (pi.rows, pi.cols) != (hc, width))
-            or norm.dtype is not torch.float32 or norm.numel() != width or not norm.is_contiguous()
-            or norm.device.type != "cpu"):
+            or (pi is not None and (pi.rows, pi.cols) != (hc, width)) or not _vec(norm) or norm.numel() != width):
         return None
     b = x.numel() // width
     if not 0 < b <= kernels.FAST_BATCH_MAX:
