@@ -65,7 +65,7 @@ def load_with_tiers(path: str | Path, options) -> tuple[LoadedModel, object | No
     tiered = isinstance(experts, TieredProvider)
     try:  # the tiers read the dense weights ahead from the moment the file is open
         loaded = load_model(path, dtype, options.progress, Seams(experts, kv, open_table, placement),
-                            experts.read_ahead if tiered else None)
+                            experts.read_ahead if tiered else None if options.expert_parallel else _populate)
         tiers = None
         if options.expert_parallel:
             tiers = install_parallel(loaded, options)
@@ -78,6 +78,14 @@ def load_with_tiers(path: str | Path, options) -> tuple[LoadedModel, object | No
             experts.close_readahead()
         raise
     return loaded, tiers, kv.configure(loaded.model) if kv is not None else None  # KV after the tiers' placement
+
+
+def _populate(source) -> None:
+    """A file the plain path maps whole (it fits in RAM): its pages mapped in before the model is
+    built, so no decode token faults them in (`GGUFFile.populate`; another source: nothing)."""
+    populate = getattr(source, "populate", None)
+    if populate is not None:
+        populate()
 
 
 def _tokenizer(path: Path, meta: dict):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 
@@ -68,3 +69,42 @@ def test_opening_a_10_gb_file_reads_only_its_header(tmp_path):
     assert time.perf_counter() - t0 < 5
     assert f.tensors["big.weight"].n_bytes == 10 * 2**30
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 64 * 1024  # KiB
+
+
+def _mapped_rss(path) -> int:
+    """Bytes of the process's mappings of `path` that are in its page tables (/proc/self/smaps' Rss)."""
+    total, ours = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: range perms ... path
+                ours = line.rstrip().endswith(str(path))
+            elif ours and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+def test_a_file_that_fits_in_ram_is_mapped_in_at_load_one_larger_is_not(tmp_path, monkeypatch):
+    """llama.cpp maps its file in up front (mmap with MAP_POPULATE); without that a decode token's
+    first reads of experts not used before fault their pages in one at a time. A file the plain path
+    takes is in the process's page tables whole once loaded (its experts, 98 % of it, unread); one
+    larger than RAM (the budget's share shrunk, as test_tiers does) is not, its experts read from
+    the file by the tiers."""
+    import shutil
+
+    import strata
+    from strata.tiers import auto, hardware
+
+    path = write_tiny_llama(tmp_path / "fits.gguf", n_experts=64, n_experts_used=2).resolve()
+    if not GGUFFile(path).populate():
+        pytest.skip("the kernel has no MADV_POPULATE_READ (Linux 5.14+)")
+    size = path.stat().st_size
+    engine = strata.load(path)
+    assert engine.tiers is None and _mapped_rss(path) >= size // 4096 * 4096
+    engine.close()
+    big = shutil.copy(path, tmp_path / "big.gguf")
+    monkeypatch.setattr(auto, "RAM_HEADROOM", size / hardware.ram_default_budget() / 2)
+    engine = strata.load(big)
+    assert engine.tiers is not None and _mapped_rss(big) < size // 4
+    engine.close()

@@ -7,8 +7,10 @@ llama.cpp's, and they are the engine's own parameter names.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from strata.errors import BadModelFile, UnsupportedQuantType
 from strata.gguf.header import HeaderError, parse_header
 
 GGUF_MAGIC = b"GGUF"
+MADV_POPULATE_READ = 22  # Linux 5.14+: map a range's pages in, readable, as a first read would
+POPULATE_CHUNK = 64 * 2**20  # bytes per madvise call (each holds the process's memory-map lock)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,21 @@ class GGUFFile:
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)
 
+    def populate(self) -> bool:
+        """Map every page of the file into this process now, as llama.cpp's mmap(MAP_POPULATE)
+        does, reading from disk what the page cache lacks. Otherwise a decode token's first reads
+        of experts not used before fault pages in one at a time: a 4-layer qwen3-30b Q4_K_M took
+        ~245 minor faults a token on a prompt's first run (1.49 GiB populated in 0.35-0.54 s).
+        Only for a file that fits in RAM (the caller's check). False where the kernel cannot."""
+        madvise = _madvise()
+        if madvise is None:
+            return False
+        base, size = self._map.ctypes.data, self._map.size
+        for start in range(0, size, POPULATE_CHUNK):
+            if madvise(base + start, min(POPULATE_CHUNK, size - start), MADV_POPULATE_READ) != 0:
+                return False  # an older kernel: pages fault in on first use, as before
+        return True
+
     def require(self, key: str):
         if key not in self.metadata:
             raise BadModelFile(f"{self.path}: GGUF metadata key {key!r} is missing",
@@ -85,6 +104,19 @@ def _map_read_only(path: Path, size: int) -> np.ndarray:
     except (OSError, ValueError) as e:
         raise BadModelFile(f"{path}: cannot memory-map the file ({e})",
                            "check the file is readable and on a local filesystem") from None
+
+
+def _madvise():
+    """libc's madvise through ctypes (which releases the GIL during the call), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _check_header(path: Path) -> None:

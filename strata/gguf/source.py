@@ -19,6 +19,10 @@ class GGUFSource:
     def names(self) -> list[str]:
         return list(self.file.tensors)
 
+    def populate(self) -> bool:
+        """The file's pages mapped in now (`GGUFFile.populate`)."""
+        return self.file.populate()
+
     def get(self, name: str) -> QTensor:
         info = self.file.tensors[name]
         quant.get(info.qtype)  # an unsupported type fails here, naming the type
