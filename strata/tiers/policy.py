@@ -270,6 +270,14 @@ class Adaptive(Packed):
         self.offset = np.zeros(n_layers)  # per layer, added to the shared log-odds; centred over the layers that ran
         self.inputs: dict[int, np.ndarray] = {}  # layer -> its keys' calibration inputs after its last run
         self.observed = None  # the table's use rates, running maximum over share (cached between runs)
+        # Per key, what changes only when its layer runs, kept from that run (ranking reads these, so it
+        # does not recompute them for every resident key at every step): the table cell, the lifetime
+        # share, and the calibration's inputs other than the table's log-odds.
+        self.lag_cell = np.zeros(len(self.last), dtype=np.int64)
+        self.share_cell = np.zeros(len(self.last), dtype=np.int64)
+        self.share = np.zeros(len(self.last))
+        self.features = np.zeros((len(self.last), len(BURST_HALF_LIVES) + 2))
+        self._refresh(np.arange(len(self.last)))
 
     def _cells(self, keys: np.ndarray):
         layer = keys // self.n_experts
@@ -285,19 +293,22 @@ class Adaptive(Packed):
         observed part taken as the running maximum over the rarer cells at the same lag."""
         if self.observed is None:  # the table changes only when a layer runs
             self.observed = np.maximum.accumulate(self.used / (self.seen + PRIOR), axis=1)
-        lag, freq, mean, _ = self._cells(keys)
-        return self.observed[lag, freq] + PRIOR / (self.seen[lag, freq] + PRIOR) * mean
+        lag, freq = self.lag_cell[keys], self.share_cell[keys]
+        return self.observed[lag, freq] + PRIOR / (self.seen[lag, freq] + PRIOR) * self.mean_share[keys // self.n_experts]
 
     def inputs_of(self, keys: np.ndarray) -> np.ndarray:
         """The calibration's inputs per key: the table's log-odds, log lifetime share over the
         mean, log(1 + lag), log recent shares over the mean, and a constant."""
         p = np.clip(self.table(keys), 1e-4, 1 - 1e-4)
-        _, _, _, share = self._cells(keys)
-        layer = keys // self.n_experts
-        lag = np.where(self.last[keys] < 0, NEVER_LAG, self.runs[layer] - self.last[keys])
+        return np.column_stack([np.log(p / (1 - p)), self.features[keys], np.ones(len(keys))])
+
+    def _refresh(self, keys: np.ndarray) -> None:
+        """Keep the cells, shares and inputs of `keys` (all of one layer, or all keys) after a run."""
+        lag_cell, share_cell, _, share = self._cells(keys)
+        self.lag_cell[keys], self.share_cell[keys], self.share[keys] = lag_cell, share_cell, share
+        lag = np.where(self.last[keys] < 0, NEVER_LAG, self.runs[keys // self.n_experts] - self.last[keys])
         recent = [np.log(b[keys] * self.n_experts + 0.05) for b in self.burst]
-        return np.column_stack([np.log(p / (1 - p)), np.log(share * self.n_experts), np.log1p(lag), *recent,
-                                np.ones(len(keys))])
+        self.features[keys] = np.column_stack([np.log(share * self.n_experts), np.log1p(lag), *recent])
 
     def estimate(self, keys: np.ndarray) -> np.ndarray:
         """Per key: the chance of a use at its layer's next run, the table calibrated, plus its layer's
@@ -319,9 +330,8 @@ class Adaptive(Packed):
             self.offset[layer] += LAYER_RATE * error.mean()
             ran = self.runs > 0  # centred: the shared intercept keeps the common level (one layer: offset 0)
             self.offset[ran] -= self.offset[ran].mean()
-        lag, freq, _, _ = self._cells(every)
-        waiting = self.waiting.setdefault(layer, deque())
-        waiting.append((int(self.runs[layer]), lag, freq))
+        waiting = self.waiting.setdefault(layer, deque())  # the cells as they stand since the layer's last run
+        waiting.append((int(self.runs[layer]), self.lag_cell[every].copy(), self.share_cell[every].copy()))
         self.runs[layer] += 1
         self.mean_share[layer] += (len(keys) / self.n_experts - self.mean_share[layer]) / min(self.runs[layer], 64)
         served = np.ones(len(used)) if counts is None else np.asarray(counts, dtype=np.float64)
@@ -337,6 +347,7 @@ class Adaptive(Packed):
         run_share[used - every[0]] = share
         for b, half_life in zip(self.burst, BURST_HALF_LIVES):
             b[every] += (1 - 0.5 ** (1 / half_life)) * (run_share - b[every])
+        self._refresh(every)
         self.inputs[layer] = self.inputs_of(every)
 
     def ranks(self, resident):
@@ -344,8 +355,8 @@ class Adaptive(Packed):
         1 / p - 1 steps for its chance p of use at each run. Within a step the cache sees the layers
         in order, so a key of the layer that just ran waits a whole step for its next chance, while
         one of a layer still to run may be used in this step: at equal chances the first is evicted."""
-        _, _, _, share = self._cells(resident)
-        return 1 / (self._wait(resident) + 1 / np.maximum(self.estimate(resident), 1e-6)) + TIE * share + 1e-12 * self.last[resident]
+        return (1 / (self._wait(resident) + 1 / np.maximum(self.estimate(resident), 1e-6)) + TIE * self.share[resident]
+                + 1e-12 * self.last[resident])
 
     def admit(self, key, victim):
         return self.admit_all or self.rank_of(key) > self.rank_of(victim)
