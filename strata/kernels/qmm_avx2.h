@@ -72,7 +72,7 @@ static inline __attribute__((always_inline)) __m256i V2(nibbles32)(const uint8_t
 
 #ifndef QMM_AVX2_KINDS
 #define QMM_AVX2_KINDS
-enum { K_Q2, K_Q3, K_Q4, K_Q5, K_Q6, K_IQ2XXS, K_IQ2XS, K_IQ2S, K_IQ3XXS, K_IQ3S, K_IQ4XS, K_IQ1S, K_IQ1M };
+enum { K_Q2, K_Q3, K_Q4, K_Q5, K_Q6, K_IQ2XXS, K_IQ2XS, K_IQ2S, K_IQ3XXS, K_IQ3S, K_IQ4XS, K_IQ1S, K_IQ1M }; /* K_IQ2XS: its own kernel below */
 enum { B_Q8_0, B_Q4_0, B_Q5_0, B_IQ4NL, B_MXFP4, B_Q4_1, B_Q5_1 };
 #endif
 
@@ -126,9 +126,9 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
             const uint8_t *sg = b + (kind == K_IQ2XXS ? 2 + 4 : 66);
             const int stride = kind == K_IQ2XXS ? 8 : 4;
             for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * (int)(rd_u32(sg + stride * g) >> 28) + 1;
-        } else if (kind == K_IQ2XS || kind == K_IQ2S) {
+        } else if (kind == K_IQ2S) {
             d = rd_f16(b);
-            const uint8_t *s = b + (kind == K_IQ2XS ? 66 : 74);
+            const uint8_t *s = b + 74;
             for (int g = 0; g < 8; g++) { sc[2 * g] = 2 * (s[g] & 15) + 1; sc[2 * g + 1] = 2 * (s[g] >> 4) + 1; }
         } else if (kind == K_IQ3S) {
             d = rd_f16(b);
@@ -181,16 +181,6 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
                 mag = _mm256_setr_epi64x((long long)e[0], (long long)e[1], (long long)e[2], (long long)e[3]);
                 sgn = V2(signs32)((uint32_t)KSIGNS8[s & 127] | (uint32_t)KSIGNS8[(s >> 7) & 127] << 8 |
                                   (uint32_t)KSIGNS8[(s >> 14) & 127] << 16 | (uint32_t)KSIGNS8[(s >> 21) & 127] << 24);
-            } else if (kind == K_IQ2XS) {
-                uint64_t e[4];
-                uint32_t s = 0;
-                for (int k = 0; k < 4; k++) {
-                    const uint16_t q = rd_u16(b + 2 + 8 * j + 2 * k);
-                    memcpy(&e[k], GRID_IQ2_XS[q & 511], 8);
-                    s |= (uint32_t)KSIGNS8[q >> 9] << (8 * k);
-                }
-                mag = _mm256_setr_epi64x((long long)e[0], (long long)e[1], (long long)e[2], (long long)e[3]);
-                sgn = V2(signs32)(s);
             } else if (kind == K_IQ2S) {
                 uint64_t e[4];
                 for (int k = 0; k < 4; k++) memcpy(&e[k], GRID_IQ2_S[b[2 + 4 * j + k] | ((b[66 + j] << (8 - 2 * k)) & 0x300)], 8);
@@ -249,7 +239,7 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
             accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(br), _mm256_set1_ps(dmin * dr), accm);
         }
     }
-    const float f = kind == K_IQ2XXS || kind == K_IQ2XS || kind == K_IQ2S || kind == K_IQ1S || kind == K_IQ1M ? 0.125f
+    const float f = kind == K_IQ2XXS || kind == K_IQ2S || kind == K_IQ1S || kind == K_IQ1M ? 0.125f
                     : kind == K_IQ3XXS ? 0.25f : 1.0f;
     return f * V2(hsum)(acc) - (has_mins ? V2(hsum)(accm) : 0.0f);
 }
@@ -264,7 +254,6 @@ V2_K256(q4_k, K_Q4)
 V2_K256(q5_k, K_Q5)
 V2_K256(q6_k, K_Q6)
 V2_K256(iq2_xxs, K_IQ2XXS)
-V2_K256(iq2_xs, K_IQ2XS)
 V2_K256(iq2_s, K_IQ2S)
 V2_K256(iq3_xxs, K_IQ3XXS)
 V2_K256(iq3_s, K_IQ3S)
@@ -272,6 +261,81 @@ V2_K256(iq4_xs, K_IQ4XS)
 V2_K256(iq1_s, K_IQ1S)
 V2_K256(iq1_m, K_IQ1M)
 #undef V2_K256
+
+/* IQ2_XS {f16 d; u16 qs[32]; u8 scales[8]} x q8_K in its own loop: dot2_k256's way (scalar sign
+ * lookups, one u16 at a time) took ~114 cycles a block on Zen 3 (llvm-mca), 4-5x Q4_K's per byte.
+ * Here the 32 sign bytes of a block come from two vectors (each u16's 7 bits >> 9 and their parity
+ * by one vpshufb of bits 0-3 ^ 4-6, as ggml's AVX2 kernel does) and spread per 32 values by vpshufb
+ * + vpand + vpaddb 0x7F (bit set: 0x80..0xFF, negative; clear: 0x7F); the 4 grid rows of 32 values
+ * are 4 loads merged by vmovhpd / vinserti128, their indices bextr'd from one u64; the 16-value
+ * scales (2s + 1) one vpshufb each from one vector. ~44 cycles a block (llvm-mca, znver3). */
+static inline __attribute__((always_inline)) __m128i V2(ld2q)(const uint8_t *a, const uint8_t *b) {
+    return _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(_mm_loadl_epi64((const __m128i *)a)), (const double *)b));
+}
+
+static inline __attribute__((always_inline)) uint64_t V2(bits9)(uint64_t u, const int at) {
+#if defined(__BMI__)
+    return _bextr_u64(u, at, 9);
+#else
+    return (u >> at) & 511;
+#endif
+}
+
+static float V2(dot2_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
+    const __m256i odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0));
+    /* value m of u16 k (of 4) takes sign byte k: bytes 2k of 4 u16, then of the next 4 */
+    const __m256i spread0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2,
+                                             4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
+    const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi8(8));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull), pos = _mm256_set1_epi8(0x7F);
+    const __m128i m15 = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / 256; i++) {
+        const uint8_t *b = w + i * 74, *yq = xq + i * 292, *yr = xr + i * 292;
+        stream_prefetch(b, 74);
+        float dq, dr;
+        memcpy(&dq, yq, 4);
+        memcpy(&dr, yr, 4);
+        const float d = rd_f16(b);
+        /* byte g: sub-block g's 2s + 1 (low nibbles first), in both 128-bit lanes */
+        const __m128i sb = _mm_loadl_epi64((const __m128i *)(b + 66));
+        const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sb, m15), _mm_and_si128(_mm_srli_epi16(sb, 4), m15));
+        const __m256i scb = _mm256_broadcastsi128_si256(_mm_add_epi8(_mm_add_epi8(nib, nib), one));
+        __m256i sq = _mm256_setzero_si256(), sr = _mm256_setzero_si256();
+        #pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) { /* u16 16h..16h+15: 128 values */
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2 + 32 * h));
+            const __m256i p = _mm256_srli_epi16(q, 9);
+            const __m256i f = _mm256_or_si256(p, _mm256_shuffle_epi8(odd, _mm256_xor_si256(p, _mm256_srli_epi16(q, 13))));
+            const __m256i dup[2] = {_mm256_permute2x128_si256(f, f, 0x00), _mm256_permute2x128_si256(f, f, 0x11)};
+            #pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) { /* values 32j..32j+31: u16 4j..4j+3, sub-blocks 2j, 2j+1 */
+                const int j = 4 * h + c;
+                uint64_t u;
+                memcpy(&u, b + 2 + 8 * j, 8);
+                __asm__("" : "+r"(u)); /* one load; GCC would fold it into each bextr */
+                const __m128i lo = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 0)], GRID_IQ2_XS[V2(bits9)(u, 16)]);
+                const __m128i hi = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 32)], GRID_IQ2_XS[V2(bits9)(u, 48)]);
+                const __m256i mag = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+                const __m256i sgn = _mm256_add_epi8(_mm256_and_si256(_mm256_shuffle_epi8(dup[c >> 1], c & 1 ? spread1 : spread0), bit), pos);
+#if VNNI /* the scale in each int32's low half (V2(sc16)) */
+                const __m256i sp = _mm256_setr_epi8(2 * j, -1, -1, -1, 2 * j, -1, -1, -1, 2 * j, -1, -1, -1, 2 * j, -1, -1, -1,
+                                                    2 * j + 1, -1, -1, -1, 2 * j + 1, -1, -1, -1, 2 * j + 1, -1, -1, -1, 2 * j + 1, -1, -1, -1);
+#else
+                const __m256i sp = _mm256_setr_epi8(2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1,
+                                                    2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1);
+#endif
+                const __m256i s = _mm256_shuffle_epi8(scb, sp);
+                sq = V2(dot_sc)(sq, mag, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(yq + 4 + 32 * j)), sgn), s, 0);
+                sr = V2(dot_sc)(sr, mag, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(yr + 4 + 32 * j)), sgn), s, 0);
+                __asm__("" : "+x"(sq), "+x"(sr)); /* one chain each: GCC's reassociated sums spilled */
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq), _mm256_set1_ps(d * dq), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sr), _mm256_set1_ps(d * dr), acc);
+    }
+    return 0.125f * V2(hsum)(acc);
+}
 
 /* ------------------------------------------------------------------ 32-value blocks x q8_0 / q8_1 */
 
