@@ -95,6 +95,7 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
         int sc[16];
+        __m256i scb = _mm256_setzero_si256(); /* Q4_K, Q5_K: byte j the scale of values 32j..32j+31 */
         __m256i m16 = _mm256_setzero_si256(); /* K-quant mins per 16 values, int16 */
         if (kind == K_Q2) {
             d = rd_f16(b + 80);
@@ -113,7 +114,7 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
             dmin = rd_f16(b + 2);
             uint64_t s8, n8;
             k4_scales_mins(b + 4, &s8, &n8);
-            for (int k = 0; k < 8; k++) sc[2 * k] = sc[2 * k + 1] = (int)((s8 >> (8 * k)) & 0xFF);
+            scb = _mm256_broadcastsi128_si256(_mm_cvtsi64_si128((long long)s8));
             m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)n8),
                                                         _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
         } else if (kind == K_Q6) {
@@ -161,9 +162,9 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
             } else if (kind == K_Q4 || kind == K_Q5) {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (kind == K_Q5 ? 48 : 16) + 32 * (j / 2)));
                 mag = _mm256_and_si256(_mm256_srli_epi16(raw, 4 * (j % 2)), m4);
-                if (kind == K_Q5) {
-                    const __m256i hbit = _mm256_set1_epi8((char)(1 << j));
-                    const __m256i h = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(b + 16)), hbit), hbit);
+                if (kind == K_Q5) { /* bit j of each qh byte to bit 4: a 16-bit shift keeps it in its byte */
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+                    const __m256i h = j <= 4 ? _mm256_slli_epi16(qh, 4 - j) : _mm256_srli_epi16(qh, j - 4);
                     mag = _mm256_or_si256(mag, _mm256_and_si256(h, _mm256_set1_epi8(16)));
                 }
                 signed_w = 0;
@@ -226,9 +227,19 @@ static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, cons
                 xqv = _mm256_sign_epi8(xqv, sgn);
                 xrv = _mm256_sign_epi8(xrv, sgn);
             }
-            const __m256i s = V2(sc16)(sc[2 * j], sc[2 * j + 1], big);
+            __m256i s;
+            if (kind == K_Q4 || kind == K_Q5) { /* byte j as V2(sc16) lays it out: one vpshufb, no GPR moves */
+#if VNNI
+                s = _mm256_shuffle_epi8(scb, _mm256_set1_epi32(j | ~0xFF));
+#else
+                s = _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(j | ~0xFF)));
+#endif
+            } else {
+                s = V2(sc16)(sc[2 * j], sc[2 * j + 1], big);
+            }
             sq = V2(dot_sc)(sq, mag, xqv, s, big);
             sr = V2(dot_sc)(sr, mag, xrv, s, big);
+            __asm__("" : "+x"(sq), "+x"(sr)); /* one chain each: GCC's reassociated sums spilled */
         }
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq), _mm256_set1_ps(d * dq), acc);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sr), _mm256_set1_ps(d * dr), acc);
