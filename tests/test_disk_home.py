@@ -247,9 +247,15 @@ def test_a_cache_whose_arena_the_kernel_refuses_allocates_a_buffer_per_read(tmp_
     try:
         assert home.arena is None
         data = (tmp_path / "m.gguf").read_bytes()
-        got = home.parts(0, 2)
         offsets = [0, SIZES[0] * N_EXPERTS, (SIZES[0] + SIZES[1]) * N_EXPERTS]
-        assert [bytes(t.numpy()) for t in got] == [data[o + 2 * n:o + 3 * n] for o, n in zip(offsets, SIZES)]
+        got = {e: home.parts(0, e) for e in range(N_EXPERTS)}
+        for e, parts in got.items():
+            assert [bytes(t.numpy()) for t in parts] == [data[o + e * n:o + (e + 1) * n] for o, n in zip(offsets, SIZES)]
+        storages = [{t.untyped_storage().data_ptr() for t in parts} for parts in got.values()]
+        assert all(len(s) == 1 for s in storages)  # an expert's three parts view one buffer ...
+        assert len(set().union(*storages)) == N_EXPERTS  # ... of its own: one per read
+        assert all(parts[0].untyped_storage().nbytes() == sum(SIZES) for parts in got.values())
+        assert home.spare_reads == 0
     finally:
         home.close()
 
