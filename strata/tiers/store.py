@@ -436,24 +436,10 @@ class DiskHome(Home):
         key = (layer, e)
         with self._lock:
             flat = self.entries.get(key)
-            ahead = self.ahead.pop(key, False)
-            demand = self.demand.pop(key, False)
+            self._count_use(key, cached=flat is not None)
             if flat is not None:
                 self.entries.move_to_end(key)
-                if ahead:
-                    self.ahead_used += 1  # a read a prediction started, here in time: not a cache hit
-                elif demand:
-                    self.misses += 1  # read for this use (it landed before the use asked)
-                else:
-                    self.hits += 1
-                    return flat
-                self.used_bytes += self.formats[layer].nbytes
                 return flat
-            if ahead:
-                self.ahead_used += 1
-            else:
-                self.misses += 1
-            self.used_bytes += self.formats[layer].nbytes
             future = self.inflight.get(key)
             if future is None:
                 future = self.inflight[key] = self.pool.submit(key, urgent=True)
@@ -464,6 +450,21 @@ class DiskHome(Home):
         with self._lock:
             self.wait_s += time.perf_counter() - t0
         return flat
+
+    def _count_use(self, key: tuple[int, int], cached: bool) -> None:
+        """A use is the first after a read ahead (a prediction's read, landed or not: not a cache hit),
+        a miss (read for this use, landed or not, or not read yet) or a hit (cached before it was
+        asked for). Under the lock."""
+        ahead = self.ahead.pop(key, False)
+        demand = self.demand.pop(key, False)
+        if ahead:
+            self.ahead_used += 1
+        elif demand or not cached:
+            self.misses += 1
+        else:
+            self.hits += 1
+            return
+        self.used_bytes += self.formats[key[0]].nbytes  # a read this use needed: not wasted
 
     def _fetch(self, key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
         with self._lock:
