@@ -30,14 +30,15 @@ class LoadedModel:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = False,
-               seams: Seams | None = None, on_open=None) -> LoadedModel:
+               seams: Seams | None = None, on_open=None, opened=None) -> LoadedModel:
     """The model built with `seams` (`strata.models.seams`: experts provider, KV-cache factory, table
     reader, placement); by default all resident, the n-gram table read by the tiers' `open_table`.
-    `on_open(source)` runs once the file is open, before the model is built."""
+    `on_open(source)` runs once the file is open, before the model is built; `opened`: what
+    `open_config(path)` returned, when the caller has opened it already."""
     from strata.runtime.progress import tensor_bar
 
     seams = seams or Seams(table_reader=open_table)
-    arch, config, source, meta = open_config(path)
+    arch, config, source, meta = opened or open_config(path)
     if on_open is not None:
         on_open(source)
     with tensor_bar(len(source.names()), progress) as advance:
@@ -54,18 +55,19 @@ def load_with_tiers(path: str | Path, options) -> tuple[LoadedModel, object | No
     from strata.tiers.options import tiers_requested
 
     dtype = getattr(torch, options.dtype)
+    opened = open_config(path)
     experts, placement = Resident(), InPlace()
     if options.expert_parallel:  # imported here: torch.distributed is slow to import and rarely used
         from strata.tiers.expert_parallel.rank0 import ParallelProvider, install as install_parallel
 
         experts, placement = ParallelProvider(), BlockPlacement()
-    elif tiers_requested(options) or exceeds_ram(path):  # no --pin-experts: the plan picks the home
+    elif tiers_requested(options) or exceeds_ram(opened[2]):  # no --pin-experts: the plan picks the home
         experts, placement = TieredProvider(), BlockPlacement()
     kv = TieredKV(options.kv_device_budget, dtype) if options.kv_device_budget is not None else None
     tiered = isinstance(experts, TieredProvider)
     try:  # the tiers read the dense weights ahead from the moment the file is open
         loaded = load_model(path, dtype, options.progress, Seams(experts, kv, open_table, placement),
-                            experts.read_ahead if tiered else None if options.expert_parallel else _populate)
+                            experts.read_ahead if tiered else None if options.expert_parallel else _populate, opened)
         tiers = None
         if options.expert_parallel:
             tiers = install_parallel(loaded, options)

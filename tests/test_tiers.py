@@ -347,7 +347,7 @@ def test_a_file_larger_than_the_ram_budget_reads_its_experts_from_the_file_witho
 
     path, ids, ref_logits, ref_tokens, _ = model
     fits = strata.load(path)
-    assert not auto.exceeds_ram(path) and fits.tiers is None  # fits: the plain resident path
+    assert not auto.exceeds_ram(fits.loaded.source) and fits.tiers is None  # fits: the plain resident path
     fits.close()
     # the tiny file stands for one larger than RAM: the share of the budget the weights may take shrinks
     monkeypatch.setattr(auto, "RAM_HEADROOM", os.path.getsize(path) / hardware.ram_default_budget() / 2)

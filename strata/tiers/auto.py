@@ -31,12 +31,12 @@ def choose_home(source, ram_budget: int) -> tuple[str, str]:
                     f"{RAM_HEADROOM:.0%} of the RAM budget {format_size(ram_budget)}: read from the file")
 
 
-def exceeds_ram(path) -> bool:
-    """A file larger than RAM can hold next to the rest: mapped whole and paged by the kernel it
-    thrashes (the 45.7 GiB flagship at 24 GB: 0.3 tok/s, against 1.1-1.4 with its experts read from
-    the file), so without tier flags its experts are read from the file, as `--pin-experts auto`."""
-    p = Path(path)
-    return p.is_file() and p.stat().st_size > RAM_HEADROOM * hardware.ram_default_budget()
+def exceeds_ram(source) -> bool:
+    """A GGUF file whose weights RAM cannot hold next to the rest (`choose_home`'s rule at the default
+    budget): mapped whole and paged by the kernel it thrashes (the 45.7 GiB flagship at 24 GB: 0.3
+    tok/s, against 1.1-1.4 with its experts read from the file), so without tier flags its experts are
+    read from the file, as `--pin-experts auto`. Other sources cannot read experts from disk."""
+    return hasattr(source, "file") and choose_home(source, hardware.ram_default_budget())[0] == "disk"
 
 
 def auto_options(source, opts, model_path: str) -> tuple[object, dict]:
