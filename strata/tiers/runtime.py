@@ -110,8 +110,20 @@ class TieredProvider:
         if experts:
             self.readahead = DenseReadahead(source.file.path, dense_spans(tensors, set(tensors) - _unread(experts)))
 
+    def take_readahead(self, path, spans) -> DenseReadahead:
+        """The dense read ahead of `spans` for the installed tiers: the one started as the file opened
+        when it reads the same spans, else a new one (the early one stopped). The provider holds none
+        after: from here the tiers close it."""
+        early, self.readahead = self.readahead, None
+        if early is not None and early.spans == spans:
+            return early
+        if early is not None:
+            early.close()
+        return DenseReadahead(path, spans)
+
     def close_readahead(self) -> None:
-        """Stop a read ahead the load started (the load failed before `install` took it)."""
+        """Stop a read ahead the load started and `install` did not take (the load failed, or the
+        tiers read nothing ahead)."""
         if self.readahead is not None:
             self.readahead.close()
             self.readahead = None
@@ -165,18 +177,14 @@ def install(loaded, options, byte_bar=None) -> TierRuntime:
     executor.prefetcher = prefetcher
     provider.runtime = TierRuntime(plan, homes, executor, prefetcher, cache, reader, options.trace_experts,
                                    _decode_width(loaded.model, options))
-    early, provider.readahead = provider.readahead, None
-    try:  # (from here the load's failure path no longer sees the early read ahead: closed below)
-        if reader is not None and not device.is_cuda:  # the dense weights stay in the mapping: read them ahead
-            tensors = loaded.source.file.tensors
-            spans = dense_spans(tensors, set(tensors) - _unread(plan.expert_names))
-            if early is not None and early.spans == spans:  # started as the file opened
-                provider.runtime.readahead, early = early, None
-            else:
-                provider.runtime.readahead = DenseReadahead(reader.path, spans)
-    finally:
-        if early is not None:
-            early.close()
+    # a failure before this line leaves the early read ahead with the provider, which the loader's
+    # failure path closes (`close_readahead`)
+    if reader is not None and not device.is_cuda:  # the dense weights stay in the mapping: read them ahead
+        tensors = loaded.source.file.tensors
+        spans = dense_spans(tensors, set(tensors) - _unread(plan.expert_names))
+        provider.runtime.readahead = provider.take_readahead(reader.path, spans)
+    else:
+        provider.close_readahead()
     return provider.runtime
 
 
