@@ -3,6 +3,7 @@
 import os
 import threading
 
+import pytest
 import torch
 
 from strata.tiers.store import DIRECT_MIN, DiskHome, ExpertFormat, FileReader, Part, read_slack
@@ -164,7 +165,7 @@ def test_a_decode_token_computes_its_disk_experts_by_one_call_each_with_the_same
     try:
         direct = engine.generate(ids, 4, stop_at_eos=False)
         mode[0] = "general"
-        monkeypatch.setattr(ex.CpuLane, "_token_products", lambda *a: None)
+        monkeypatch.setattr(ex.CpuLane, "_landing_products", lambda *a: None)
         general = engine.generate(ids, 4, stop_at_eos=False)
     finally:
         engine.close()
@@ -219,7 +220,7 @@ def test_a_short_prompts_disk_experts_take_one_call_each_over_their_rows(tmp_pat
     try:
         with kernels.prompt_batches():
             y = sum(f.result() for f in lane.submit(0, x, ids, w, used))
-            monkeypatch.setattr(CpuLane, "_rows_products", lambda *a: None)
+            monkeypatch.setattr(CpuLane, "_landing_products", lambda *a: None)
             general = sum(f.result() for f in lane.submit(0, x, ids, w, used))
     finally:
         lane.close()
@@ -260,33 +261,37 @@ def test_a_cache_whose_arena_the_kernel_refuses_allocates_a_buffer_per_read(tmp_
         home.close()
 
 
-def test_a_short_prompts_disk_expert_whose_call_declines_takes_the_general_path(tmp_path, monkeypatch):
-    """strata_moe_tokens returns 0 when its scratch cannot be allocated: that expert's product comes
-    from the general path (a traceback before), and the layer's output is the general path's."""
-    import pytest
+@pytest.mark.parametrize("prompt", [True, False], ids=["short prompt", "decode token"])
+def test_a_disk_expert_whose_one_call_declines_takes_the_general_path(tmp_path, monkeypatch, prompt):
+    """strata_moe_tokens / strata_moe_token return 0 when their scratch cannot be allocated: that
+    expert's product comes from the general path (a traceback before), and the layer's output is the
+    general path's."""
+    from contextlib import nullcontext
 
     from strata import kernels
     from strata.tiers.executor import CpuLane
 
     if not kernels.available():
         pytest.skip("kernels unavailable")
-    n_exp, hidden, ffn, n = 4, 256, 256, 4
+    n_exp, hidden, ffn = 4, 256, 256
     _, home, lane = _disk_experts_lane(tmp_path, ("Q4_0",) * 3, n_exp, hidden, ffn, workers=1)
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(n, hidden, generator=g) * 0.05
-    ids = torch.tensor([[0, 1], [2, 1], [3, 0], [2, 3]])  # every expert 2 rows: the one-call path
-    w = torch.rand(n, 2, generator=g)
+    # every expert 2 rows of a prompt (the one-call path), or one decode token's 2 experts
+    ids = torch.tensor([[0, 1], [2, 1], [3, 0], [2, 3]] if prompt else [[2, 1]])
+    x = torch.randn(ids.shape[0], hidden, generator=g) * 0.05
+    w = torch.rand(*ids.shape, generator=g)
+    experts = sorted(set(ids.reshape(-1).tolist()))
     calls = []
-    monkeypatch.setattr(kernels, "moe_tokens_at", lambda *a: calls.append(a) or False)
+    monkeypatch.setattr(kernels, "moe_tokens_at" if prompt else "moe_token_at", lambda *a: calls.append(a) or False)
     try:
-        with kernels.prompt_batches():
-            y = sum(f.result() for f in lane.submit(0, x, ids, w, [0, 1, 2, 3]))
-            monkeypatch.setattr(CpuLane, "_rows_products", lambda *a: None)
-            general = sum(f.result() for f in lane.submit(0, x, ids, w, [0, 1, 2, 3]))
+        with kernels.prompt_batches() if prompt else nullcontext():
+            y = sum(f.result() for f in lane.submit(0, x, ids, w, experts))
+            monkeypatch.setattr(CpuLane, "_landing_products", lambda *a: None)
+            general = sum(f.result() for f in lane.submit(0, x, ids, w, experts))
     finally:
         lane.close()
         home.close()
-    assert len(calls) == 4
+    assert len(calls) == len(experts)
     assert torch.equal(y, general) and general.abs().max().item() > 0
 
 

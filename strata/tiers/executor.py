@@ -119,13 +119,10 @@ class CpuLane:
             # asked for the kernels' helper threads would oversubscribe the cores, and wait at
             # their barrier once per expert)
             threads = 1 if self.threads > 1 else None
-            if x.shape[0] == 1 and not in_prompt:
-                products = self._token_products(layer, home, x, ids, weights, experts, threads)
-                if products is not None:
-                    return _sum_in_order(products, x)
             general = lambda e: moe.grouped_swiglu(x, route_table(ids, weights, {e}), source(), threads=threads)  # noqa: E731
-            if in_prompt and x.shape[0] > 1:
-                products = self._rows_products(layer, home, x, ids, weights, experts, threads, general)
+            one_token = x.shape[0] == 1 and not in_prompt
+            if one_token or (in_prompt and x.shape[0] > 1):
+                products = self._landing_products(layer, home, x, ids, weights, experts, threads, general, one_token)
                 if products is not None:
                     return _sum_in_order(products, x)
             return _sum_in_order({e: general(e) for e in arrival(layer, sorted(experts))}, x)
@@ -142,13 +139,17 @@ class CpuLane:
             return None
         return spec
 
-    def _rows_products(self, layer, home, x, ids, weights, experts: set[int], threads, general) -> dict | None:
-        """A short prompt's experts of a disk home (most take 1-2 of its rows), each by one C call on
-        its bytes over its rows as its read lands (`kernels.moe_tokens_at`: the strata_moe_tokens call
-        resident experts of a few rows take); an expert with PROMPT_AMX_MIN_ROWS rows or more by
-        `general(e)` (prefill.c's product, where it applies). Through the route table, QTensor views,
-        per-matrix plans and torch's SwiGLU, 2/3 of the full-size flagship's prompt-expert CPU was
-        Python around the products. None where the kernels do not apply (then the general path runs)."""
+    def _landing_products(self, layer, home, x, ids, weights, experts: set[int], threads, general,
+                          one_token: bool) -> dict | None:
+        """A decode token's or a short prompt's experts of a disk home, each by one C call on its bytes
+        as its read lands: a decode token's by strata_moe_token (`kernels.moe_token_at`, the call
+        `moe.grouped_swiglu` makes for one token and one expert, so the same products), a prompt's
+        (most take 1-2 of its rows) by strata_moe_tokens over its rows (`kernels.moe_tokens_at`, the
+        call resident experts of a few rows take); an expert of PROMPT_AMX_MIN_ROWS rows or more, or
+        whose call declines (its scratch not allocated), by `general(e)`. No route table, QTensor
+        views or per-matrix plans: through them, 0.1-0.3 ms of Python an expert, and 2/3 of the
+        full-size flagship's prompt-expert CPU was Python around the products. None where the
+        kernels do not apply (then the general path runs)."""
         spec = self._expert_kernels(layer, x)
         if spec is None:
             return None
@@ -163,34 +164,17 @@ class CpuLane:
         for e in home.arrival(layer, sorted(experts)):
             if e not in rows:  # asked for but routed by none of these rows (a prediction's read): adds nothing
                 continue
-            if len(rows[e][0]) >= kernels.PROMPT_AMX_MIN_ROWS:
+            tokens, ws = rows[e]
+            if len(tokens) >= kernels.PROMPT_AMX_MIN_ROWS:
                 products[e] = general(e)
                 continue
-            parts = home.parts(layer, e)
+            parts = home.parts(layer, e)  # held through the call: an evicted expert's buffer is read into again
+            ptrs = tuple(p.data_ptr() for p in parts)
             y = torch.zeros_like(x)
-            # declined (its scratch not allocated): y is dropped, the general path computes the expert
-            ok = kernels.moe_tokens_at(x, tuple(p.data_ptr() for p in parts), spec, *rows[e], threads, y)
-            products[e] = y if ok else general(e)
-        return products
-
-    def _token_products(self, layer, home, x, ids, weights, experts: set[int], threads) -> dict | None:
-        """A decode token's experts of a disk home, each by one C call on its bytes as its read lands
-        (`kernels.moe_token_at`: no route table, QTensor views or per-expert plans, 0.1-0.3 ms of
-        Python an expert); the same call `moe.grouped_swiglu` makes for one token and one expert, so
-        the same products. None where the kernels do not apply (then the general path runs)."""
-        spec = self._expert_kernels(layer, x)
-        if spec is None:
-            return None
-        w = dict(zip(ids.reshape(-1).tolist(), weights.reshape(-1).tolist()))
-        products = {}
-        for e in home.arrival(layer, sorted(experts)):
-            if e not in w:  # asked for but not routed by this token (a prediction's read): adds nothing
-                continue
-            parts = home.parts(layer, e)
-            y = torch.zeros_like(x)
-            if not kernels.moe_token_at(x, [tuple(p.data_ptr() for p in parts)], spec, [w[e]], threads, y):
-                raise RuntimeError("strata_moe_token declined a layout it was planned for")
-            products[e] = y
+            ok = kernels.moe_token_at(x, [ptrs], spec, ws, threads, y) if one_token \
+                else kernels.moe_tokens_at(x, ptrs, spec, tokens, ws, threads, y)
+            del parts
+            products[e] = y if ok else general(e)  # declined: y is dropped
         return products
 
     def close(self) -> None:
