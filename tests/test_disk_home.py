@@ -165,7 +165,7 @@ def test_a_decode_token_computes_its_disk_experts_by_one_call_each_with_the_same
     try:
         direct = engine.generate(ids, 4, stop_at_eos=False)
         mode[0] = "general"
-        monkeypatch.setattr(ex.CpuLane, "_landing_products", lambda *a: None)
+        monkeypatch.setattr(ex.CpuLane, "_expert_kernels", lambda *a: None)
         general = engine.generate(ids, 4, stop_at_eos=False)
     finally:
         engine.close()
@@ -188,6 +188,43 @@ def _disk_experts_lane(tmp_path, types, n_exp, hidden, ffn, workers):
     fmt = expert_format(stacked, [0, stacked[0].nbytes, stacked[0].nbytes + stacked[1].nbytes])
     home = DiskHome({0: fmt}, FileReader(path), capacity=1 << 22)
     return stacked, home, CpuLane(workers, {0: home}, {0: fmt})
+
+
+def test_a_decode_tokens_landed_expert_goes_to_whichever_worker_is_free(tmp_path, monkeypatch):
+    """Two workers, four experts: the one computing expert 1 is held until expert 3's product is
+    done, which only the other worker can then compute (with a fixed half each, 1 and 3 were the
+    same worker's, and it waited out the 5 s); the output is the fixed halves' sum, bit for bit."""
+    from strata import kernels
+    from strata.tiers.executor import CpuLane
+
+    if not kernels.available():
+        pytest.skip("kernels unavailable")
+    _, home, lane = _disk_experts_lane(tmp_path, ("Q4_0",) * 3, 4, 256, 256, workers=2)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(3)) * 0.05
+    ids, w = torch.tensor([[0, 1, 2, 3]]), torch.tensor([[0.125, 0.25, 0.375, 0.5]])
+    third_done, held = threading.Event(), []
+    call = kernels.moe_token_at
+
+    def product(x, ptrs, spec, ws, threads, out):
+        e = int(ws[0] * 8) - 1  # the weights name the experts
+        if e == 1:
+            held.append(third_done.wait(5))
+        ok = call(x, ptrs, spec, ws, threads, out)
+        if e == 3:
+            third_done.set()
+        return ok
+    monkeypatch.setattr(kernels, "moe_token_at", product)
+    try:
+        futures = lane.submit(0, x, ids, w, [0, 1, 2, 3])
+        y = futures[0].result() + futures[1].result()
+        monkeypatch.setattr(kernels, "moe_token_at", call)
+        monkeypatch.setattr(CpuLane, "_expert_kernels", lambda *a: None)  # the general path, fixed halves
+        halves = [f.result() for f in lane.submit(0, x, ids, w, [0, 1, 2, 3])]
+    finally:
+        lane.close()
+        home.close()
+    assert held == [True]
+    assert torch.equal(y, halves[0] + halves[1]) and y.abs().max().item() > 0
 
 
 def test_a_short_prompts_disk_experts_take_one_call_each_over_their_rows(tmp_path, monkeypatch):

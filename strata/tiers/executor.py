@@ -10,6 +10,7 @@ floating-point rounding, whatever the cache holds.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from itertools import chain
@@ -102,6 +103,12 @@ class CpuLane:
         home.request(layer, experts)  # disk: start every read now, several in flight; compute as they land
         groups = [experts[i::self.threads] for i in range(min(self.threads, len(experts)))]
         in_prompt = kernels.in_prompt()  # the caller's thread: a prompt's products take prefill.c there too
+        if len(groups) > 1 and x.shape[0] == 1 and not in_prompt and getattr(home, "arrival", None) is not None \
+                and self._expert_kernels(layer, x) is not None:
+            shared = _SharedLanding(self, layer, home, x, ids, weights, experts, groups)
+            for _ in groups:
+                self.pool.submit(shared.work)
+            return shared.futures
         return [self.pool.submit(self._run, layer, x, ids, weights, set(g), in_prompt) for g in groups]
 
     def _run(self, layer, x, ids, weights, experts: set[int], in_prompt: bool = False) -> torch.Tensor:
@@ -179,6 +186,62 @@ class CpuLane:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+class _SharedLanding:
+    """A decode token's disk-home experts, each computed by whichever worker is free as its read lands
+    (one `arrival` order, taken under a lock), where a fixed half per worker left one worker idle while
+    the other still had landed experts to compute (the full-size flagship at load 12: the two halves
+    of a layer ended 8 ms apart, of a 36 ms layer). The products are summed per worker half in expert
+    order, the last worker summing, so each half's sum, and the layer's output, is the fixed halves'
+    bit for bit."""
+
+    def __init__(self, lane: CpuLane, layer: int, home, x, ids, weights, experts: list[int], groups):
+        self.lane, self.layer, self.home, self.x = lane, layer, home, x
+        self.ids, self.weights, self.groups = ids, weights, groups
+        self.spec = lane._expert_kernels(layer, x)
+        self.w = dict(zip(ids.reshape(-1).tolist(), weights.reshape(-1).tolist()))
+        self.order = home.arrival(layer, sorted(experts))
+        self.products: dict[int, torch.Tensor] = {}
+        self.futures = [Future() for _ in groups]
+        self.left = len(groups)  # workers still taking experts
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def work(self) -> None:
+        try:
+            with torch.inference_mode():
+                while True:
+                    with self._lock:  # a worker waiting here waits for the same reads as the one in next()
+                        e = next(self.order, None) if self.error is None else None
+                    if e is None:
+                        break
+                    if e in self.w:  # else asked for but not routed by this token (a prediction's read)
+                        y = self._product(e)
+                        with self._lock:
+                            self.products[e] = y
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the futures
+            with self._lock:
+                self.error = self.error or err
+        with self._lock:
+            self.left -= 1
+            if self.left:
+                return
+        for group, future in zip(self.groups, self.futures):
+            if self.error is not None:
+                future.set_exception(self.error)
+            else:
+                future.set_result(_sum_in_order({e: self.products[e] for e in group if e in self.products}, self.x))
+
+    def _product(self, e: int) -> torch.Tensor:
+        """Expert e's product by strata_moe_token on its bytes; a declined call by the general path."""
+        x, lane = self.x, self.lane
+        y = torch.zeros_like(x)
+        parts = self.home.parts(self.layer, e)  # held through the call: an evicted expert's buffer is read into again
+        if kernels.moe_token_at(x, [tuple(p.data_ptr() for p in parts)], self.spec, [self.w[e]], 1, y):
+            return y
+        source = expert_source(lane.formats[self.layer], lambda i: self.home.parts(self.layer, i))
+        return moe.grouped_swiglu(x, route_table(self.ids, self.weights, {e}), _first_once(source), threads=1)
 
 
 def _sum_in_order(products: dict, x: torch.Tensor) -> torch.Tensor:
