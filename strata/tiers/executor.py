@@ -279,19 +279,22 @@ class HybridExecutor:
         self.host_reads += 1
         if self.tracer is not None:
             self.tracer.record(layer, self.positions, ids_host, weights_host)
-        unique, served = torch.unique(ids_host, return_counts=True)  # served: token-routings per expert
-        served = dict(zip(unique.tolist(), served.tolist()))
+        served: dict[int, int] = {}  # token-routings per expert, ascending ids (a decode step's few ids: no torch op)
+        for e in sorted(ids_host.reshape(-1).tolist()):
+            served[e] = served.get(e, 0) + 1
         used = [e for e in served if experts is None or e in experts]
         on_device, on_cpu = self._split(layer, used, [served[e] for e in used])
         futures = self.lane.submit(layer, x_host, ids_host, weights_host, on_cpu)  # runs beside the device
-        out = self._device(layer, x, ids_host, weights_host, set(on_device))
+        # none on the device (no cache, a cold one): the CPU halves' sum alone, which adding them to zeros gave
+        out = self._device(layer, x, ids_host, weights_host, set(on_device)) if on_device or not futures else None
         if rider is not None:  # after this layer's kernels are queued: the copies wait for those only
             self.prefetcher.issue(rider[0], predicted[0], self.prefill, self.cache.mark() if self.cache else None)
         if beside is not None:  # on one thread: the CPU workers hold the cores
             with one_thread_if_small(0, x.device):
                 beside()
         for f in futures:  # the host waits for its own threads; the device queue is not synchronised
-            out = out + to_device(f.result(), out.device)
+            part = to_device(f.result(), self.device)
+            out = part if out is None else out + part
         return out.to(x.device)
 
     def _split(self, layer: int, used: list[int], served: list[int] | None = None) -> tuple[list[int], list[int]]:
