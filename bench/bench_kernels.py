@@ -11,6 +11,10 @@
     .venv/bin/python bench/bench_kernels.py --fused-ab --types Q4_K IQ2_XS --threads 1
                                                   # q8x2 in one pass (each kernel set: AVX-512 VNNI,
                                                   # AVX-VNNI, AVX2) vs ggml's vec_dot run twice
+    .venv/bin/python bench/bench_kernels.py --multirow-ab --types Q4_K IQ2_XS --threads 1
+                                                  # a B-row q8x2 product (a verify pass, a decode
+                                                  # batch): multi-row kernels vs each row its one-row
+                                                  # kernel vs B one-row products, CPU ms
     .venv/bin/python bench/bench_kernels.py --compare-ggml --types Q4_0 Q4_K IQ2_XS --threads 1 2
                                                   # the kept library: ggml (ggml-python) on the same blocks
     .venv/bin/python bench/bench_kernels.py --moe-token --types Q4_K IQ2_XS --threads 1 2 --experts 128
@@ -363,6 +367,68 @@ def fused_ab(types, threads_list, n_experts):
                       " | ".join(f"{med[isa] * 1e3:14.3f} {med['two'] / med[isa]:6.2f}x" for isa in isas), flush=True)
 
 
+def multirow_ab(types, threads_list, n_experts, batches=(2, 4, 8, 17)):
+    """A B-row q8x2 product three ways, alternating in rounds so load changes hit each: the
+    multi-row kernels (each weight block unpacked once for all B rows), the same call with them off
+    (each row its one-row kernel), and B one-row products (B decode steps' worth). CPU ms per
+    product (process time: the other helpers' load does not count), medians over the rounds; the
+    ratios are to the B one-row products. Each row's result is checked bit-equal across the three."""
+    lib = _build.load()
+    kernels.set_activations("q8x2")
+    print(f"{'type':<8} {'shape':<17} {'thr':>3} {'B':>3} | {'B x 1-row ms':>12} | {'off ms':>8} {'ratio':>6} | "
+          f"{'multi ms':>8} {'ratio':>6} | multi / off")
+    for name in types:
+        if name not in kernels.ggml_types() or not lib.strata_fused_types(int(T[name])):
+            print(f"{name:<8} no one-pass kernel on this CPU")
+            continue
+        for label, shape in SHAPES.items():
+            ws = experts(T[name], shape, n_experts)
+            for threads in threads_list:
+                for B in batches:
+                    x = torch.randn(B, shape[1])
+                    out = torch.empty(B, shape[0])
+                    one = torch.empty(1, shape[0])
+                    it = iter(range(10**9))
+
+                    def rows_one():
+                        w = ws[next(it) % n_experts]
+                        for i in range(B):
+                            kernels.qmatmul_fast(x[i:i + 1], w, threads=threads, out=one)
+
+                    def rows_all():
+                        kernels.qmatmul_fast(x, ws[next(it) % n_experts], threads=threads, out=out)
+
+                    def cpu(fn, reps=20):
+                        fn()
+                        t = time.process_time()
+                        for _ in range(reps):
+                            fn()
+                        return (time.process_time() - t) / reps
+
+                    times = {"one": [], "off": [], "on": []}
+                    try:
+                        for _ in range(7):
+                            times["one"].append(cpu(rows_one))
+                            lib.strata_set_multirow(0)
+                            times["off"].append(cpu(rows_all))
+                            lib.strata_set_multirow(1)
+                            times["on"].append(cpu(rows_all))
+                        w = ws[0]
+                        lib.strata_set_multirow(0)
+                        off = kernels.qmatmul_fast(x, w, threads=threads)
+                        lib.strata_set_multirow(1)
+                        on = kernels.qmatmul_fast(x, w, threads=threads)
+                        alone = torch.cat([kernels.qmatmul_fast(x[i:i + 1], w, threads=threads) for i in range(B)])
+                        if not (torch.equal(on, off) and torch.equal(on, alone)):
+                            raise RuntimeError(f"{name} B={B}: a row differs from its one-row product")
+                    finally:
+                        lib.strata_set_multirow(1)
+                    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+                    print(f"{name:<8} {label:<17} {threads:>3} {B:>3} | {med['one']:12.3f} | {med['off']:8.3f} "
+                          f"{med['off'] / med['one']:6.2f} | {med['on']:8.3f} {med['on'] / med['one']:6.2f} | "
+                          f"{med['on'] / med['off']:.2f}", flush=True)
+
+
 def moe_token(types, threads_list, n_experts, k: int = 8, reps: int = 200):
     """One decode token's routed experts as a MoE layer runs them (qmm.c's two parallel regions:
     every expert's gate and up over one quantized x, then every down), k of n_experts Qwen3-30B
@@ -426,6 +492,8 @@ def main(argv=None):
     ap.add_argument("--compare-ggml", action="store_true", help="only strata vs ggml (ggml-python) mat-vec")
     ap.add_argument("--prompt-crossover", action="store_true", help="only the batched vs 8-bit kernel crossover")
     ap.add_argument("--fused-ab", action="store_true", help="only q8x2 one pass vs ggml's two passes")
+    ap.add_argument("--multirow-ab", action="store_true",
+                    help="only a B-row q8x2 product: multi-row kernels vs one-row kernels vs B one-row products")
     ap.add_argument("--prompt-amx", action="store_true", help="only the AMX prompt product vs the others, by rows")
     ap.add_argument("--moe-token", action="store_true",
                     help="only a decode token's k=8 routed experts (gate/up, then down) as a MoE layer runs them")
@@ -445,6 +513,9 @@ def main(argv=None):
         return 0
     if args.fused_ab:
         fused_ab(args.types, args.threads, args.experts)
+        return 0
+    if args.multirow_ab:
+        multirow_ab(args.types, args.threads, args.experts)
         return 0
     if args.compare_ggml:
         compare_ggml(args.types, args.threads, args.experts)

@@ -1634,6 +1634,15 @@ static int64_t q8k_prep_bytes(int64_t n) { (void)n; return 0; }
 static void q8k_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) { (void)n; (void)xq; (void)xr; (void)out; }
 #endif
 
+/* A multi-row kernel: nr <= DOT2M_ROWS rows of x (row r's activations at xq + xoff[r], xr + xoff[r],
+ * the layout its one-row kernel takes) against one weight row, into y[0..nr). It unpacks each weight
+ * block once for all rows (a verify pass's or a decode batch's rows each unpacked it again: their
+ * products cost ~0.85x a one-row product per row), and each result is bit for bit its one-row
+ * kernel's: the same integer sums, and per row the same float operations in the same order. */
+#define DOT2M_ROWS 32
+typedef void (*dot2m_fn)(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff, int nr,
+                         float *y);
+
 /* ------------------------------------------------------------------ q8x2 in one pass (AVX2 / AVX-VNNI)
  *
  * The same kernels in 256-bit registers (qmm_avx2.h), compiled for AVX2 + FMA + F16C and again
@@ -1725,6 +1734,25 @@ static dot2_fn fused2_for(int type, int64_t qblk, int64_t qsize) {
     return fused_isa == 3 ? fused2_512(type, qblk, qsize) : NULL;
 }
 
+/* 1 (default): products of several rows of x take the multi-row kernels where a one-row kernel
+ * has one; 0: each row its one-row kernel (tests and bench_kernels --multirow-ab compare the two). */
+static int multirow_on = 1;
+void strata_set_multirow(int on) { multirow_on = on; }
+
+/* The multi-row kernel of one-row kernel dot2 (fused2_for's choice) for B rows, or NULL (none, or
+ * fewer rows than it gains at): found from the kernel itself, so the two are always of one set. */
+static dot2m_fn fused2m_of(dot2_fn dot2, int64_t B) {
+    if (!dot2 || !multirow_on || B < 2) return NULL;
+#if defined(HAVE_FUSED_256)
+    int min_rows = 2;
+    dot2m_fn m = fused2m_of_vnni(dot2, &min_rows);
+    if (!m) m = fused2m_of_avx2(dot2, &min_rows);
+    return B >= min_rows ? m : NULL;
+#else
+    return NULL;
+#endif
+}
+
 /* The 256-bit kernels' layout of the q8_0 / q8_1 activations of one row (the part every weight
  * row shares, built once per product): x's and its residual's int8 values (32 per block each),
  * their block scales as float, and for q8_1 x's exact d * sum(q) over each block (both
@@ -1776,10 +1804,13 @@ static void fused2_prep_row(int kind, int64_t cols, const uint8_t *xq, const uin
  * (tests compare the two). */
 static int fused2_on = 1;
 void strata_set_fused(int on) { fused2_on = on; }
-int strata_fused_types(int type) {
+static dot2_fn fused2_of_type(int type) {
     const int q8_1 = type == 3 || type == 7, q8_0 = type == 8 || type == 39 || type == 20 || type == 2 || type == 6;
-    return fused2_for(type, q8_1 || q8_0 ? 32 : 256, q8_1 ? 36 : q8_0 ? 34 : 292) != NULL;
+    return fused2_for(type, q8_1 || q8_0 ? 32 : 256, q8_1 ? 36 : q8_0 ? 34 : 292);
 }
+int strata_fused_types(int type) { return fused2_of_type(type) != NULL; }
+/* Whether the kernel set in use has a multi-row kernel for `type` (and they are on). */
+int strata_multirow_types(int type) { return fused2m_of(fused2_of_type(type), DOT2M_ROWS) != NULL; }
 
 /* ggml's quantize_row_q8_K_ref in 16 lanes (ggml-cpu's q8_K from_float is the reference, a scalar
  * loop that took ~7 us per 2048 values, twice per x in "q8x2", on the calling thread while the
@@ -1891,6 +1922,7 @@ typedef struct {
     const uint8_t *XQ, *XR;
     float *Y;
     dot2_fn dot2;         /* the one-pass kernel, or NULL: ggml's dot (twice with XR) */
+    dot2m_fn dot2m;       /* its multi-row kernel for B > 1, or NULL: dot2 row by row */
     ggml_vec_dot_fn dot;
     int burst;            /* prefetch each row's bytes before it (ggml's dot; the one-pass kernels stream_prefetch) */
     const float *unscale; /* ggml's two passes: per x row, the inverse of the factor it was quantized at (or NULL) */
@@ -1929,8 +1961,27 @@ static void tile_many(const void *a_, int64_t tile) {
     }
 }
 
+/* Rows [t0, t1) of item m for all its batch rows by its multi-row kernel, DOT2M_ROWS batch rows
+ * at a time: each weight row's blocks unpacked once per group, not once per batch row. */
+static void many_rows_multi(const many_item *m, int64_t t0, int64_t t1) {
+    int64_t xoff[DOT2M_ROWS];
+    float y[DOT2M_ROWS];
+    for (int64_t b0 = 0; b0 < m->B; b0 += DOT2M_ROWS) {
+        const int nr = m->B - b0 < DOT2M_ROWS ? (int)(m->B - b0) : DOT2M_ROWS;
+        for (int i = 0; i < nr; i++) xoff[i] = (m->pick ? m->pick[b0 + i] : b0 + i) * m->xrow;
+        for (int64_t r = t0; r < t1; r++) {
+            m->dot2m(m->cols, m->W + r * m->wrow, m->XQ, m->XR, xoff, nr, y);
+            for (int i = 0; i < nr; i++) m->Y[(b0 + i) * m->rows + r] = y[i];
+        }
+    }
+}
+
 /* Rows [t0, t1) of item m, every batch row. */
 static void many_rows(const many_item *m, int64_t t0, int64_t t1) {
+    if (m->dot2m) {
+        many_rows_multi(m, t0, t1);
+        return;
+    }
     const uint8_t *end = m->W + m->rows * m->wrow;
     for (int64_t b = 0; b < m->B; b++) {
         const int64_t xb = (m->pick ? m->pick[b] : b) * m->xrow;
@@ -2102,7 +2153,7 @@ static int many_run(int n, const many_req *req, int nth, int twice) {
             break;
         }
         it[j] = (many_item){q->W, q->rows, q->cols, q->wrow, acts[a].xrow, 0, q->B, q->pick,
-                            acts[a].xq, acts[a].xr, q->Y, dot2, k->dot, dot2 == NULL, acts[a].unscale, q->silu,
+                            acts[a].xq, acts[a].xr, q->Y, dot2, fused2m_of(dot2, q->B), k->dot, dot2 == NULL, acts[a].unscale, q->silu,
                             !paired_up};
         bytes += q->rows * q->wrow * q->B;
     }

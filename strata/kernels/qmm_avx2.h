@@ -76,188 +76,281 @@ enum { K_Q2, K_Q3, K_Q4, K_Q5, K_Q6, K_IQ2XXS, K_IQ2XS, K_IQ2S, K_IQ3XXS, K_IQ3S
 enum { B_Q8_0, B_Q4_0, B_Q5_0, B_IQ4NL, B_MXFP4, B_Q4_1, B_Q5_1 };
 #endif
 
-/* The block loop shared by every 256-value type (`kind` is a constant in each caller): chunk j
- * (values 32j..32j+31) unpacked to magnitudes and signs, both activations' dot products scaled by
- * the chunk's 16-value scales sc[2j], sc[2j+1]; K-quant mins through the activations' bsums. */
-static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, const uint8_t *w, const uint8_t *xq,
-                                                                const uint8_t *xr, const int kind) {
-    static const int TS[] = {84, 110, 144, 176, 210, 66, 74, 82, 98, 110, 136, 50, 56};
-    /* mins through the bsums: Q2_K, Q4_K, Q5_K's own, and Q3_K's / Q6_K's offsets (4 and 32 times the
-     * sub-block scale), so that their weights stay unsigned (no vpsignb) */
-    const int big = kind == K_IQ4XS, has_mins = kind <= K_Q6;
-    const int ts = TS[kind];
-    const __m256i m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(15);
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n / 256; i++) {
-        const uint8_t *b = w + i * ts, *yq = xq + i * 292, *yr = xr + i * 292;
-        stream_prefetch(b, ts);
-        float dq, dr, d, dmin = 0.0f;
-        memcpy(&dq, yq, 4);
-        memcpy(&dr, yr, 4);
-        int sc[16];
-        __m256i scb = _mm256_setzero_si256(); /* Q4_K, Q5_K: byte j the scale of values 32j..32j+31 */
-        __m256i m16 = _mm256_setzero_si256(); /* K-quant mins per 16 values, int16 */
-        if (kind == K_Q2) {
-            d = rd_f16(b + 80);
-            dmin = rd_f16(b + 82);
-            for (int k = 0; k < 16; k++) sc[k] = b[k] & 15;
-            m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)b), 4), _mm_set1_epi8(15)));
-        } else if (kind == K_Q3) {
-            d = rd_f16(b + 108);
-            uint32_t s4[4];
-            q3k_scales_u32(b + 96, s4);
-            for (int k = 0; k < 16; k++) sc[k] = q3k_scale(s4, k);
-            m16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_setr_epi32((int)s4[0], (int)s4[1], (int)s4[2], (int)s4[3]), _mm_set1_epi8(32)));
-            dmin = 4.0f * d;
-        } else if (kind == K_Q4 || kind == K_Q5) {
-            d = rd_f16(b);
-            dmin = rd_f16(b + 2);
-            uint64_t s8, n8;
-            k4_scales_mins(b + 4, &s8, &n8);
-            scb = _mm256_broadcastsi128_si256(_mm_cvtsi64_si128((long long)s8));
-            m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)n8),
-                                                        _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
-        } else if (kind == K_Q6) {
-            d = rd_f16(b + 208);
-            for (int k = 0; k < 16; k++) sc[k] = ((const int8_t *)(b + 192))[k];
-            m16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
-            dmin = 32.0f * d;
-        } else if (kind == K_IQ2XXS || kind == K_IQ3XXS) {
-            d = rd_f16(b);
-            const uint8_t *sg = b + (kind == K_IQ2XXS ? 2 + 4 : 66);
-            const int stride = kind == K_IQ2XXS ? 8 : 4;
-            for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * (int)(rd_u32(sg + stride * g) >> 28) + 1;
-        } else if (kind == K_IQ2S) {
-            d = rd_f16(b);
-            const uint8_t *s = b + 74;
-            for (int g = 0; g < 8; g++) { sc[2 * g] = 2 * (s[g] & 15) + 1; sc[2 * g + 1] = 2 * (s[g] >> 4) + 1; }
-        } else if (kind == K_IQ3S) {
-            d = rd_f16(b);
-            for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * ((b[106 + g / 2] >> (4 * (g % 2))) & 15) + 1;
-        } else if (kind == K_IQ4XS) {
-            d = rd_f16(b);
-            for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = iq4xs_scale(b, g);
-        } else if (kind == K_IQ1S) {
-            d = rd_f16(b);
-            for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * ((rd_u16(b + 34 + 2 * g) >> 12) & 7) + 1;
-        } else { /* K_IQ1M: the f16 scale in the top nibbles of the 4 scale words */
-            const uint16_t s0 = rd_u16(b + 48), s1 = rd_u16(b + 50), s2 = rd_u16(b + 52), s3 = rd_u16(b + 54);
-            d = f16_to_f32((uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000)));
-            for (int k = 0; k < 16; k++) sc[k] = 2 * ((rd_u16(b + 48 + 2 * (k / 4)) >> (3 * (k % 4))) & 7) + 1;
-        }
-        __m256i sq = _mm256_setzero_si256(), sr = _mm256_setzero_si256();
-        #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) {
-            __m256i mag, sgn = _mm256_setzero_si256();
-            int signed_w = 1; /* sgn holds the signs; else the weights are unsigned (mag alone) */
-            if (kind == K_Q2) {
-                mag = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (j / 4))), 2 * (j % 4)), m3);
-                signed_w = 0;
-            } else if (kind == K_Q3) { /* q + 4 where the hmask bit is set (the 4 off through the mins) */
-                const __m256i q = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 32 + 32 * (j / 4))), 2 * (j % 4)), m3);
-                const __m256i hbit = _mm256_set1_epi8((char)(1 << j));
-                const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)b), hbit), hbit);
-                mag = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(4)));
-                signed_w = 0;
-            } else if (kind == K_Q4 || kind == K_Q5) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (kind == K_Q5 ? 48 : 16) + 32 * (j / 2)));
-                mag = _mm256_and_si256(_mm256_srli_epi16(raw, 4 * (j % 2)), m4);
-                if (kind == K_Q5) { /* bit j of each qh byte to bit 4: a 16-bit shift keeps it in its byte */
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-                    const __m256i h = j <= 4 ? _mm256_slli_epi16(qh, 4 - j) : _mm256_srli_epi16(qh, j - 4);
-                    mag = _mm256_or_si256(mag, _mm256_and_si256(h, _mm256_set1_epi8(16)));
-                }
-                signed_w = 0;
-            } else if (kind == K_Q6) { /* half h = j / 4, quarter q = j % 4 */
-                const int h = j / 4, q = j % 4;
-                const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (q & 1))), 4 * (q >> 1)), m4);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)), 2 * q), m3);
-                mag = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)); /* 0..63; the 32 off through the mins */
-                signed_w = 0;
-            } else if (kind == K_IQ2XXS) {
-                const uint8_t *g = b + 2 + 8 * j;
-                const uint32_t s = rd_u32(g + 4);
-                uint64_t e[4];
-                for (int k = 0; k < 4; k++) memcpy(&e[k], GRID_IQ2_XXS[g[k]], 8);
-                mag = _mm256_setr_epi64x((long long)e[0], (long long)e[1], (long long)e[2], (long long)e[3]);
-                sgn = V2(signs32)((uint32_t)KSIGNS8[s & 127] | (uint32_t)KSIGNS8[(s >> 7) & 127] << 8 |
-                                  (uint32_t)KSIGNS8[(s >> 14) & 127] << 16 | (uint32_t)KSIGNS8[(s >> 21) & 127] << 24);
-            } else if (kind == K_IQ2S) {
-                uint64_t e[4];
-                for (int k = 0; k < 4; k++) memcpy(&e[k], GRID_IQ2_S[b[2 + 4 * j + k] | ((b[66 + j] << (8 - 2 * k)) & 0x300)], 8);
-                mag = _mm256_setr_epi64x((long long)e[0], (long long)e[1], (long long)e[2], (long long)e[3]);
-                sgn = V2(signs32)(rd_u32(b + 34 + 4 * j));
-            } else if (kind == K_IQ3XXS || kind == K_IQ3S) {
-                uint32_t e[8];
-                for (int k = 0; k < 8; k++) {
-                    if (kind == K_IQ3XXS) memcpy(&e[k], GRID_IQ3_XXS[b[2 + 8 * j + k]], 4);
-                    else memcpy(&e[k], GRID_IQ3_S[b[2 + 8 * j + k] | (((b[66 + j] >> k) & 1) << 8)], 4);
-                }
-                mag = _mm256_setr_epi32((int)e[0], (int)e[1], (int)e[2], (int)e[3], (int)e[4], (int)e[5], (int)e[6], (int)e[7]);
-                if (kind == K_IQ3XXS) {
-                    const uint32_t s = rd_u32(b + 66 + 4 * j);
-                    sgn = V2(signs32)((uint32_t)KSIGNS8[s & 127] | (uint32_t)KSIGNS8[(s >> 7) & 127] << 8 |
-                                      (uint32_t)KSIGNS8[(s >> 14) & 127] << 16 | (uint32_t)KSIGNS8[(s >> 21) & 127] << 24);
-                } else {
-                    sgn = V2(signs32)(rd_u32(b + 74 + 4 * j));
-                }
-            } else if (kind == K_IQ4XS) {
-                const __m256i table = _mm256_broadcastsi128_si256((__m128i)IQ4_NL_I8);
-                sgn = _mm256_shuffle_epi8(table, V2(nibbles32)(b + 8 + 16 * j));
-                mag = _mm256_abs_epi8(sgn);
-            } else { /* IQ1_S / IQ1_M: 8 * grid + shift */
-                uint64_t e[4];
-                __m256i delta;
-                if (kind == K_IQ1S) {
-                    const uint16_t h = rd_u16(b + 34 + 2 * j);
-                    for (int k = 0; k < 4; k++) memcpy(&e[k], GRID_IQ1_S8[b[2 + 4 * j + k] | (((h >> (3 * k)) & 7) << 8)], 8);
-                    delta = _mm256_set1_epi8(h & 0x8000 ? -1 : 1);
-                } else { /* nibble k of qh's two bytes: index bits 8-10, and bit 3 the shift's sign */
-                    const uint32_t h = rd_u16(b + 32 + 2 * j);
-                    for (int k = 0; k < 4; k++) memcpy(&e[k], GRID_IQ1_S8[b[4 * j + k] | (((h >> (4 * k)) & 7) << 8)], 8);
-                    const uint32_t neg = ((h >> 3) & 1) | ((h >> 7) & 1) << 8 | ((h >> 11) & 1) << 16 | ((h >> 15) & 1) << 24;
-                    delta = V2(signs32)(neg * 0xFFu); /* byte k all ones: entry k's 8 values -1 */
-                }
-                sgn = _mm256_add_epi8(_mm256_setr_epi64x((long long)e[0], (long long)e[1], (long long)e[2], (long long)e[3]), delta);
-                mag = _mm256_abs_epi8(sgn);
-            }
-            __m256i xqv = _mm256_loadu_si256((const __m256i *)(yq + 4 + 32 * j));
-            __m256i xrv = _mm256_loadu_si256((const __m256i *)(yr + 4 + 32 * j));
-            if (signed_w) {
-                xqv = _mm256_sign_epi8(xqv, sgn);
-                xrv = _mm256_sign_epi8(xrv, sgn);
-            }
-            __m256i s;
-            if (kind == K_Q4 || kind == K_Q5) { /* byte j as V2(sc16) lays it out: one vpshufb, no GPR moves */
-#if VNNI
-                s = _mm256_shuffle_epi8(scb, _mm256_set1_epi32(j | ~0xFF));
-#else
-                s = _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(j | ~0xFF)));
-#endif
-            } else {
-                s = V2(sc16)(sc[2 * j], sc[2 * j + 1], big);
-            }
-            sq = V2(dot_sc)(sq, mag, xqv, s, big);
-            sr = V2(dot_sc)(sr, mag, xrv, s, big);
-            __asm__("" : "+x"(sq), "+x"(sr)); /* one chain each: GCC's reassociated sums spilled */
-        }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq), _mm256_set1_ps(d * dq), acc);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sr), _mm256_set1_ps(d * dr), acc);
-        if (has_mins) {
-            const __m256i bq = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yq + 260)), m16);
-            const __m256i br = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yr + 260)), m16);
-            accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bq), _mm256_set1_ps(dmin * dq), accm);
-            accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(br), _mm256_set1_ps(dmin * dr), accm);
-        }
+/* The 256-value types' block loops (`kind` is a constant in each caller): per block its scales
+ * (V2(k256_scales)), then chunk j (values 32j..32j+31) unpacked to magnitudes and signs
+ * (V2(k256_chunk)), both activations' dot products scaled by the chunk's 16-value scales sc[2j],
+ * sc[2j+1] (V2(k256_dot)); K-quant mins through the activations' bsums (V2(k256_sum)). The one-row
+ * kernel (V2(dot2_k256)) and the multi-row one (V2(dot2m_k256)) share these, so a row's
+ * arithmetic is the same in both. */
+static const int V2(K256_TS)[] = {84, 110, 144, 176, 210, 66, 74, 82, 98, 110, 136, 50, 56};
+
+/* Block b's d (returned), dmin (K-quants), 16-value scales sc (Q4_K / Q5_K: scb's bytes instead)
+ * and K-quant mins per 16 values m16 (int16). */
+static inline __attribute__((always_inline)) float V2(k256_scales)(const uint8_t *b, const int kind, float *dmin_,
+                                                                  int *sc, __m256i *scb_, __m256i *m16_) {
+    float d, dmin = 0.0f;
+    __m256i scb = _mm256_setzero_si256(); /* Q4_K, Q5_K: byte j the scale of values 32j..32j+31 */
+    __m256i m16 = _mm256_setzero_si256();
+    if (kind == K_Q2) {
+        d = rd_f16(b + 80);
+        dmin = rd_f16(b + 82);
+        for (int k = 0; k < 16; k++) sc[k] = b[k] & 15;
+        m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)b), 4), _mm_set1_epi8(15)));
+    } else if (kind == K_Q3) {
+        d = rd_f16(b + 108);
+        uint32_t s4[4];
+        q3k_scales_u32(b + 96, s4);
+        for (int k = 0; k < 16; k++) sc[k] = q3k_scale(s4, k);
+        m16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_setr_epi32((int)s4[0], (int)s4[1], (int)s4[2], (int)s4[3]), _mm_set1_epi8(32)));
+        dmin = 4.0f * d;
+    } else if (kind == K_Q4 || kind == K_Q5) {
+        d = rd_f16(b);
+        dmin = rd_f16(b + 2);
+        uint64_t s8, n8;
+        k4_scales_mins(b + 4, &s8, &n8);
+        scb = _mm256_broadcastsi128_si256(_mm_cvtsi64_si128((long long)s8));
+        m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)n8),
+                                                    _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
+    } else if (kind == K_Q6) {
+        d = rd_f16(b + 208);
+        for (int k = 0; k < 16; k++) sc[k] = ((const int8_t *)(b + 192))[k];
+        m16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        dmin = 32.0f * d;
+    } else if (kind == K_IQ2XXS || kind == K_IQ3XXS) {
+        d = rd_f16(b);
+        const uint8_t *sg = b + (kind == K_IQ2XXS ? 2 + 4 : 66);
+        const int stride = kind == K_IQ2XXS ? 8 : 4;
+        for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * (int)(rd_u32(sg + stride * g) >> 28) + 1;
+    } else if (kind == K_IQ2S) {
+        d = rd_f16(b);
+        const uint8_t *s = b + 74;
+        for (int g = 0; g < 8; g++) { sc[2 * g] = 2 * (s[g] & 15) + 1; sc[2 * g + 1] = 2 * (s[g] >> 4) + 1; }
+    } else if (kind == K_IQ3S) {
+        d = rd_f16(b);
+        for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * ((b[106 + g / 2] >> (4 * (g % 2))) & 15) + 1;
+    } else if (kind == K_IQ4XS) {
+        d = rd_f16(b);
+        for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = iq4xs_scale(b, g);
+    } else if (kind == K_IQ1S) {
+        d = rd_f16(b);
+        for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * ((rd_u16(b + 34 + 2 * g) >> 12) & 7) + 1;
+    } else { /* K_IQ1M: the f16 scale in the top nibbles of the 4 scale words */
+        const uint16_t s0 = rd_u16(b + 48), s1 = rd_u16(b + 50), s2 = rd_u16(b + 52), s3 = rd_u16(b + 54);
+        d = f16_to_f32((uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000)));
+        for (int k = 0; k < 16; k++) sc[k] = 2 * ((rd_u16(b + 48 + 2 * (k / 4)) >> (3 * (k % 4))) & 7) + 1;
     }
+    *dmin_ = dmin;
+    *scb_ = scb;
+    *m16_ = m16;
+    return d;
+}
+
+/* Chunk j's 16-value scales as V2(dot_sc) takes them. */
+static inline __attribute__((always_inline)) __m256i V2(k256_scale)(const int j, const int kind, const int *sc,
+                                                                   __m256i scb, const int big) {
+    if (kind == K_Q4 || kind == K_Q5) { /* byte j as V2(sc16) lays it out: one vpshufb, no GPR moves */
+#if VNNI
+        return _mm256_shuffle_epi8(scb, _mm256_set1_epi32(j | ~0xFF));
+#else
+        return _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(j | ~0xFF)));
+#endif
+    }
+    return V2(sc16)(sc[2 * j], sc[2 * j + 1], big);
+
+}
+
+/* Chunk j of block b: magnitudes (u8) in *mag_ and, where the weights are signed (returns 1), their
+ * signs in *sgn_ (returns 0: the weights are unsigned, mag alone). */
+static inline __attribute__((always_inline)) int V2(k256_chunk)(const uint8_t *b, const int j, const int kind,
+                                                               __m256i *mag_, __m256i *sgn_) {
+    const __m256i m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(15);
+    __m256i mag, sgn = _mm256_setzero_si256();
+    int signed_w = 1;
+    if (kind == K_Q2) {
+        mag = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (j / 4))), 2 * (j % 4)), m3);
+        signed_w = 0;
+    } else if (kind == K_Q3) { /* q + 4 where the hmask bit is set (the 4 off through the mins) */
+        const __m256i q = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 32 + 32 * (j / 4))), 2 * (j % 4)), m3);
+        const __m256i hbit = _mm256_set1_epi8((char)(1 << j));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)b), hbit), hbit);
+        mag = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(4)));
+        signed_w = 0;
+    } else if (kind == K_Q4 || kind == K_Q5) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (kind == K_Q5 ? 48 : 16) + 32 * (j / 2)));
+        mag = _mm256_and_si256(_mm256_srli_epi16(raw, 4 * (j % 2)), m4);
+        if (kind == K_Q5) { /* bit j of each qh byte to bit 4: a 16-bit shift keeps it in its byte */
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+            const __m256i h = j <= 4 ? _mm256_slli_epi16(qh, 4 - j) : _mm256_srli_epi16(qh, j - 4);
+            mag = _mm256_or_si256(mag, _mm256_and_si256(h, _mm256_set1_epi8(16)));
+        }
+        signed_w = 0;
+    } else if (kind == K_Q6) { /* half h = j / 4, quarter q = j % 4 */
+        const int h = j / 4, q = j % 4;
+        const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (q & 1))), 4 * (q >> 1)), m4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)), 2 * q), m3);
+        mag = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)); /* 0..63; the 32 off through the mins */
+        signed_w = 0;
+    } else if (kind == K_IQ2XXS) {
+        const uint8_t *g = b + 2 + 8 * j;
+        const uint32_t s = rd_u32(g + 4);
+        uint64_t e[4];
+        for (int k = 0; k < 4; k++) memcpy(&e[k], GRID_IQ2_XXS[g[k]], 8);
+        mag = _mm256_setr_epi64x((long long)e[0], (long long)e[1], (long long)e[2], (long long)e[3]);
+        sgn = V2(signs32)((uint32_t)KSIGNS8[s & 127] | (uint32_t)KSIGNS8[(s >> 7) & 127] << 8 |
+                          (uint32_t)KSIGNS8[(s >> 14) & 127] << 16 | (uint32_t)KSIGNS8[(s >> 21) & 127] << 24);
+    } else if (kind == K_IQ2S) {
+        uint64_t e[4];
+        for (int k = 0; k < 4; k++) memcpy(&e[k], GRID_IQ2_S[b[2 + 4 * j + k] | ((b[66 + j] << (8 - 2 * k)) & 0x300)], 8);
+        mag = _mm256_setr_epi64x((long long)e[0], (long long)e[1], (long long)e[2], (long long)e[3]);
+        sgn = V2(signs32)(rd_u32(b + 34 + 4 * j));
+    } else if (kind == K_IQ3XXS || kind == K_IQ3S) {
+        uint32_t e[8];
+        for (int k = 0; k < 8; k++) {
+            if (kind == K_IQ3XXS) memcpy(&e[k], GRID_IQ3_XXS[b[2 + 8 * j + k]], 4);
+            else memcpy(&e[k], GRID_IQ3_S[b[2 + 8 * j + k] | (((b[66 + j] >> k) & 1) << 8)], 4);
+        }
+        mag = _mm256_setr_epi32((int)e[0], (int)e[1], (int)e[2], (int)e[3], (int)e[4], (int)e[5], (int)e[6], (int)e[7]);
+        if (kind == K_IQ3XXS) {
+            const uint32_t s = rd_u32(b + 66 + 4 * j);
+            sgn = V2(signs32)((uint32_t)KSIGNS8[s & 127] | (uint32_t)KSIGNS8[(s >> 7) & 127] << 8 |
+                              (uint32_t)KSIGNS8[(s >> 14) & 127] << 16 | (uint32_t)KSIGNS8[(s >> 21) & 127] << 24);
+        } else {
+            sgn = V2(signs32)(rd_u32(b + 74 + 4 * j));
+        }
+    } else if (kind == K_IQ4XS) {
+        const __m256i table = _mm256_broadcastsi128_si256((__m128i)IQ4_NL_I8);
+        sgn = _mm256_shuffle_epi8(table, V2(nibbles32)(b + 8 + 16 * j));
+        mag = _mm256_abs_epi8(sgn);
+    } else { /* IQ1_S / IQ1_M: 8 * grid + shift */
+        uint64_t e[4];
+        __m256i delta;
+        if (kind == K_IQ1S) {
+            const uint16_t h = rd_u16(b + 34 + 2 * j);
+            for (int k = 0; k < 4; k++) memcpy(&e[k], GRID_IQ1_S8[b[2 + 4 * j + k] | (((h >> (3 * k)) & 7) << 8)], 8);
+            delta = _mm256_set1_epi8(h & 0x8000 ? -1 : 1);
+        } else { /* nibble k of qh's two bytes: index bits 8-10, and bit 3 the shift's sign */
+            const uint32_t h = rd_u16(b + 32 + 2 * j);
+            for (int k = 0; k < 4; k++) memcpy(&e[k], GRID_IQ1_S8[b[4 * j + k] | (((h >> (4 * k)) & 7) << 8)], 8);
+            const uint32_t neg = ((h >> 3) & 1) | ((h >> 7) & 1) << 8 | ((h >> 11) & 1) << 16 | ((h >> 15) & 1) << 24;
+            delta = V2(signs32)(neg * 0xFFu); /* byte k all ones: entry k's 8 values -1 */
+        }
+        sgn = _mm256_add_epi8(_mm256_setr_epi64x((long long)e[0], (long long)e[1], (long long)e[2], (long long)e[3]), delta);
+        mag = _mm256_abs_epi8(sgn);
+    }
+    *mag_ = mag;
+    *sgn_ = sgn;
+    return signed_w;
+}
+
+/* Chunk j's products with both activations of a row (yq, yr: its q8_K blocks of this block), scaled
+ * by s (V2(sc16)), added to sq and sr. */
+static inline __attribute__((always_inline)) void V2(k256_dot)(__m256i *sq, __m256i *sr, __m256i mag, __m256i sgn,
+                                                              const int signed_w, __m256i s, const uint8_t *yq,
+                                                              const uint8_t *yr, const int j, const int big) {
+    __m256i xqv = _mm256_loadu_si256((const __m256i *)(yq + 4 + 32 * j));
+    __m256i xrv = _mm256_loadu_si256((const __m256i *)(yr + 4 + 32 * j));
+    if (signed_w) {
+        xqv = _mm256_sign_epi8(xqv, sgn);
+        xrv = _mm256_sign_epi8(xrv, sgn);
+    }
+    *sq = V2(dot_sc)(*sq, mag, xqv, s, big);
+    *sr = V2(dot_sc)(*sr, mag, xrv, s, big);
+    __asm__("" : "+x"(*sq), "+x"(*sr)); /* one chain each: GCC's reassociated sums spilled */
+}
+
+/* A row's block sums sq, sr into its accumulators, and the mins through the bsums: Q2_K, Q4_K,
+ * Q5_K's own, and Q3_K's / Q6_K's offsets (4 and 32 times the sub-block scale), so that their
+ * weights stay unsigned (no vpsignb). */
+static inline __attribute__((always_inline)) void V2(k256_sum)(__m256 *acc, __m256 *accm, __m256i sq, __m256i sr,
+                                                              float d, float dmin, __m256i m16, const uint8_t *yq,
+                                                              const uint8_t *yr, const int has_mins) {
+    float dq, dr;
+    memcpy(&dq, yq, 4);
+    memcpy(&dr, yr, 4);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq), _mm256_set1_ps(d * dq), *acc);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sr), _mm256_set1_ps(d * dr), *acc);
+    if (has_mins) {
+        const __m256i bq = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yq + 260)), m16);
+        const __m256i br = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yr + 260)), m16);
+        *accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bq), _mm256_set1_ps(dmin * dq), *accm);
+        *accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(br), _mm256_set1_ps(dmin * dr), *accm);
+    }
+}
+
+/* A row's result from its accumulators. */
+static inline __attribute__((always_inline)) float V2(k256_result)(__m256 acc, __m256 accm, const int kind) {
+    const int has_mins = kind <= K_Q6;
     const float f = kind == K_IQ2XXS || kind == K_IQ2S || kind == K_IQ1S || kind == K_IQ1M ? 0.125f
                     : kind == K_IQ3XXS ? 0.25f : 1.0f;
     return f * V2(hsum)(acc) - (has_mins ? V2(hsum)(accm) : 0.0f);
 }
 
+/* One weight row against one row of activations (xq, xr: its q8_K blocks). */
+static inline __attribute__((always_inline)) float V2(dot2_k256)(int64_t n, const uint8_t *w, const uint8_t *xq,
+                                                                const uint8_t *xr, const int kind) {
+    const int big = kind == K_IQ4XS, has_mins = kind <= K_Q6;
+    const int ts = V2(K256_TS)[kind];
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / 256; i++) {
+        const uint8_t *b = w + i * ts, *yq = xq + i * 292, *yr = xr + i * 292;
+        stream_prefetch(b, ts);
+        float dmin;
+        int sc[16];
+        __m256i scb, m16;
+        const float d = V2(k256_scales)(b, kind, &dmin, sc, &scb, &m16);
+        __m256i sq = _mm256_setzero_si256(), sr = _mm256_setzero_si256();
+        #pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            __m256i mag, sgn;
+            const int signed_w = V2(k256_chunk)(b, j, kind, &mag, &sgn);
+            V2(k256_dot)(&sq, &sr, mag, sgn, signed_w, V2(k256_scale)(j, kind, sc, scb, big), yq, yr, j, big);
+        }
+        V2(k256_sum)(&acc, &accm, sq, sr, d, dmin, m16, yq, yr, has_mins);
+    }
+    return V2(k256_result)(acc, accm, kind);
+}
+
+/* nr <= DOT2M_ROWS rows of activations (row r at xq + xoff[r], xr + xoff[r]) against one weight row
+ * into y[0..nr): each block's scales and chunks unpacked once for all rows, then every row's
+ * products, each row's arithmetic that of V2(dot2_k256) (so each result equals its one-row one). */
+static inline __attribute__((always_inline)) void V2(dot2m_k256)(int64_t n, const uint8_t *w, const uint8_t *xq,
+                                                                const uint8_t *xr, const int64_t *xoff, int nr,
+                                                                float *y, const int kind) {
+    const int big = kind == K_IQ4XS, has_mins = kind <= K_Q6;
+    const int ts = V2(K256_TS)[kind];
+    __m256 acc[DOT2M_ROWS], accm[DOT2M_ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / 256; i++) {
+        const uint8_t *b = w + i * ts;
+        stream_prefetch(b, ts);
+        float dmin;
+        int sc[16];
+        __m256i scb, m16, mag[8], sgn[8], s[8];
+        const float d = V2(k256_scales)(b, kind, &dmin, sc, &scb, &m16);
+        int signed_w = 0;
+        #pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            signed_w = V2(k256_chunk)(b, j, kind, &mag[j], &sgn[j]);
+            s[j] = V2(k256_scale)(j, kind, sc, scb, big);
+        }
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *yq = xq + xoff[r] + i * 292, *yr = xr + xoff[r] + i * 292;
+            __m256i sq = _mm256_setzero_si256(), sr = _mm256_setzero_si256();
+            #pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) V2(k256_dot)(&sq, &sr, mag[j], sgn[j], signed_w, s[j], yq, yr, j, big);
+            V2(k256_sum)(&acc[r], &accm[r], sq, sr, d, dmin, m16, yq, yr, has_mins);
+        }
+    }
+    for (int r = 0; r < nr; r++) y[r] = V2(k256_result)(acc[r], accm[r], kind);
+}
+
 #define V2_K256(name, kind) \
     static float V2(dot2_##name)(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) { \
         return V2(dot2_k256)(n, w, xq, xr, kind); \
+    } \
+    static void V2(dot2m_##name)(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, \
+                                 const int64_t *xoff, int nr, float *y) { \
+        V2(dot2m_k256)(n, w, xq, xr, xoff, nr, y, kind); \
     }
 V2_K256(q2_k, K_Q2)
 V2_K256(q3_k, K_Q3)
@@ -355,69 +448,135 @@ static float V2(dot2_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, con
  * m; u8 qs[16]} and Q5_1 {f16 d, m; u32 qh; u8 qs[16]} (unsigned) against q8_1 blocks, their m
  * times x's exact block sums (ggml takes q8_1's f16 s). The activations come laid out by qmm.c's
  * prep256 (`prep`: int8 values of x, of its residual, float block scales, x's block sums). */
-static inline __attribute__((always_inline)) float V2(dot2_b32)(int64_t n, const uint8_t *w, const uint8_t *prep,
-                                                               const int kind) {
-    static const int TS[] = {34, 18, 22, 18, 17, 20, 24};
-    const int64_t nb = n / 32;
-    const int ts = TS[kind], minmax = kind == B_Q4_1 || kind == B_Q5_1;
+static const int V2(B32_TS)[] = {34, 18, 22, 18, 17, 20, 24};
+
+/* Block b's weights: magnitudes (u8) in *mag, and for the signed kinds their signs in *sgn; the
+ * block scale dw and, for Q4_1 / Q5_1, its min mw. */
+static inline __attribute__((always_inline)) void V2(b32_unpack)(const uint8_t *b, const int kind, __m256i *mag_,
+                                                                __m256i *sgn_, float *dw_, float *mw_) {
+    __m256i mag, sgn = _mm256_setzero_si256();
+    float dw, mw = 0.0f;
+    if (kind == B_Q8_0) {
+        sgn = _mm256_loadu_si256((const __m256i *)(b + 2));
+        dw = rd_f16(b);
+    } else if (kind == B_MXFP4) {
+        sgn = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256((__m128i)E2M1_I8), V2(nibbles32)(b + 1));
+        dw = e8m0_half(b[0]);
+    } else if (kind == B_Q4_0 || kind == B_IQ4NL) {
+        const v16i8 t = kind == B_Q4_0 ? (v16i8){-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7} : IQ4_NL_I8;
+        sgn = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256((__m128i)t), V2(nibbles32)(b + 2));
+        dw = rd_f16(b);
+    } else if (kind == B_Q5_0) {
+        sgn = _mm256_sub_epi8(_mm256_or_si256(V2(nibbles32)(b + 6), _mm256_and_si256(V2(bits32)(rd_u32(b + 2)), _mm256_set1_epi8(16))),
+                              _mm256_set1_epi8(16));
+        dw = rd_f16(b);
+    } else { /* Q4_1 / Q5_1 */
+        mag = V2(nibbles32)(b + (kind == B_Q5_1 ? 8 : 4));
+        if (kind == B_Q5_1) mag = _mm256_or_si256(mag, _mm256_and_si256(V2(bits32)(rd_u32(b + 4)), _mm256_set1_epi8(16)));
+        dw = rd_f16(b);
+        mw = rd_f16(b + 2);
+    }
+    if (!(kind == B_Q4_1 || kind == B_Q5_1)) mag = _mm256_abs_epi8(sgn);
+    *mag_ = mag;
+    *sgn_ = sgn;
+    *dw_ = dw;
+    *mw_ = mw;
+}
+
+/* Block i of one row of prepared activations (prep256's layout, nb blocks) times the unpacked
+ * weights, added to acc (and the min times x's block sum to mins). */
+static inline __attribute__((always_inline)) void V2(b32_dot)(__m256 *acc, float *mins, __m256i mag, __m256i sgn,
+                                                             float dw, float mw, const uint8_t *prep, int64_t nb,
+                                                             int64_t i, const int kind) {
     const uint8_t *vq = prep, *vr = prep + nb * 32;
     const float *dxs = (const float *)(prep + nb * 64), *dys = dxs + nb, *cs = dys + nb;
+    const __m256i xqv = _mm256_loadu_si256((const __m256i *)(vq + 32 * i)), xrv = _mm256_loadu_si256((const __m256i *)(vr + 32 * i));
+    const float dxq = dxs[i], dxr = dys[i];
+    __m256 t;
+    if (kind == B_Q4_1 || kind == B_Q5_1) {
+        const __m256i pq = V2(dot_u)(mag, xqv), pr = V2(dot_u)(mag, xrv);
+        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pq), _mm256_set1_ps(dw * dxq), _mm256_mul_ps(_mm256_cvtepi32_ps(pr), _mm256_set1_ps(dw * dxr)));
+        *mins += mw * cs[i];
+    } else {
+        const __m256i pq = V2(dot_u)(mag, _mm256_sign_epi8(xqv, sgn)), pr = V2(dot_u)(mag, _mm256_sign_epi8(xrv, sgn));
+        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pq), _mm256_set1_ps(dw * dxq), _mm256_mul_ps(_mm256_cvtepi32_ps(pr), _mm256_set1_ps(dw * dxr)));
+    }
+    *acc = _mm256_add_ps(*acc, t);
+}
+
+static inline __attribute__((always_inline)) float V2(dot2_b32)(int64_t n, const uint8_t *w, const uint8_t *prep,
+                                                               const int kind) {
+    const int64_t nb = n / 32;
+    const int ts = V2(B32_TS)[kind];
     __m256 acc = _mm256_setzero_ps();
     float mins = 0.0f;
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * ts;
         stream_prefetch(b, ts);
-        __m256i mag, sgn = _mm256_setzero_si256();
-        float dw, mw = 0.0f;
-        if (kind == B_Q8_0) {
-            sgn = _mm256_loadu_si256((const __m256i *)(b + 2));
-            dw = rd_f16(b);
-        } else if (kind == B_MXFP4) {
-            sgn = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256((__m128i)E2M1_I8), V2(nibbles32)(b + 1));
-            dw = e8m0_half(b[0]);
-        } else if (kind == B_Q4_0 || kind == B_IQ4NL) {
-            const v16i8 t = kind == B_Q4_0 ? (v16i8){-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7} : IQ4_NL_I8;
-            sgn = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256((__m128i)t), V2(nibbles32)(b + 2));
-            dw = rd_f16(b);
-        } else if (kind == B_Q5_0) {
-            sgn = _mm256_sub_epi8(_mm256_or_si256(V2(nibbles32)(b + 6), _mm256_and_si256(V2(bits32)(rd_u32(b + 2)), _mm256_set1_epi8(16))),
-                                  _mm256_set1_epi8(16));
-            dw = rd_f16(b);
-        } else { /* Q4_1 / Q5_1 */
-            mag = V2(nibbles32)(b + (kind == B_Q5_1 ? 8 : 4));
-            if (kind == B_Q5_1) mag = _mm256_or_si256(mag, _mm256_and_si256(V2(bits32)(rd_u32(b + 4)), _mm256_set1_epi8(16)));
-            dw = rd_f16(b);
-            mw = rd_f16(b + 2);
-        }
-        const __m256i xqv = _mm256_loadu_si256((const __m256i *)(vq + 32 * i)), xrv = _mm256_loadu_si256((const __m256i *)(vr + 32 * i));
-        const float dxq = dxs[i], dxr = dys[i];
-        __m256 t;
-        if (minmax) {
-            const __m256i pq = V2(dot_u)(mag, xqv), pr = V2(dot_u)(mag, xrv);
-            t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pq), _mm256_set1_ps(dw * dxq), _mm256_mul_ps(_mm256_cvtepi32_ps(pr), _mm256_set1_ps(dw * dxr)));
-            mins += mw * cs[i];
-        } else {
-            mag = _mm256_abs_epi8(sgn);
-            const __m256i pq = V2(dot_u)(mag, _mm256_sign_epi8(xqv, sgn)), pr = V2(dot_u)(mag, _mm256_sign_epi8(xrv, sgn));
-            t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pq), _mm256_set1_ps(dw * dxq), _mm256_mul_ps(_mm256_cvtepi32_ps(pr), _mm256_set1_ps(dw * dxr)));
-        }
-        acc = _mm256_add_ps(acc, t);
+        __m256i mag, sgn;
+        float dw, mw;
+        V2(b32_unpack)(b, kind, &mag, &sgn, &dw, &mw);
+        V2(b32_dot)(&acc, &mins, mag, sgn, dw, mw, prep, nb, i, kind);
     }
     return V2(hsum)(acc) + mins;
 }
+
+/* nr <= DOT2M_ROWS rows of prepared activations (row r at prep + xoff[r]) against one weight row into
+ * y[0..nr): up to B32_SPAN blocks unpacked at a time, then every row's products over them (the
+ * row's accumulators in registers through the span), each row's arithmetic that of V2(dot2_b32)
+ * (so each result equals its one-row one). */
+#define B32_SPAN 32
+static inline __attribute__((always_inline)) void V2(dot2m_b32)(int64_t n, const uint8_t *w, const uint8_t *prep,
+                                                               const int64_t *xoff, int nr, float *y, const int kind) {
+    const int64_t nb = n / 32;
+    const int ts = V2(B32_TS)[kind];
+    __m256 acc[DOT2M_ROWS];
+    float mins[DOT2M_ROWS];
+    for (int r = 0; r < nr; r++) {
+        acc[r] = _mm256_setzero_ps();
+        mins[r] = 0.0f;
+    }
+    for (int64_t i0 = 0; i0 < nb; i0 += B32_SPAN) {
+        const int ns = nb - i0 < B32_SPAN ? (int)(nb - i0) : B32_SPAN;
+        __m256i mag[B32_SPAN], sgn[B32_SPAN];
+        float dw[B32_SPAN], mw[B32_SPAN];
+        for (int g = 0; g < ns; g++) {
+            stream_prefetch(w + (i0 + g) * ts, ts);
+            V2(b32_unpack)(w + (i0 + g) * ts, kind, &mag[g], &sgn[g], &dw[g], &mw[g]);
+        }
+        for (int r = 0; r < nr; r++) {
+            __m256 a = acc[r];
+            float m = mins[r];
+            const uint8_t *x = prep + xoff[r];
+            for (int g = 0; g < ns; g++) V2(b32_dot)(&a, &m, mag[g], sgn[g], dw[g], mw[g], x, nb, i0 + g, kind);
+            acc[r] = a;
+            mins[r] = m;
+        }
+    }
+    for (int r = 0; r < nr; r++) y[r] = V2(hsum)(acc[r]) + mins[r];
+}
+#undef B32_SPAN
 
 #define V2_B32(name, kind) \
     static float V2(dot2_##name)(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) { \
         (void)unused; \
         return V2(dot2_b32)(n, w, prep, kind); \
     }
+#define V2_B32M(name, kind) \
+    V2_B32(name, kind) \
+    static void V2(dot2m_##name)(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused, \
+                                 const int64_t *xoff, int nr, float *y) { \
+        (void)unused; \
+        V2(dot2m_b32)(n, w, prep, xoff, nr, y, kind); \
+    }
 V2_B32(q8_0, B_Q8_0)
-V2_B32(q4_0, B_Q4_0)
-V2_B32(q5_0, B_Q5_0)
-V2_B32(iq4_nl, B_IQ4NL)
-V2_B32(mxfp4, B_MXFP4)
-V2_B32(q4_1, B_Q4_1)
-V2_B32(q5_1, B_Q5_1)
+V2_B32M(q4_0, B_Q4_0)
+V2_B32M(q5_0, B_Q5_0)
+V2_B32M(iq4_nl, B_IQ4NL)
+V2_B32M(mxfp4, B_MXFP4)
+V2_B32M(q4_1, B_Q4_1)
+V2_B32M(q5_1, B_Q5_1)
+#undef V2_B32M
 #undef V2_B32
 
 /* The kernel for a ggml type and its activation layout, or NULL (qmm.c's fused2_for). */
@@ -451,5 +610,34 @@ static dot2_fn V2(fused2_for)(int type, int64_t qblk, int64_t qsize) {
         }
     }
     if (qblk == 32 && qsize == 36 && (type == 3 || type == 7)) return type == 3 ? V2(dot2_q4_1) : V2(dot2_q5_1);
+    return NULL;
+}
+
+/* The multi-row kernel of this set's one-row kernel f, or NULL (qmm.c's fused2m_of), and in
+ * *min_rows the fewest rows it takes: below them its stores and reloads of the unpacked blocks cost
+ * more than the unpacking it saves (AVX2 on a Zen 3, CPU time of 768x2048 products, B = 2-4: Q4_K
+ * 1.10 / 1.02 / 0.85x the one-row kernels at B = 2 / 3 / 4, Q6_K 0.97 / 0.93 / 0.75x, Q4_0 1.09 /
+ * 0.88 / 0.87x). Q8_0 has none: its unpacking is one load, which the stores and reloads cost as
+ * much as (0.96-1.33x at B = 2-17); nor has IQ2_XS's own one-row loop yet (through dot2_k256's
+ * unpacking it was 0.73 / 0.57 / 0.52x at B = 2 / 3 / 4, 0.35-0.40x at 17). */
+static dot2m_fn V2(fused2m_of)(dot2_fn f, int *min_rows) {
+    if (f == V2(dot2_q2_k)) return *min_rows = 3, V2(dot2m_q2_k);
+    if (f == V2(dot2_q3_k)) return *min_rows = 3, V2(dot2m_q3_k);
+    if (f == V2(dot2_q4_k)) return *min_rows = 4, V2(dot2m_q4_k);
+    if (f == V2(dot2_q5_k)) return *min_rows = 3, V2(dot2m_q5_k);
+    if (f == V2(dot2_q6_k)) return *min_rows = 3, V2(dot2m_q6_k);
+    if (f == V2(dot2_iq2_xxs)) return *min_rows = 2, V2(dot2m_iq2_xxs);
+    if (f == V2(dot2_iq2_s)) return *min_rows = 2, V2(dot2m_iq2_s);
+    if (f == V2(dot2_iq3_xxs)) return *min_rows = 2, V2(dot2m_iq3_xxs);
+    if (f == V2(dot2_iq3_s)) return *min_rows = 2, V2(dot2m_iq3_s);
+    if (f == V2(dot2_iq4_xs)) return *min_rows = 3, V2(dot2m_iq4_xs);
+    if (f == V2(dot2_iq1_s)) return *min_rows = 2, V2(dot2m_iq1_s);
+    if (f == V2(dot2_iq1_m)) return *min_rows = 2, V2(dot2m_iq1_m);
+    if (f == V2(dot2_q4_0)) return *min_rows = 3, V2(dot2m_q4_0);
+    if (f == V2(dot2_q5_0)) return *min_rows = 3, V2(dot2m_q5_0);
+    if (f == V2(dot2_iq4_nl)) return *min_rows = 3, V2(dot2m_iq4_nl);
+    if (f == V2(dot2_mxfp4)) return *min_rows = 3, V2(dot2m_mxfp4);
+    if (f == V2(dot2_q4_1)) return *min_rows = 3, V2(dot2m_q4_1);
+    if (f == V2(dot2_q5_1)) return *min_rows = 3, V2(dot2m_q5_1);
     return NULL;
 }
