@@ -391,8 +391,14 @@ def _run(fn, stack: Stack, out: torch.Tensor, caches, pos: int, rot: tuple[int, 
 
 
 def _kv_cache(stack: Stack, i: int, lay: Layer, cache, x: torch.Tensor, pos: int) -> bool:
-    """Layer i's KV cache (a KVCache) checked, grown to hold pos, its pointers refreshed."""
-    kc = cache.__dict__.get("k", False)
+    """Layer i's KV cache (a KVCache) checked, grown to hold pos, its pointers refreshed. A cache
+    whose tensors are the ones the layer names and hold pos is one lookup (the rest was checked
+    when the layer took them: a KVCache grows into new tensors)."""
+    d = cache.__dict__
+    kc = d.get("k", False)
+    known = stack.caches[i]
+    if known is not None and pos < known[2] and kc is not None and known[0]() is kc and known[1]() is d["v"]:
+        return True  # (a dead reference reads None: hence kc is not None)
     if kc is False:  # not a KVCache
         return False
     if kc is not None and (kc.dtype is not torch.float32 or kc.device.type != "cpu"):  # before it grows
@@ -401,14 +407,14 @@ def _kv_cache(stack: Stack, i: int, lay: Layer, cache, x: torch.Tensor, pos: int
         like = x.new_empty(1, 1, 1, lay.head_dim)  # what _reserve reads: dtype, device and head_dim
         cache._reserve(1, lay.n_kv, pos + 1, like, like)
         kc = cache.k
-    known = stack.caches[i]
     if known is None or known[0]() is not kc or known[1]() is not cache.v:
         vc = cache.v
         if (kc.dtype is not torch.float32 or kc.device.type != "cpu" or kc.shape != (1, lay.n_kv, kc.shape[2], lay.head_dim)
                 or vc.shape != kc.shape or vc.dtype is not torch.float32 or not (kc.is_contiguous() and vc.is_contiguous())):
             return False
         lay.kc, lay.vc, lay.cap = kc.data_ptr(), vc.data_ptr(), kc.shape[2]
-        stack.caches[i] = (weakref.ref(kc), weakref.ref(vc))  # not kept alive past their request
+        # not kept alive past their request; and the capacity, which the tensors keep
+        stack.caches[i] = (weakref.ref(kc), weakref.ref(vc), kc.shape[2])
     return True
 
 
