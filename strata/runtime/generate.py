@@ -165,9 +165,12 @@ class DecodeBatch:
         if k > 0:
             drafts, qs = draft(self.drafter, self.head_cache, rows, ks, cache.lengths)
         t1 = time.perf_counter()
-        tokens = torch.zeros(len(rows), k + 1, dtype=torch.long)
-        for i, s in enumerate(rows):
-            tokens[i, :ks[i] + 1] = torch.tensor([s.ids[-1]] + drafts[i])
+        if k == 0:  # each row's last token (one tensor op where the general form is 2 + 2 a row)
+            tokens = torch.tensor([[s.ids[-1]] for s in rows])
+        else:
+            tokens = torch.zeros(len(rows), k + 1, dtype=torch.long)
+            for i, s in enumerate(rows):
+                tokens[i, :ks[i] + 1] = torch.tensor([s.ids[-1]] + drafts[i])
         if self.drafter is None:
             logits = self.model(tokens, cache, last_only=True)  # (B, 1, V)
         else:
