@@ -16,7 +16,9 @@ decode, llama.cpp decode, Strata prefill, llama.cpp prefill; --repeats times) so
 same background load, and medians are printed:
   decode   tok/s of --tokens greedy tokens after an 8-token prompt (prompt and first token excluded),
            by wall clock and by the process's CPU time (tokens per CPU second, the steadier rate
-           on a shared machine);
+           on a shared machine); "flt/tok 1st": the process's minor page faults per token in the
+           first decode run (first touches of mapped weight pages; later runs repeat its tokens); "py ms": Strata's calling-thread CPU ms per token
+           outside its one C call (Python, torch operators, sampling);
   pp512    tok/s of a 512-token prompt (wall);
   GB/s     weight bytes one decode token reads (counted from the file: dense tensors, one
            embedding row, k of the n experts) x decode tok/s, against the read bandwidth of a
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import resource
 import statistics
 import sys
 import time
@@ -118,14 +121,48 @@ def read_bandwidth(threads: int, mib: int = 512) -> float:
     return a.numel() * 4 / best / 1e9
 
 
-def _clocks() -> tuple[float, float]:
-    return time.perf_counter(), time.process_time()
+def _clocks() -> tuple[float, float, int]:
+    return time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _rates(tokens: int, start: tuple[float, float]) -> tuple[float, float]:
-    """(tokens per wall second, tokens per CPU second of this process) since `start`."""
-    wall, cpu = _clocks()
-    return tokens / (wall - start[0]), tokens / max(cpu - start[1], 1e-9)
+def _rates(tokens: int, start: tuple[float, float, int]) -> tuple[float, float, float]:
+    """(tokens per wall second, tokens per CPU second of this process, its minor page faults per
+    token) since `start`."""
+    wall, cpu, faults = _clocks()
+    return tokens / (wall - start[0]), tokens / max(cpu - start[1], 1e-9), (faults - start[2]) / tokens
+
+
+class OutsideC:
+    """`with OutsideC() as o:` ... `o.ms(tokens)`: the calling thread's CPU ms per token outside
+    decode_stack's one C call (decode_stack._run's entry point timed by the thread's CPU clock, so
+    a descheduled thread's wait does not count; None where no token took that call)."""
+
+    def __enter__(self):
+        from strata.kernels import decode_stack
+
+        self.mod, self.run, self.inside, self.calls = decode_stack, decode_stack._run, 0.0, 0
+
+        def timed(fn, *args, **kwargs):
+            def call(*a):
+                t = time.thread_time()
+                try:
+                    return fn(*a)
+                finally:
+                    self.inside += time.thread_time() - t
+                    self.calls += 1
+            return self.run(call, *args, **kwargs)
+
+        decode_stack._run = timed
+        self.start = time.thread_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.total = time.thread_time() - self.start
+        self.mod._run = self.run
+        return False
+
+    def ms(self, tokens: int) -> float | None:
+        return 1e3 * (self.total - self.inside) / tokens if self.calls else None
 
 
 def strata_load(path: Path, threads: int):
@@ -139,7 +176,7 @@ def strata_load(path: Path, threads: int):
     return engine
 
 
-def strata_decode(engine, tokens: int) -> tuple[float, float]:
+def strata_decode(engine, tokens: int) -> tuple[float, float, float, float | None]:
     import torch
 
     from strata.runtime.generate import generate_step
@@ -149,10 +186,12 @@ def strata_decode(engine, tokens: int) -> tuple[float, float]:
     steps = generate_step(model, [PROMPT], SamplingParams(), model.new_cache(1))
     with torch.inference_mode():
         next(steps)  # prompt done and first token out
-        start = _clocks()
-        for _ in range(tokens):
-            next(steps)
-    return _rates(tokens, start)
+        with OutsideC() as outside:
+            start = _clocks()
+            for _ in range(tokens):
+                next(steps)
+            rates = _rates(tokens, start)
+    return (*rates, outside.ms(tokens))
 
 
 def prefill_prompt(vocab: int) -> list[int]:
@@ -180,7 +219,7 @@ def llamacpp_load(path: Path, threads: int, tokens: int):
                            n_threads_batch=threads, n_batch=PREFILL, n_ubatch=PREFILL, verbose=False)
 
 
-def llamacpp_decode(llm, tokens: int) -> tuple[float, float]:
+def llamacpp_decode(llm, tokens: int) -> tuple[float, float, float]:
     llm.reset()
     start = None
     for n, _tok in enumerate(llm.generate(PROMPT, temp=0.0, top_k=1, reset=True), start=1):
@@ -232,7 +271,7 @@ class LlamaChild:
         child.close()
         self.conn.recv()
 
-    def decode(self, tokens: int) -> tuple[float, float]:
+    def decode(self, tokens: int) -> tuple[float, float, float]:
         self.conn.send(("decode", tokens))
         return self.conn.recv()
 
@@ -286,10 +325,11 @@ def main(argv=None) -> int:
           f"uptime: {os.popen('uptime').read().strip()}")
     paths = {m: model_file(m, args) for m in args.models}
     per_token = {m: bytes_per_token(p) for m, p in paths.items()}
-    print(f"{'model':<26} {'thr':>3} | {'decode tok/s wall':^22} | {'decode tok/s CPU':^22} | "
-          f"{'pp512 tok/s':^22} | {'MiB/tok':>7} {'GB/s S':>6} {'GB/s L':>6} {'bw':>5} {'%bw S':>5} {'%bw L':>5}")
+    print(f"{'model':<26} {'thr':>3} | {'decode tok/s wall':^22} | {'decode tok/s CPU':^22} | {'flt/tok 1st':^13} | "
+          f"{'py ms':>5} | {'pp512 tok/s':^22} | {'MiB/tok':>7} {'GB/s S':>6} {'GB/s L':>6} {'bw':>5} {'%bw S':>5} "
+          f"{'%bw L':>5}")
     print(f"{'':<26} {'':>3} | {'strata':>7} {'llama':>7} {'ratio':>6} | {'strata':>7} {'llama':>7} {'ratio':>6} | "
-          f"{'strata':>7} {'llama':>7} {'ratio':>6} |")
+          f"{'strata':>6} {'llama':>6} | {'':>5} | {'strata':>7} {'llama':>7} {'ratio':>6} |")
     for threads in args.threads:
         for m in args.models:
             path, label = paths[m], MODELS[m][0]
@@ -313,11 +353,14 @@ def main(argv=None) -> int:
                 return statistics.median(r if i is None else r[i] for r in rows) if rows else None
 
             sw, sc, lw, lc = med(dec, 0), med(dec, 1), med(ldec, 0), med(ldec, 1)
+            sf, lf = (dec[0][2] if dec else None), (ldec[0][2] if ldec else None)
+            py = med([r for r in dec if r[3] is not None], 3)
             sp, lp = med(pre), med(lpre)
             nb = per_token[m]
             gs, gl = (nb * sw / 1e9 if sw else None), (nb * lw / 1e9 if lw else None)
             print(f"{label:<26} {threads:>3} | {_fmt(sw)} {_fmt(lw)} {_ratio(sw, lw):>6} | {_fmt(sc)} {_fmt(lc)} "
-                  f"{_ratio(sc, lc):>6} | {_fmt(sp)} {_fmt(lp)} {_ratio(sp, lp):>6} | {nb / 2**20:7.1f} "
+                  f"{_ratio(sc, lc):>6} | {_fmt(sf, 6)} {_fmt(lf, 6)} | {_fmt(py, 5, 2)} | "
+                  f"{_fmt(sp)} {_fmt(lp)} {_ratio(sp, lp):>6} | {nb / 2**20:7.1f} "
                   f"{_fmt(gs, 6, 2)} {_fmt(gl, 6, 2)} {bw:5.1f} {_fmt(100 * gs / bw if gs else None, 5, 0)} "
                   f"{_fmt(100 * gl / bw if gl else None, 5, 0)}", flush=True)
             if args.profile:
