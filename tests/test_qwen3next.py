@@ -167,7 +167,11 @@ def test_prefill_in_chunks_equals_one_pass(checkpoint):
         whole = model(torch.tensor([ids]), model.new_cache(1))[0]
         cache = model.new_cache(1)
         parts = [model(torch.tensor([ids[s:s + 7]]), cache)[0] for s in range(0, len(ids), 7)]
-    assert (torch.cat(parts) - whole).abs().max().item() < 1e-4
+    # each against transformers, not against each other: two roundings of the same math differ by up
+    # to twice the tolerance (1.09e-4 on an AVX2-only CPU, where both were within 7.3e-5 of it)
+    ref = hf_logits(checkpoint[0], ids)
+    assert (whole - ref).abs().max().item() < 1e-4
+    assert (torch.cat(parts) - ref).abs().max().item() < 1e-4
     once = _engine(paths["gguf"]).generate(ids, 8, stop_at_eos=False)
     assert _engine(paths["gguf"], prefill_chunk=7).generate(ids, 8, stop_at_eos=False) == once
 
