@@ -19,12 +19,10 @@ int strata_hc_mix(const float *X, int64_t B, int64_t hc, int64_t hidden, const f
                   const uint16_t *down, const uint16_t *up, const uint16_t *inject, int64_t rank,
                   float *mixed, float *weights, int nth) {
     const int64_t width = hc * hidden;
-    float *xn = malloc((size_t)(B * width) * sizeof(float)), *gate = malloc((size_t)(B * width) * sizeof(float));
-    float *h = malloc((size_t)(B * (rank > hc ? rank : hc)) * sizeof(float));
-    if (!xn || !gate || !h) {
-        free(xn), free(gate), free(h);
-        return 0;
-    }
+    /* one scratch block for xn, gate (B x width each) and h (B x max(rank, hc)) */
+    float *xn = malloc((size_t)(B * (2 * width + (rank > hc ? rank : hc))) * sizeof(float));
+    if (!xn) return 0;
+    float *gate = xn + B * width, *h = gate + B * width;
     for (int64_t b = 0; b < B; b++)
         for (int64_t s = 0; s < hc; s++) {
             const float *x = X + b * width + s * hidden;
@@ -54,6 +52,6 @@ int strata_hc_mix(const float *X, int64_t B, int64_t hc, int64_t hidden, const f
         strata_f16mm(inject, hc, width, xn, B, h, 1);
         for (int64_t i = 0; i < B * hc; i++) weights[i] = 2.0f / (1.0f + expf(-h[i] / (float)hc));
     }
-    free(xn), free(gate), free(h);
+    free(xn);
     return 1;
 }
