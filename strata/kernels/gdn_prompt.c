@@ -41,6 +41,8 @@ typedef struct {
     int64_t T, hk, hv, dk, dv;
     int64_t t0, nt; /* this block's tokens */
     float *qn, *kn; /* (B, GDN_TOKENS, hk, dk): the block's q (times d_k^-1/2) and k, normalised */
+    int64_t blocks; /* column tiles per head: d_v / 32 where 32 divides d_v, else d_v / 16 */
+    int nb;         /* a column tile's width in 16-column vectors: 2 or 1 */
 } gdn_prompt_args;
 
 /* y = x / sqrt(sum x^2 + 1e-6), then times scale where it is not 1 (transformers' l2norm, then q's
@@ -129,13 +131,12 @@ static inline __attribute__((always_inline)) void columns(const gdn_prompt_args 
 
 static void column_tile(const void *a_, int64_t tile) {
     const gdn_prompt_args *a = a_;
-    const int NB = a->dv % 32 ? 1 : 2;
-    const int64_t blocks = a->dv / (16 * NB);
+    const int64_t blocks = a->blocks;
 #if defined(__SSE__)
     const unsigned csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040); /* FTZ | DAZ */
 #endif
-    if (NB == 2) columns(a, tile / blocks, (tile % blocks) * 32, 2);
+    if (a->nb == 2) columns(a, tile / blocks, (tile % blocks) * 32, 2);
     else columns(a, tile / blocks, (tile % blocks) * 16, 1);
 #if defined(__SSE__)
     _mm_setcsr(csr);
@@ -155,12 +156,13 @@ int strata_gdn_prompt(const float *q, int64_t q_b, int64_t q_t, const float *k, 
     float *buf = strata_pp_malloc(sizeof(float) * 2 * n);
     if (!buf) return 0;
     nth = nth < 1 ? 1 : nth;
+    const int nb = dv % 32 ? 1 : 2; /* 32-column tiles where d_v allows: half the passes over qn, kn */
     for (int64_t t0 = 0; t0 < T; t0 += GDN_TOKENS) {
         const int64_t nt = T - t0 < GDN_TOKENS ? T - t0 : GDN_TOKENS;
         const gdn_prompt_args a = {q, k, v, g, beta, q_b, q_t, k_b, k_t, v_b, v_t, S, out, T, hk, hv, dk, dv,
-                                   t0, nt, buf, buf + n};
+                                   t0, nt, buf, buf + n, dv / (16 * nb), nb};
         strata_pool_run(norm_tile, &a, B * nt, nth);
-        strata_pool_run(column_tile, &a, B * hv * (dv / (dv % 32 ? 16 : 32)), nth);
+        strata_pool_run(column_tile, &a, B * hv * a.blocks, nth);
     }
     free(buf);
     return 1;
