@@ -1926,8 +1926,8 @@ typedef struct {
     ggml_vec_dot_fn dot;
     int burst;            /* prefetch each row's bytes before it (ggml's dot; the one-pass kernels stream_prefetch) */
     const float *unscale; /* ggml's two passes: per x row, the inverse of the factor it was quantized at (or NULL) */
-    float *silu;          /* many_req's: this item's tiles also run the next item's rows, then silu(gate) * up */
-    int tiles;            /* 0: an up whose gate's tiles run it */
+    float *silu;          /* many_req's: this item's tiles also run the next item's rows, then silu(gate) * up
+                           * (that next item, the up, has no tiles of its own) */
 } many_item;
 
 typedef struct {
@@ -2146,15 +2146,13 @@ static int many_run(int n, const many_req *req, int nth, int twice) {
             }
             n_act++;
         }
-        const int paired_up = j > 0 && req[j - 1].silu != NULL;
         if (q->silu && (j + 1 >= n || req[j + 1].rows != q->rows || req[j + 1].B != q->B || req[j + 1].pick != q->pick ||
                         req[j + 1].silu)) {
             ok = 0; /* a gate without its up */
             break;
         }
         it[j] = (many_item){q->W, q->rows, q->cols, q->wrow, acts[a].xrow, 0, q->B, q->pick,
-                            acts[a].xq, acts[a].xr, q->Y, dot2, fused2m_of(dot2, q->B), k->dot, dot2 == NULL, acts[a].unscale, q->silu,
-                            !paired_up};
+                            acts[a].xq, acts[a].xr, q->Y, dot2, fused2m_of(dot2, q->B), k->dot, dot2 == NULL, acts[a].unscale, q->silu};
         bytes += q->rows * q->wrow * q->B;
     }
     if (ok) {
@@ -2163,7 +2161,7 @@ static int many_run(int n, const many_req *req, int nth, int twice) {
             total = 0;
             for (int j = 0; j < n; j++) {
                 it[j].tile0 = total;
-                total += it[j].tiles ? (it[j].rows + tile_rows - 1) / tile_rows : 0;
+                total += j > 0 && it[j - 1].silu ? 0 : (it[j].rows + tile_rows - 1) / tile_rows; /* an up: its gate's */
             }
             if (total <= 0xFFFF) break;
             tile_rows *= 2;
