@@ -14,10 +14,12 @@ void strata_f16mm(const uint16_t *W, int64_t rows, int64_t cols, const float *X,
  * silu(down . xn / hc)), mixed (B x hidden) = the streams' mean of gate * xn, weights (B x hc) =
  * 2 sigmoid(inject . xn / hc). One call where the torch form ran ~15 operators around the three
  * products, 0.5-0.8 ms a mix (97 a flagship token). The products are strata_f16mm's; each row is
- * computed alone, as a one-token step would. 0 when its scratch cannot be had (nothing written). */
+ * computed alone, as a one-token step would. 0 when a size is not positive or its scratch cannot be
+ * had (nothing written). */
 int strata_hc_mix(const float *X, int64_t B, int64_t hc, int64_t hidden, const float *norm, float eps,
                   const uint16_t *down, const uint16_t *up, const uint16_t *inject, int64_t rank,
                   float *mixed, float *weights, int nth) {
+    if (B < 1 || hc < 1 || hidden < 1 || rank < 1) return 0; /* try_hc_mix checks these; here they let GCC see xn written */
     const int64_t width = hc * hidden;
     /* one scratch block for xn, gate (B x width each) and h (B x max(rank, hc)) */
     float *xn = malloc((size_t)(B * (2 * width + (rank > hc ? rank : hc))) * sizeof(float));

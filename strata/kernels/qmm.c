@@ -2181,7 +2181,7 @@ static int many_run(int n, const many_req *req, int nth, int twice) {
  * mode, else one 8-bit pass; 0 if ggml has no kernel for the type, or x is not finite. */
 int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const float *X, int64_t B, float *Y,
                    int nth, int64_t wrow) {
-    const many_req q = {type, W, rows, cols, wrow, X, B, NULL, B, Y};
+    const many_req q = {type, W, rows, cols, wrow, X, B, NULL, B, Y, NULL};
     return many_run(1, &q, nth, act_mode == 3);
 }
 
@@ -2192,7 +2192,7 @@ int strata_qmm_many(int n, const int *types, const void *const *W, const int64_t
                     const int64_t *wrows, const float *const *X, int64_t B, float *const *Y, int nth) {
     if (act_mode < 2 || n <= 0 || n > MANY_MAX || B <= 0) return 0;
     many_req req[MANY_MAX];
-    for (int j = 0; j < n; j++) req[j] = (many_req){types[j], W[j], rows[j], cols[j], wrows[j], X[j], B, NULL, B, Y[j]};
+    for (int j = 0; j < n; j++) req[j] = (many_req){types[j], W[j], rows[j], cols[j], wrows[j], X[j], B, NULL, B, Y[j], NULL};
     return many_run(n, req, nth, act_mode == 3);
 }
 
@@ -2482,8 +2482,8 @@ int strata_moe_tokens(const void *const *gate, const void *const *up, const void
         const int ne = n_exp - e0 < per ? n_exp - e0 : per;
         for (int j = 0; j < ne; first += count[e0 + j], j++) {
             const int64_t n = count[e0 + j];
-            req[2 * j] = (many_req){gt, gate[e0 + j], ffn, hidden, gw, x, n_tok, token + first, n, g + first * ffn};
-            req[2 * j + 1] = (many_req){ut, up[e0 + j], ffn, hidden, uw, x, n_tok, token + first, n, u + first * ffn};
+            req[2 * j] = (many_req){gt, gate[e0 + j], ffn, hidden, gw, x, n_tok, token + first, n, g + first * ffn, NULL};
+            req[2 * j + 1] = (many_req){ut, up[e0 + j], ffn, hidden, uw, x, n_tok, token + first, n, u + first * ffn, NULL};
         }
         many = many_run(2 * ne, req, nth, act_mode == 3);
     }
@@ -2496,7 +2496,7 @@ int strata_moe_tokens(const void *const *gate, const void *const *up, const void
             const int ne = n_exp - e0 < MANY_MAX ? n_exp - e0 : MANY_MAX;
             for (int j = 0; j < ne; first += count[e0 + j], j++) {
                 const int64_t n = count[e0 + j];
-                req[j] = (many_req){dt, down[e0 + j], hidden, ffn, dw, h + first * ffn, n, NULL, n, ys + first * hidden};
+                req[j] = (many_req){dt, down[e0 + j], hidden, ffn, dw, h + first * ffn, n, NULL, n, ys + first * hidden, NULL};
             }
             downs = many_run(ne, req, nth, act_mode == 3);
         }
@@ -2720,13 +2720,14 @@ void strata_attend_decode(const float *q, const float *kc, const float *vc, int6
  * attended (scaled dot products, softmax, GQA: query head h reads kv head h / (n_heads / n_kv)).
  * qn_w / kn_w: per-head RMS norms of q and k (NULL: none). gated (Qwen3-Next): the q rows hold,
  * per head, the query then an output gate, and each head's output is scaled by sigmoid(gate)
- * before W_o. 0 (nothing written) when no memory. */
+ * before W_o. 0 (nothing written) when no memory or hidden < 1. */
 __attribute__((optimize("fp-contract=off")))
 int strata_attn_decode(const float *x, int64_t hidden, const float *norm_w, float eps, void *const *fns,
                        const void *const *W, const int64_t *rows, const float *const *bias, int64_t n_heads,
                        int64_t n_kv, int64_t head_dim, const float *qn_w, const float *kn_w, float qk_eps,
                        const float *cs, const float *sn, int64_t rot, int interleaved, float *kc, float *vc,
                        int64_t cap, int64_t pos, void *o_fn, const void *o_W, int gated, float *out, int nth) {
+    if (hidden < 1) return 0; /* never so from the callers; here it lets GCC see xn written */
     const int64_t D = head_dim, nq = n_heads * D, nk = n_kv * D, S = pos + 1, nqg = gated ? 2 * nq : nq;
     float *buf = malloc(sizeof(float) * (size_t)(hidden + nqg + 2 * nk + nq + n_heads * S + hidden + (gated ? nq : 0))
                         + 64);
