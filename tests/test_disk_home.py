@@ -227,6 +227,30 @@ def test_a_decode_tokens_landed_expert_goes_to_whichever_worker_is_free(tmp_path
     assert torch.equal(y, halves[0] + halves[1]) and y.abs().max().item() > 0
 
 
+def test_a_decode_tokens_failing_sum_reaches_its_waiter(tmp_path, monkeypatch):
+    """The last worker sums each half; a sum that raises is every waiter's error, not a future
+    never set (the executor waits on it without a timeout)."""
+    from strata import kernels
+    from strata.tiers import executor as ex
+
+    if not kernels.available():
+        pytest.skip("kernels unavailable")
+    _, home, lane = _disk_experts_lane(tmp_path, ("Q4_0",) * 3, 4, 256, 256, workers=2)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(3)) * 0.05
+    ids, w = torch.tensor([[0, 1, 2, 3]]), torch.tensor([[0.125, 0.25, 0.375, 0.5]])
+
+    def broken(products, x):
+        raise MemoryError("sum failed")
+    monkeypatch.setattr(ex, "_sum_in_order", broken)
+    try:
+        futures = lane.submit(0, x, ids, w, [0, 1, 2, 3])
+        errors = [f.exception(timeout=30) for f in futures]
+    finally:
+        lane.close()
+        home.close()
+    assert len(errors) == 2 and all(isinstance(e, MemoryError) for e in errors)
+
+
 def test_a_short_prompts_disk_experts_take_one_call_each_over_their_rows(tmp_path, monkeypatch):
     """In a short prompt most of a disk home's experts take 1-2 rows: each is one strata_moe_tokens
     call on its read's bytes over its rows (an expert with PROMPT_AMX_MIN_ROWS rows or more keeps

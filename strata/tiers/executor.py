@@ -228,10 +228,12 @@ class _SharedLanding:
             if self.left:
                 return
         for group, future in zip(self.groups, self.futures):
-            if self.error is not None:
-                future.set_exception(self.error)
-            else:
+            try:
+                if self.error is not None:
+                    raise self.error
                 future.set_result(_sum_in_order({e: self.products[e] for e in group if e in self.products}, self.x))
+            except BaseException as err:  # noqa: BLE001 - a sum that fails must not leave its waiter hanging
+                future.set_exception(err)
 
     def _product(self, e: int) -> torch.Tensor:
         """Expert e's product by strata_moe_token on its bytes; a declined call by the general path."""
