@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent / "strata"
 
 # lowest first; a module takes the layer of its longest matching prefix
 LAYERS = {
-    "strata.errors": 0, "strata.argparser": 0,  # leaves: imported by every layer
+    "strata.errors": 0, "strata.argparser": 0, "strata.madvise": 0,  # leaves: imported by every layer
     "strata.quant": 1,
     "strata.gguf": 2, "strata.formats": 2,
     "strata.kernels": 3,

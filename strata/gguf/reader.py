@@ -7,10 +7,8 @@ llama.cpp's, and they are the engine's own parameter names.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +17,9 @@ import numpy as np
 
 from strata.errors import BadModelFile, UnsupportedQuantType
 from strata.gguf.header import HeaderError, parse_header
+from strata.madvise import MADV_POPULATE_READ, madvise as _madvise
 
 GGUF_MAGIC = b"GGUF"
-MADV_POPULATE_READ = 22  # Linux 5.14+: map a range's pages in, readable, as a first read would
 POPULATE_CHUNK = 64 * 2**20  # bytes per madvise call (each holds the process's memory-map lock)
 
 
@@ -104,19 +102,6 @@ def _map_read_only(path: Path, size: int) -> np.ndarray:
     except (OSError, ValueError) as e:
         raise BadModelFile(f"{path}: cannot memory-map the file ({e})",
                            "check the file is readable and on a local filesystem") from None
-
-
-def _madvise():
-    """libc's madvise through ctypes (which releases the GIL during the call), or None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 def _check_header(path: Path) -> None:

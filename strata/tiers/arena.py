@@ -15,32 +15,19 @@ to the OS, so the cache's memory is populated once per process.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import sys
 import threading
 
 import numpy as np
 
+from strata.madvise import MADV_POPULATE_WRITE, madvise as _madvise
+
 PAGE = mmap.PAGESIZE
 # bytes per madvise call: the call holds the process's memory-map lock, and a thread waiting to map
 # or unmap memory makes every fault behind it wait too (32 MiB calls on a low-priority thread made
 # the readers block 160,000 times in one prompt)
 POPULATE_CHUNK = 2 * 2**20
-MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in, writable, without touching it
-
-
-def _madvise():
-    """libc's madvise through ctypes (which releases the GIL during the call), or None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 class Arena:
