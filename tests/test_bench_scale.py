@@ -38,3 +38,30 @@ def test_a_file_strata_synth_wrote_is_recognised(tmp_path):
 
     path = synth.write(tmp_path / "s.gguf", like_name="qwen3-30b-a3b", layers=1, vocab=300, experts=4, sparse=True)
     assert bench_scale._synth_name(path).startswith("synth-")
+
+
+def test_expert_spans_are_each_experts_three_ranges_as_the_disk_home_reads_them(tmp_path):
+    from gguf import GGUFReader
+
+    from strata import synth
+
+    path = synth.write(tmp_path / "s.gguf", like_name="qwen3-30b-a3b", layers=2, vocab=300, experts=4, sparse=True)
+    spans = bench_scale.expert_spans(path)
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    assert len(spans) == 2 * 4
+    gate = tensors["blk.1.ffn_gate_exps.weight"]
+    per = int(gate.n_bytes) // 4
+    assert spans[4 + 3][0] == (int(gate.data_offset) + 3 * per, per)  # layer 1, expert 3's gate
+    down = tensors["blk.0.ffn_down_exps.weight"]
+    assert spans[3][2][0] + spans[3][2][1] == int(down.data_offset) + int(down.n_bytes)  # the last expert ends the tensor
+
+
+def test_the_disk_limit_is_never_below_what_the_runs_own_reads_got():
+    r = {"disk_before": 0.3e9, "disk_after": 0.4e9, "prefill_device_bytes": 1e9, "prefill_busy_s": 2.0,
+         "decode_device_bytes": 8e9, "decode_busy_s": 10.0}
+    bw, where = bench_scale.disk_limit(r)
+    assert (bw, where) == (0.8e9, "decode's reads")  # the probes read the disk low: the run's reads decide
+    decode_s = 12.0  # the decode's wall time is never shorter than the time a read was in flight
+    assert (r["decode_device_bytes"] / decode_s) / bw <= 1.0
+    r.update(decode_busy_s=0.0, decode_device_bytes=0)
+    assert bench_scale.disk_limit(r) == (0.5e9, "prefill's reads")

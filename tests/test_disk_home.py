@@ -386,3 +386,47 @@ def test_a_failed_read_gives_its_arena_buffer_back(tmp_path):
         assert home.arena._carved == carved and home.arena.reused == 1  # a failed read's buffer, taken again
     finally:
         home.close()
+
+
+def test_busy_time_counts_overlapping_reads_once(tmp_path):
+    """`busy_s` is the time at least one read was in flight (the bandwidth a run's own reads got is
+    device bytes over it): two reads in flight together count their overlap once."""
+    path = tmp_path / "big.bin"
+    path.write_bytes(os.urandom(4 * DIRECT_MIN))
+    reader = FileReader(path)
+    now = [0.0]
+    reader._clock = lambda: now[0]
+    started, release = [threading.Semaphore(0) for _ in range(2)]
+    inner = reader._direct_into if reader.direct else reader._read_chunk
+
+    def held(*args):
+        started.release()
+        release.acquire()
+        return inner(*args)
+
+    if reader.direct:
+        reader._direct_into = held
+    else:
+        reader._read_chunk = held
+    try:
+        spans = [[(0, DIRECT_MIN)], [(2 * DIRECT_MIN, DIRECT_MIN)]]
+        threads = [threading.Thread(target=reader.read_spans, args=(s,)) for s in spans]
+        threads[0].start()
+        started.acquire()  # read 0 in flight from t=0
+        now[0] = 1.0
+        threads[1].start()
+        started.acquire()  # read 1 in flight from t=1
+        now[0] = 3.0
+        assert reader.busy_s == 3.0  # still in flight: counted up to now
+        release.release()
+        release.release()
+        for t in threads:
+            t.join()
+        assert reader.busy_s == 3.0  # the union, 0..3, where the reads' own times sum to 5
+        now[0] = 10.0
+        release.release()
+        reader.read_spans([(0, DIRECT_MIN)])  # nothing in flight from 3 to 10: not counted
+        assert reader.busy_s == 3.0
+        assert reader.device_bytes >= 3 * DIRECT_MIN
+    finally:
+        reader.close()

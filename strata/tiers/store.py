@@ -86,7 +86,9 @@ def expert_format(qtensors, offsets=None) -> ExpertFormat:
 
 
 class FileReader:
-    """Positional reads that leave no trace in the page cache; counts what it reads."""
+    """Positional reads that leave no trace in the page cache; counts what it reads, and the time
+    at least one read was in flight (`busy_s`), so `device_bytes / busy_s` is the bandwidth these
+    reads got from the disk: a run's own figure, measured while it waited, beside any probe."""
 
     def __init__(self, path):
         self.path = str(path)
@@ -101,6 +103,28 @@ class FileReader:
         self.reads = 0
         self._local = threading.local()
         self._lock = threading.Lock()
+        self._clock = time.perf_counter
+        self._active = 0  # reads in flight now
+        self._busy_since = 0.0
+        self._busy_s = 0.0  # closed intervals with at least one read in flight
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds during which at least one of this reader's reads was in flight (so far)."""
+        with self._lock:
+            return self._busy_s + (self._clock() - self._busy_since if self._active else 0.0)
+
+    def _begin(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._busy_since = self._clock()
+            self._active += 1
+
+    def _end(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._busy_s += self._clock() - self._busy_since
 
     def read_into(self, out: torch.Tensor, offset: int) -> None:
         """Fill the contiguous uint8 tensor `out` with the file's bytes from `offset`.
@@ -110,12 +134,15 @@ class FileReader:
         done = 0
         while done < out.numel():
             n = min(CHUNK, out.numel() - done)
+            self._begin()
             try:
                 moved = self._read_chunk(out[done:done + n], offset + done)
             except OSError as e:
                 raise StrataError(f"reading {self.path} at byte {offset + done} failed: {e.strerror or e}",
                                   "the model file must stay readable while Strata runs: check the disk, "
                                   "or hold the experts in RAM with --pin-experts ram") from None
+            finally:
+                self._end()
             done += n
             with self._lock:
                 self.bytes_read += n
@@ -158,14 +185,18 @@ class FileReader:
         at = (-buf.data_ptr()) % ALIGN
         whole = memoryview(buf.numpy())
         out = []
-        for start, length, offset, n in covers:
-            self._direct_into(whole[at:at + length], start, offset - start + n)
-            out.append(buf[at + offset - start:at + offset - start + n])
-            with self._lock:
-                self.bytes_read += n
-                self.device_bytes += length
-                self.reads += 1
-            at += length
+        self._begin()
+        try:
+            for start, length, offset, n in covers:
+                self._direct_into(whole[at:at + length], start, offset - start + n)
+                out.append(buf[at + offset - start:at + offset - start + n])
+                with self._lock:
+                    self.bytes_read += n
+                    self.device_bytes += length
+                    self.reads += 1
+                at += length
+        finally:
+            self._end()
         return tuple(out)
 
     def _direct_into(self, view: memoryview, start: int, need: int) -> None:
@@ -556,5 +587,6 @@ class DiskHome(Home):
                 "bytes_used": self.used_bytes,
                 "o_direct": self.reader.direct, "readers": self.readers, "read_ahead": self.read_ahead,
                 "max_reads_in_flight": self.max_reading, "read_wait_s": self.wait_s,
+                "read_busy_s": self.reader.busy_s,
                 "reads_into_kept_buffers": self.spare_reads,
                 "ram_cache_populated": self.arena.populated if self.arena is not None else 0}
