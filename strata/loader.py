@@ -56,30 +56,42 @@ def load_with_tiers(path: str | Path, options) -> tuple[LoadedModel, object | No
 
     dtype = getattr(torch, options.dtype)
     opened = open_config(path)
-    experts, placement = Resident(), InPlace()
-    if options.expert_parallel:  # imported here: torch.distributed is slow to import and rarely used
-        from strata.tiers.expert_parallel.rank0 import ParallelProvider, install as install_parallel
-
-        experts, placement = ParallelProvider(), BlockPlacement()
-    elif tiers_requested(options) or exceeds_ram(opened[2]):  # no --pin-experts: the plan picks the home
-        experts, placement = TieredProvider(), BlockPlacement()
-    kv = TieredKV(options.kv_device_budget, dtype) if options.kv_device_budget is not None else None
-    tiered = isinstance(experts, TieredProvider)
+    tiered, tiers = False, None
     try:  # the tiers read the dense weights ahead from the moment the file is open
+        experts, placement = Resident(), InPlace()
+        if options.expert_parallel:  # imported here: torch.distributed is slow to import and rarely used
+            from strata.tiers.expert_parallel.rank0 import ParallelProvider, install as install_parallel
+
+            experts, placement = ParallelProvider(), BlockPlacement()
+        elif tiers_requested(options) or exceeds_ram(opened[2]):  # no --pin-experts: the plan picks the home
+            experts, placement = TieredProvider(), BlockPlacement()
+        kv = TieredKV(options.kv_device_budget, dtype) if options.kv_device_budget is not None else None
+        tiered = isinstance(experts, TieredProvider)
         loaded = load_model(path, dtype, options.progress, Seams(experts, kv, open_table, placement),
                             experts.read_ahead if tiered else None if options.expert_parallel else _populate, opened)
-        tiers = None
         if options.expert_parallel:
             tiers = install_parallel(loaded, options)
         elif tiered:
             from strata.runtime.progress import byte_bar
 
             tiers = install_tiers(loaded, options, lambda total: byte_bar(total, options.progress))
+        kv_config = kv.configure(loaded.model) if kv is not None else None  # KV after the tiers' placement
     except BaseException:
+        if tiers is not None:
+            tiers.close()
         if tiered:
             experts.close_readahead()
+        _close(opened[2])
         raise
-    return loaded, tiers, kv.configure(loaded.model) if kv is not None else None  # KV after the tiers' placement
+    return loaded, tiers, kv_config
+
+
+def _close(source) -> None:
+    """A source whose load failed lets go of its file (`close`: the mapping or handles), so a caller
+    that keeps the error (a server retrying, a test) does not keep the file mapped with it."""
+    close = getattr(source, "close", None)
+    if close is not None:
+        close()
 
 
 def _populate(source) -> None:

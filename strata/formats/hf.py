@@ -126,6 +126,10 @@ class HFSource:
         self._sanitize = sanitize
         self.config = config  # the hyper-parameters `sanitize` needs; the loader may refine it
 
+    def close(self) -> None:
+        """Let go of the shards' safetensors handles (each closes its mapping when no tensor views it)."""
+        self._handles.clear()
+
     def names(self) -> list[str]:
         return list(self._parts) + [f"hf:{k}" for k in self.unmapped]
 

@@ -71,6 +71,11 @@ class GGUFFile:
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)
 
+    def close(self) -> None:
+        """Drop this file's reference to its mapping: it is unmapped once no tensor views it (a view
+        keeps its bytes mapped; numpy refuses to close a mapping that views still export)."""
+        self._map = None
+
     def populate(self) -> bool:
         """Map every page of the file into this process now, as llama.cpp's mmap(MAP_POPULATE)
         does, reading from disk what the page cache lacks. Otherwise a decode token's first reads

@@ -19,6 +19,10 @@ class GGUFSource:
     def names(self) -> list[str]:
         return list(self.file.tensors)
 
+    def close(self) -> None:
+        """Let go of the file's mapping (`GGUFFile.close`)."""
+        self.file.close()
+
     def populate(self) -> bool:
         """The file's pages mapped in now (`GGUFFile.populate`)."""
         return self.file.populate()

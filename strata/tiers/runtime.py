@@ -162,29 +162,45 @@ def install(loaded, options, byte_bar=None) -> TierRuntime:
     formats = _formats(sources, plan, loaded.source)
     n_experts = max((g.shape[0] for g, _, _ in sources.values()), default=1)
     reader = FileReader(loaded.source.file.path) if hasattr(loaded.source, "file") and sources else None
-    n = {layer.layer: layer.n_experts for layer in plan.experts}
-    # pageable: the cache copies through bounded pinned staging
-    in_ram = sum(layer.nbytes for layer in plan.experts if layer.home != "disk")
-    with byte_bar(in_ram) if byte_bar else nullcontext(lambda n: None) as advance:
-        homes = build_homes(plan, formats, reader, device,
-                            lambda fmts, kind: RamHome(fmts, n, reader, sources, advance=advance))
-    cache = build_cache(plan, options, homes, formats, n_experts, device)
-    tracer = TraceRecorder(n_experts, {"model": str(getattr(loaded.source, "description", ""))},
-                           {i: f.nbytes for i, f in formats.items()}) if options.trace_experts else None
-    lane = CpuLane(getattr(options, "cpu_threads", 0) or 1, homes, formats)
-    executor = HybridExecutor(homes, formats, cache, lane, TierStats(), n_experts, device.torch_device, tracer)
-    prefetcher = _prefetcher(loaded.model, options, cache, executor, formats, plan) if sources else None
-    executor.prefetcher = prefetcher
-    provider.runtime = TierRuntime(plan, homes, executor, prefetcher, cache, reader, options.trace_experts,
-                                   _decode_width(loaded.model, options))
-    # a failure before this line leaves the early read ahead with the provider, which the loader's
-    # failure path closes (`close_readahead`)
-    if reader is not None and not device.is_cuda:  # the dense weights stay in the mapping: read them ahead
-        tensors = loaded.source.file.tensors
-        spans = dense_spans(tensors, set(tensors) - _unread(plan.expert_names))
-        provider.runtime.readahead = provider.take_readahead(reader.path, spans)
-    else:
-        provider.close_readahead()
+    built = []  # closers of the threads, arena and cache built so far, for a failure before the runtime holds them
+    try:
+        n = {layer.layer: layer.n_experts for layer in plan.experts}
+        # pageable: the cache copies through bounded pinned staging
+        in_ram = sum(layer.nbytes for layer in plan.experts if layer.home != "disk")
+        with byte_bar(in_ram) if byte_bar else nullcontext(lambda n: None) as advance:
+            homes = build_homes(plan, formats, reader, device,
+                                lambda fmts, kind: RamHome(fmts, n, reader, sources, advance=advance))
+        built.extend(home.close for home in _unique(homes.values()))
+        cache = build_cache(plan, options, homes, formats, n_experts, device)
+        if cache is not None:
+            built.append(cache.copier.close)
+        tracer = TraceRecorder(n_experts, {"model": str(getattr(loaded.source, "description", ""))},
+                               {i: f.nbytes for i, f in formats.items()}) if options.trace_experts else None
+        lane = CpuLane(getattr(options, "cpu_threads", 0) or 1, homes, formats)
+        built.append(lane.close)
+        executor = HybridExecutor(homes, formats, cache, lane, TierStats(), n_experts, device.torch_device, tracer)
+        prefetcher = _prefetcher(loaded.model, options, cache, executor, formats, plan) if sources else None
+        executor.prefetcher = prefetcher
+        provider.runtime = TierRuntime(plan, homes, executor, prefetcher, cache, reader, options.trace_experts,
+                                       _decode_width(loaded.model, options))
+        # a failure from this line on leaves the early read ahead with the provider, which the loader's
+        # failure path closes (`close_readahead`), and the runtime, which `install`'s own closes
+        if reader is not None and not device.is_cuda:  # the dense weights stay in the mapping: read them ahead
+            tensors = loaded.source.file.tensors
+            spans = dense_spans(tensors, set(tensors) - _unread(plan.expert_names))
+            provider.runtime.readahead = provider.take_readahead(reader.path, spans)
+        else:
+            provider.close_readahead()
+    except BaseException:
+        if provider.runtime is not None:  # it holds all of them, the reader and any read ahead it took
+            provider.runtime.close()
+            provider.runtime = None
+        else:
+            for close in reversed(built):
+                close()
+            if reader is not None:
+                reader.close()
+        raise
     return provider.runtime
 
 
@@ -219,15 +235,21 @@ def build_homes(plan: Plan, formats, reader, device, ram_home) -> dict:
     for layer in plan.experts:
         by_kind.setdefault(layer.home, []).append(layer.layer)
     homes = {}
-    for kind, layers in by_kind.items():
-        fmts = {i: formats[i] for i in layers}
-        if kind == "disk":
-            home = DiskHome(fmts, reader, plan.ram_cache)
-        else:
-            home = ram_home(fmts, kind)
-            if kind == "gpu":
-                home.to_device(device.torch_device)
-        homes.update({i: home for i in layers})
+    try:
+        for kind, layers in by_kind.items():
+            fmts = {i: formats[i] for i in layers}
+            if kind == "disk":
+                home = DiskHome(fmts, reader, plan.ram_cache)
+            else:
+                home = ram_home(fmts, kind)
+                homes.update({i: home for i in layers})  # before the move: a failed move still closes it
+                if kind == "gpu":
+                    home.to_device(device.torch_device)
+            homes.update({i: home for i in layers})
+    except BaseException:  # a home built before the failure stops its readers and frees its arena
+        for home in _unique(homes.values()):
+            home.close()
+        raise
     return homes
 
 
