@@ -3,8 +3,8 @@
     .venv/bin/python bench/bench_scale.py --model big/qwen4exp-48L-IQ2_XS.gguf \
         --ram-memory 9G [--tokens 12] [--prompt-tokens 32] \
         [--skewed-model big/qwen4exp-48L-IQ2_XS-skew0.2.gguf --skew 0.2]
-    .venv/bin/python bench/bench_scale.py --model big/qwen3next-80b-48L-IQ2_XS.gguf \
-        --ram-memory 9G --llama-cpp
+    .venv/bin/python bench/bench_scale.py --model big/qwen3next-80b-48L-Q4_K_M-skew0.3.gguf \
+        --ram-memory 9G --llama-cpp --skew 0.3
 
 The file is `strata synth --like qwen4exp --layers 48 --quant IQ2_XS` (45.7 GiB, written once).
 Every run is a fresh interpreter with the placement `--pin-experts auto --experts-cache auto`
@@ -26,7 +26,12 @@ it (the dense weights the forward uses, and the experts the prompt used: not the
 left unused, shown apart) came at that bandwidth, peak anonymous RSS against `--ram-memory` (the
 interpreter's own, measured before loading, shown apart).
 
-`--llama-cpp` runs llama.cpp (llama-cpp-python: mmap, the same threads, greedy, the same prompt
+For the comparison where the experts exceed RAM, the qwen3-next-80b file must be larger than the
+machine's RAM (`--quant Q4_K_M` at 48 layers: 45.1 GiB; the IQ2_XS one, 21.9 GiB, fits a 23 GiB page
+cache, so llama.cpp's mapping ends up serving it from RAM): the table prints the file's size beside
+the machine's RAM. `--llama-cpp` runs llama.cpp (llama-cpp-python: mmap with no weight repacking (`use_extra_bufts` off:
+its CPU_REPACK copies every Q4_K tensor into anonymous memory first, 35.5 GB for the 45.1 GiB file,
+which fails on a 23 GiB machine), the same threads, greedy, the same prompt
 ids) on each file after Strata, and prints its decode and prefill beside Strata's with the ratios
 (for `--like qwen3-next-80b`, or any file llama.cpp loads: llama-cpp-python 0.3.36 runs qwen4exp too). Each engine starts from a
 cold file: the bench drops the file's page-cache pages (posix_fadvise, this file only) first.
@@ -119,6 +124,13 @@ LLAMA_CHILD = textwrap.dedent("""
     import json, sys, time
     t_start = time.perf_counter()
     import llama_cpp
+    import llama_cpp.llama_cpp as capi
+    defaults = capi.llama_model_default_params
+    def no_repack():  # weights stay in the mapping: a repack copies them all into anonymous memory first
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+    capi.llama_model_default_params = no_repack
     path, threads, n_prompt, n_new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=path, n_ctx=n_prompt + n_new + 16, n_threads=threads, n_threads_batch=threads,
@@ -356,6 +368,7 @@ def main(argv=None) -> int:
         print(f"# disk after the run {after['bw'] / 1e9:.2f} GB/s ({after['how']}: {after['reads']} reads in "
               f"{after['s']:.1f} s); load average {os.getloadavg()[0]:.2f}", flush=True)
         r["skew"], r["disk_before"], r["disk_after"] = skew, before["bw"], after["bw"]
+        r["file_size"] = model.stat().st_size
         r["disk"], r["disk_from"] = disk_limit(r)
         print(f"# the run's own reads: decode {own(r, 'decode')}; prefill {own(r, 'prefill')}; the limits use "
               f"{r['disk'] / 1e9:.2f} GB/s, the best of the four ({r['disk_from']})", flush=True)
@@ -375,7 +388,9 @@ def main(argv=None) -> int:
         return dense_of(r) + r["prefill_used_bytes"]
     def dev_per_token(r):  # bytes the disk moved per decoded token (alignment included)
         return r["decode_device_bytes"] / max(len(r["tokens"]) - 1, 1)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     table = [("router skew", lambda r: f"{r['skew']:g}"),
+             (f"model file GiB (machine RAM {ram / 2**30:.1f} GiB)", lambda r: f"{r['file_size'] / 2**30:.2f}"),
              ("disk GB/s: probe before / after the run (expert reads, 8 in flight)",
               lambda r: f"{r['disk_before'] / 1e9:.2f} / {r['disk_after'] / 1e9:.2f}"),
              ("  the run's reads while in flight: prefill / decode GB/s",
