@@ -50,15 +50,16 @@ from strata.synth import random_blocks  # noqa: E402
 SHAPES = {"gate/up 768x2048": (768, 2048), "down 2048x768": (2048, 768)}
 
 
-def timed(fn, reps: int, budget_s: float = 2.0) -> tuple[float, float]:
-    """(median, min) seconds per call; stops early after budget_s."""
+def timed(fn, reps: int, budget_s: float = 2.0, clock=time.perf_counter) -> tuple[float, float]:
+    """(median, min) seconds per call by `clock` (process_time: CPU seconds, steadier on a shared
+    machine for a one-thread call); stops early after budget_s of wall time."""
     fn()
     ts = []
     t_end = time.perf_counter() + budget_s
     for _ in range(reps):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        ts.append(time.perf_counter() - t)
+        ts.append(clock() - t)
         if time.perf_counter() > t_end and len(ts) >= 5:
             break
     return statistics.median(ts), min(ts)
@@ -280,21 +281,33 @@ def compare_ggml(types, threads_list, n_experts):
 
 def prompt_crossover(types, threads):
     """Rows of x from which dequantizing W (ggml) + one matmul beats the 8-bit kernel, in the
-    current activation mode (bf16 in "q8", float32 in "q8x2")."""
+    current activation mode (bf16 in "q8", float32 in "q8x2"). Both are timed at each row count:
+    the multi-row kernels unpack a block once for several rows, so rows x the one-row time
+    overstates the kernel."""
     torch.set_num_threads(threads)
-    x1 = torch.randn(1, 2048)
     dt = torch.bfloat16 if kernels.activations() == "q8" else torch.float32
-    print(f"{dt} batched product vs 8-bit kernel ({kernels.activations()}), 768x2048, {threads} thread(s)")
+    table = kernels.prompt_min_rows(dt)
+    rows_list = (4, 8, 12, 16, 24, 32, 40, 48, 64)
+    clock = time.process_time if threads == 1 else time.perf_counter
+    print(f"{dt} batched product vs 8-bit kernel ({kernels.activations()}), 768x2048, {threads} thread(s), "
+          f"{'CPU' if threads == 1 else 'wall'} ms per product (kernel / dequantize + matmul) by rows")
     for name in types:
         ws = experts(T[name], (768, 2048), 4)
         if kernels.dequantize_ggml(ws[0]) is None:
             print(f"  {name:<8} no ggml to_float")
             continue
         it = iter(range(10**9))
-        deq, _ = timed(lambda: kernels.dequantize_ggml(ws[next(it) % 4], dt, threads), 50, 1.0)
-        row, _ = timed(lambda: kernels.try_qmatmul(x1, ws[next(it) % 4], threads), 200, 1.0)
-        print(f"  {name:<8} dequantize {deq * 1e3:6.2f} ms, kernel {row * 1e3:6.3f} ms per row -> crossover "
-              f"~{(deq + 1e-4) / row:4.0f} rows (in use: {kernels.PROMPT_MIN_ROWS.get(name, 32)})", flush=True)
+        cells, cross = [], None
+        for rows in rows_list:
+            x = torch.randn(rows, 2048)
+            k8, _ = timed(lambda: kernels.try_qmatmul(x, ws[next(it) % 4], threads), 50, 0.4, clock)
+            dq, _ = timed(lambda: torch.nn.functional.linear(
+                x.to(dt), kernels.dequantize_ggml(ws[next(it) % 4], dt, threads)), 50, 0.4, clock)
+            cells.append(f"{rows}: {k8 * 1e3:.2f}/{dq * 1e3:.2f}")
+            if cross is None and dq < k8:
+                cross = rows
+        print(f"  {name:<8} crossover {cross if cross else '>' + str(rows_list[-1]):>4} rows "
+              f"(in use: {table.get(name, 32)}) | " + "  ".join(cells), flush=True)
 
 
 def prompt_amx(types, threads):

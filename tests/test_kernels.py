@@ -154,7 +154,8 @@ def test_prompt_batches_take_batched_products(qtype, act_mode):
     w = random_qtensor(qtype, (40, 512), seed=5)
     dense = w.dequantize()
     amx = prompt.has_type(w.qtype, own_only=True)
-    n = kernels.PROMPT_AMX_MIN_ROWS if amx else kernels.PROMPT_MIN_ROWS[qtype]
+    table = kernels.prompt_min_rows(torch.bfloat16 if act_mode == "q8" else torch.float32)
+    n = kernels.PROMPT_AMX_MIN_ROWS if amx else table[qtype]
     x = torch.randn(n, 512)
     ref = x @ dense.T
     with kernels.prompt_batches():

@@ -81,6 +81,21 @@ PROMPT_MIN_ROWS = {"Q4_0": 16, "Q4_1": 16, "Q5_0": 20, "Q5_1": 20, "Q8_0": 8, "Q
                  "Q4_K": 12, "Q5_K": 12, "Q6_K": 32, "IQ2_XXS": 52, "IQ2_XS": 44, "IQ2_S": 48,
                  "IQ3_XXS": 40, "IQ3_S": 32, "IQ1_S": 12, "IQ1_M": 12, "IQ4_NL": 20, "IQ4_XS": 24,
                  "MXFP4": 20}
+# The same for the float32 product of "q8x2" (the default) where no AMX product applies (an AVX2
+# CPU): ggml's float32 dequantization + one FMA matmul against the q8x2 kernel, both timed at each
+# row count (bench/bench_kernels.py --prompt-crossover, 1 thread, CPU time, AVX2 Zen 3). The IQ2/IQ3
+# types never cross below FAST_BATCH_MAX (their ggml dequantizers take ~10 ms per 768x2048).
+PROMPT_MIN_ROWS_F32 = {"Q4_0": 12, "Q4_1": 24, "Q5_0": 16, "Q5_1": 24, "Q8_0": 12, "Q2_K": 32, "Q3_K": 40,
+                       "Q4_K": 20, "Q5_K": 20, "Q6_K": 32, "IQ2_XXS": 64, "IQ2_XS": 48, "IQ2_S": 64,
+                       "IQ3_XXS": 64, "IQ3_S": 64, "IQ1_S": 24, "IQ1_M": 32, "IQ4_NL": 24, "IQ4_XS": 40,
+                       "MXFP4": 24}
+
+
+
+def prompt_min_rows(dtype: torch.dtype) -> dict[str, int]:
+    """PROMPT_MIN_ROWS for a batched product in `dtype`: bfloat16 ("q8") or float32 ("q8x2")."""
+    return PROMPT_MIN_ROWS if dtype == torch.bfloat16 else PROMPT_MIN_ROWS_F32
+
 
 # Switch for comparisons (tests, benchmarks): False sends ResidentExperts down the reference path.
 USE_KERNELS = True
@@ -349,8 +364,9 @@ def _prompt_experts(x: torch.Tensor, ws: tuple[QTensor, ...]):
 
 def _batched_ok(x: torch.Tensor, w: QTensor) -> bool:
     name = _type_name(w.qtype)
+    table = prompt_min_rows(torch.bfloat16 if _activations == "q8" else torch.float32)
     return (w.raw.device.type == "cpu" and name in _build.GGML_TYPES
-            and _prompt_rows(x) >= PROMPT_MIN_ROWS.get(name, 32))
+            and _prompt_rows(x) >= table.get(name, 32))
 
 
 def _prompt_ok(x: torch.Tensor, w: QTensor) -> bool:
