@@ -65,3 +65,14 @@ def test_the_disk_limit_is_never_below_what_the_runs_own_reads_got():
     assert (r["decode_device_bytes"] / decode_s) / bw <= 1.0
     r.update(decode_busy_s=0.0, decode_device_bytes=0)
     assert bench_scale.disk_limit(r) == (0.5e9, "prefill's reads")
+
+
+def test_the_prefills_own_disk_rate_ignores_what_decode_found_later():
+    """The second time-to-first-token ratio uses the disk as the prompt found it: the probe just
+    before it or its own reads, the better; never decode's reads, which came later."""
+    r = {"disk_before": 0.3e9, "disk_after": 0.9e9, "prefill_device_bytes": 1e9, "prefill_busy_s": 4.0,
+         "decode_device_bytes": 8e9, "decode_busy_s": 10.0}
+    assert bench_scale.prefill_disk(r) == 0.3e9  # its reads got 0.25 GB/s: the probe says the disk gave more
+    r["prefill_busy_s"] = 2.0
+    assert bench_scale.prefill_disk(r) == 0.5e9
+    assert bench_scale.disk_limit(r)[0] == 0.9e9  # the strict limit still takes the best of the four
