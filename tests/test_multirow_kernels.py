@@ -71,8 +71,7 @@ def test_multirow_product_rows_match_gguf_and_one_row_products(qtype, n, q8x2):
 @needs_kernels
 def test_release_types_have_multirow_kernels(q8x2):
     """Every 256-bit kernel set this CPU runs has a multi-row kernel for the release types' one-pass
-    kernels but Q8_0's (its unpacking is one load: nothing to share) and IQ2_XS's (its own one-row
-    loop has none yet)."""
+    kernels but Q8_0's (its unpacking is one load: nothing to share)."""
     lib = q8x2
     isas = [bit for bit in _build.KERNEL_ISAS.values() if lib.strata_fused_isas() >> bit & 1 and bit < 3]
     if not isas:
@@ -80,7 +79,7 @@ def test_release_types_have_multirow_kernels(q8x2):
     try:
         for isa in isas:
             assert lib.strata_set_fused_isa(isa) == isa
-            missing = [t for t in RELEASE_TYPES if t not in ("Q8_0", "IQ2_XS") and lib.strata_fused_types(int(T[t])) and
+            missing = [t for t in RELEASE_TYPES if t != "Q8_0" and lib.strata_fused_types(int(T[t])) and
                        not lib.strata_multirow_types(int(T[t]))]
             assert missing == [], (isa, missing)
     finally:

@@ -441,6 +441,72 @@ static float V2(dot2_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, con
     return 0.125f * V2(hsum)(acc);
 }
 
+/* nr <= DOT2M_ROWS rows of activations against one IQ2_XS weight row (V2(dot2m_k256)'s contract):
+ * each block's 8 chunks (grid magnitudes, sign bytes, 16-value scales) unpacked once, as
+ * V2(dot2_iq2_xs) unpacks them, then every row's products in V2(dot2_iq2_xs)'s order, so each
+ * result is its one-row kernel's bit for bit. The grid lookups and sign spreading are most of a
+ * block's cost (~44 cycles), so a prompt's or a verify pass's rows share them. */
+static void V2(dot2m_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff,
+                             int nr, float *y) {
+    const __m256i odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0));
+    const __m256i spread0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2,
+                                             4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
+    const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi8(8));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull), pos = _mm256_set1_epi8(0x7F);
+    const __m128i m15 = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
+    __m256 acc[DOT2M_ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / 256; i++) {
+        const uint8_t *b = w + i * 74;
+        stream_prefetch(b, 74);
+        const float d = rd_f16(b);
+        const __m128i sb = _mm_loadl_epi64((const __m128i *)(b + 66));
+        const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sb, m15), _mm_and_si128(_mm_srli_epi16(sb, 4), m15));
+        const __m256i scb = _mm256_broadcastsi128_si256(_mm_add_epi8(_mm_add_epi8(nib, nib), one));
+        __m256i mag[8], sgn[8], s[8];
+        #pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2 + 32 * h));
+            const __m256i p = _mm256_srli_epi16(q, 9);
+            const __m256i f = _mm256_or_si256(p, _mm256_shuffle_epi8(odd, _mm256_xor_si256(p, _mm256_srli_epi16(q, 13))));
+            const __m256i dup[2] = {_mm256_permute2x128_si256(f, f, 0x00), _mm256_permute2x128_si256(f, f, 0x11)};
+            #pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const int j = 4 * h + c;
+                uint64_t u;
+                memcpy(&u, b + 2 + 8 * j, 8);
+                const __m128i lo = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 0)], GRID_IQ2_XS[V2(bits9)(u, 16)]);
+                const __m128i hi = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 32)], GRID_IQ2_XS[V2(bits9)(u, 48)]);
+                mag[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+                sgn[j] = _mm256_add_epi8(_mm256_and_si256(_mm256_shuffle_epi8(dup[c >> 1], c & 1 ? spread1 : spread0), bit), pos);
+#if VNNI
+                const __m256i sp = _mm256_setr_epi8(2 * j, -1, -1, -1, 2 * j, -1, -1, -1, 2 * j, -1, -1, -1, 2 * j, -1, -1, -1,
+                                                    2 * j + 1, -1, -1, -1, 2 * j + 1, -1, -1, -1, 2 * j + 1, -1, -1, -1, 2 * j + 1, -1, -1, -1);
+#else
+                const __m256i sp = _mm256_setr_epi8(2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1,
+                                                    2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1);
+#endif
+                s[j] = _mm256_shuffle_epi8(scb, sp);
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *yq = xq + xoff[r] + i * 292, *yr = xr + xoff[r] + i * 292;
+            float dq, dr;
+            memcpy(&dq, yq, 4);
+            memcpy(&dr, yr, 4);
+            __m256i sq = _mm256_setzero_si256(), sr = _mm256_setzero_si256();
+            #pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                sq = V2(dot_sc)(sq, mag[j], _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(yq + 4 + 32 * j)), sgn[j]), s[j], 0);
+                sr = V2(dot_sc)(sr, mag[j], _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(yr + 4 + 32 * j)), sgn[j]), s[j], 0);
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq), _mm256_set1_ps(d * dq), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sr), _mm256_set1_ps(d * dr), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) y[r] = 0.125f * V2(hsum)(acc[r]);
+}
+
 /* ------------------------------------------------------------------ 32-value blocks x q8_0 / q8_1 */
 
 /* Q8_0 {f16 d; i8 qs[32]}, Q4_0 / IQ4_NL {f16 d; u8 qs[16]} and Q5_0 {f16 d; u32 qh; u8 qs[16]}
@@ -618,14 +684,15 @@ static dot2_fn V2(fused2_for)(int type, int64_t qblk, int64_t qsize) {
  * more than the unpacking it saves (AVX2 on a Zen 3, CPU time of 768x2048 products, B = 2-4: Q4_K
  * 1.10 / 1.02 / 0.85x the one-row kernels at B = 2 / 3 / 4, Q6_K 0.97 / 0.93 / 0.75x, Q4_0 1.09 /
  * 0.88 / 0.87x). Q8_0 has none: its unpacking is one load, which the stores and reloads cost as
- * much as (0.96-1.33x at B = 2-17); nor has IQ2_XS's own one-row loop yet (through dot2_k256's
- * unpacking it was 0.73 / 0.57 / 0.52x at B = 2 / 3 / 4, 0.35-0.40x at 17). */
+ * much as (0.96-1.33x at B = 2-17). IQ2_XS's own multi-row loop: 1.06-1.15 / 0.90-0.92 / 0.79-0.83 /
+ * 0.75-0.78x its one-row loop per row at B = 2 / 4 / 8 / 17 (bench_kernels --multirow-ab, 1 thread). */
 static dot2m_fn V2(fused2m_of)(dot2_fn f, int *min_rows) {
     if (f == V2(dot2_q2_k)) return *min_rows = 3, V2(dot2m_q2_k);
     if (f == V2(dot2_q3_k)) return *min_rows = 3, V2(dot2m_q3_k);
     if (f == V2(dot2_q4_k)) return *min_rows = 4, V2(dot2m_q4_k);
     if (f == V2(dot2_q5_k)) return *min_rows = 3, V2(dot2m_q5_k);
     if (f == V2(dot2_q6_k)) return *min_rows = 3, V2(dot2m_q6_k);
+    if (f == V2(dot2_iq2_xs)) return *min_rows = 4, V2(dot2m_iq2_xs);
     if (f == V2(dot2_iq2_xxs)) return *min_rows = 2, V2(dot2m_iq2_xxs);
     if (f == V2(dot2_iq2_s)) return *min_rows = 2, V2(dot2m_iq2_s);
     if (f == V2(dot2_iq3_xxs)) return *min_rows = 2, V2(dot2m_iq3_xxs);
