@@ -156,3 +156,22 @@ def test_avx2_routing(monkeypatch, q8x2):
         assert calls["matmul"] == 1
     err = float((y.double() - ref).abs().max())
     assert err < 1e-5 * float(ref.abs().max()) and err < float((decode.double() - ref).abs().max())
+
+
+def test_avx2_moe_whole_experts_on_the_pool_equal_one_thread_bit_for_bit(q8x2):
+    """At 2 threads a layer's many experts go to the pool whole (each on one thread) and their rows
+    are summed in the route table's order: out equals the 1-thread result bit for bit."""
+    from strata.kernels import grouped
+
+    n_exp, hidden, ffn, tokens = 12, 512, 256, 150
+    stacked = _stacked(("Q4_K", "IQ2_XS", "Q6_K"), n_exp, hidden, ffn)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(tokens, hidden, generator=g) * 0.1
+    ids = torch.stack([torch.randint(0, 5, (tokens,), generator=g), torch.randint(5, 10, (tokens,), generator=g)], dim=1)
+    ids[:3, 1] = 11  # expert 11: three rows (its decode kernels); expert 10: none
+    table = grouped.route_table(ids, torch.rand(tokens, 2, generator=g))
+    used, counts = torch.unique_consecutive(table.expert, return_counts=True)
+    spec = kernels._prompt_experts(x, stacked)
+    outs = [prompt.moe(x, used, counts, table.token, table.weight, stacked, threads, *spec) for threads in (1, 2)]
+    assert outs[0] is not None and outs[1] is not None
+    assert outs[0].abs().max() > 0 and torch.equal(outs[0], outs[1])
