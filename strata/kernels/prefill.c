@@ -18,8 +18,11 @@
  * rows, for one group of 16 rows of X.
  *
  * Built into the same library as qmm.c (whose thread pool runs the panels); without AMX-BF16 at
- * build time or without the kernel's permission to use AMX state, strata_pp_available() is 0 and
- * callers keep their other path.
+ * build time but with AVX2 + FMA + F16C, prefill_avx2.h's exact float32 products stand behind the
+ * same entry points (own AVX2 decoders into float32 tiles, an FMA micro-kernel) and share this
+ * file's SwiGLU / MoE calls; strata_pp_backend() says which (1 AMX, 2 AVX2). Without either, or
+ * without the kernel's permission to use AMX state, strata_pp_available() is 0 and callers keep
+ * their other path.
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -20,7 +20,9 @@
 
 
 #define PV_INLINE static inline __attribute__((always_inline))
+#ifndef PV_PANEL
 #define PV_PANEL 48 /* weight rows per job: a multiple of 12 */
+#endif
 #define PV_KC 256   /* k values per chunk: a multiple of every block size */
 
 /* ------------------------------------------------------------------ own row decoders (float32) */
