@@ -5,6 +5,7 @@
     .venv/bin/python bench/bench_kernels.py --batches          # fast vs reference crossover (FAST_BATCH_MAX)
     .venv/bin/python bench/bench_kernels.py --compare-numba    # the tool choice: C vs numba on Q4_K
     .venv/bin/python bench/bench_kernels.py --prompt-crossover --threads 1   # prefill: PROMPT_MIN_ROWS
+    .venv/bin/python bench/bench_kernels.py --prompt-avx2 --threads 1   # prefill without AMX: PROMPT_AVX2_MIN_ROWS
     .venv/bin/python bench/bench_kernels.py --prompt-amx --types Q4_K IQ2_XS --threads 1
                                                   # prefill: the AMX product (prefill.c) vs the 8-bit
                                                   # kernel vs ggml-dequantized float32 matmul, by rows
@@ -310,6 +311,44 @@ def prompt_crossover(types, threads):
               f"(in use: {table.get(name, 32)}) | " + "  ".join(cells), flush=True)
 
 
+def prompt_avx2(types, threads):
+    """ms per 768x2048 product by rows of x: prefill_avx2.h's float32 product (own AVX2 decoders into
+    float32 tiles + FMA micro-kernel), the 8-bit decode kernel (q8x2) and ggml's float32
+    dequantization + one torch matmul (the path before it), CPU ms at 1 thread; the crossover is
+    the first row count from which the first beats the second (PROMPT_AVX2_MIN_ROWS)."""
+    from strata.kernels import prompt
+
+    torch.set_num_threads(threads)
+    if prompt.backend() != "avx2":
+        print(f"the prompt backend here is {prompt.backend()}, not avx2")
+        return
+    clock = time.process_time if threads == 1 else time.perf_counter
+    print(f"768x2048, {threads} thread(s), {'CPU' if threads == 1 else 'wall'} ms per product: "
+          "avx2 f32 / 8-bit kernel / ggml f32 + matmul")
+    for name in types:
+        if not prompt.has_type(T[name]):
+            continue
+        ws = experts(T[name], (768, 2048), 4)
+        it = iter(range(10**9))
+        cells, cross = [], None
+        for rows in (1, 4, 6, 8, 10, 12, 16, 24, 32, 64, 512):
+            x = torch.randn(rows, 2048)
+            reps = 5 if rows > 64 else 30
+            a, _ = timed(lambda: prompt.matmul(x, ws[next(it) % 4], threads), reps, 0.6, clock)
+            k8 = float("nan")
+            if rows <= kernels.FAST_BATCH_MAX:
+                k8, _ = timed(lambda: kernels.try_qmatmul(x, ws[next(it) % 4], threads), reps, 0.6, clock)
+            f32 = float("nan")
+            if rows > 4 and kernels.dequantize_ggml(ws[0], torch.float32) is not None:
+                f32, _ = timed(lambda: x @ kernels.dequantize_ggml(ws[next(it) % 4], torch.float32, threads).T, reps,
+                               0.6, clock)
+            if cross is None and a < k8:
+                cross = rows
+            cells.append(f"{rows}: {a * 1e3:.2f}/{k8 * 1e3:.2f}/{f32 * 1e3:.2f}")
+        print(f"  {name:<8} crossover {cross} (in use: {kernels.PROMPT_AVX2_MIN_ROWS.get(name)}) | "
+              + "  ".join(cells), flush=True)
+
+
 def prompt_amx(types, threads):
     """ms per 768x2048 product by rows of x: prefill.c's AMX product (3 terms: "q8x2", 1: "q8"), the
     8-bit decode kernel, and ggml's float32 dequantization + one matmul (the path before it);
@@ -508,6 +547,8 @@ def main(argv=None):
     ap.add_argument("--multirow-ab", action="store_true",
                     help="only a B-row q8x2 product: multi-row kernels vs one-row kernels vs B one-row products")
     ap.add_argument("--prompt-amx", action="store_true", help="only the AMX prompt product vs the others, by rows")
+    ap.add_argument("--prompt-avx2", action="store_true",
+                    help="only the AVX2 float32 prompt product vs the others, by rows (PROMPT_AVX2_MIN_ROWS)")
     ap.add_argument("--moe-token", action="store_true",
                     help="only a decode token's k=8 routed experts (gate/up, then down) as a MoE layer runs them")
     args = ap.parse_args(argv)
@@ -523,6 +564,9 @@ def main(argv=None):
         return 0
     if args.prompt_amx:
         prompt_amx(args.types, args.threads[0])
+        return 0
+    if args.prompt_avx2:
+        prompt_avx2(args.types, args.threads[0])
         return 0
     if args.fused_ab:
         fused_ab(args.types, args.threads, args.experts)

@@ -155,7 +155,7 @@ def test_prompt_batches_take_batched_products(qtype, act_mode):
     dense = w.dequantize()
     amx = prompt.has_type(w.qtype, own_only=True)
     table = kernels.prompt_min_rows(torch.bfloat16 if act_mode == "q8" else torch.float32)
-    n = kernels.PROMPT_AMX_MIN_ROWS if amx else table[qtype]
+    n = kernels._prompt_min_rows(w.qtype) if amx else table[qtype]  # AMX: PROMPT_AMX_MIN_ROWS; AVX2: per type
     x = torch.randn(n, 512)
     ref = x @ dense.T
     with kernels.prompt_batches():

@@ -25,7 +25,7 @@ from strata import kernels
 from strata.formats.weights import QTensor
 from strata.kernels import _build, prompt
 
-pytestmark = pytest.mark.skipif(not prompt.available(), reason="no AMX-BF16 on this CPU (or no C compiler)")
+pytestmark = pytest.mark.skipif(prompt.backend() != "amx", reason="no AMX-BF16 on this CPU (or no C compiler); the AVX2 products: test_prompt_avx2.py")
 
 # type -> byte offsets of its float16 scales in a block (random bytes elsewhere are valid blocks)
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),

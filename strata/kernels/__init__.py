@@ -22,7 +22,8 @@ batch is at most FAST_BATCH_MAX rows, else the reference runs. Activations (`set
   faster than ggml's two passes, `bench_kernels.py --fused-ab`). Prompt-sized batches take prefill.c's AMX products where the
   CPU has AMX-BF16 (`try_qmatmul_prompt`, `strata.kernels.prompt`: x and W each split into two
   bfloat16 parts, float32 accumulation, ~5e-6 of max |y|; a prompt's experts one C call per layer),
-  else W dequantized by ggml to float32 for one matmul.
+  on an AVX2 + FMA CPU without AMX the same calls in exact float32 (own AVX2 decoders, FMA
+  micro-kernel; the types of PROMPT_AVX2_MIN_ROWS), else W dequantized by ggml to float32 for one matmul.
   Adds IQ1_S, IQ1_M, IQ2_S and IQ3_S. Without ggml, as "int16".
 - "q8": one pass, as llama.cpp computes (relative error ~1e-2), 10-60 % less kernel time than
   "q8x2" (IQ2 types gain most); prompt batches take one bfloat16 product (AMX).
@@ -287,6 +288,21 @@ def dequantize_ggml(w: QTensor, dtype: torch.dtype = torch.bfloat16, threads: in
 # 1 thread (bench/bench_kernels.py --prompt-amx): the AMX product ~0.4 ms flat, the 8-bit kernel
 # 0.06-0.12 ms a row.
 PROMPT_AMX_MIN_ROWS = 6
+# The same for the AVX2 + FMA float32 backend (prompt.backend() "avx2", a CPU without AMX): from this
+# many rows of x its product (own AVX2 decoders into float32 tiles + an FMA micro-kernel) beats the
+# q8x2 decode kernel (bench/bench_kernels.py --prompt-avx2 --threads 1, CPU ms, 768x2048, AVX2 Zen 3);
+# from there on it also beats ggml's float32 dequantization + one torch matmul at every row count.
+# Measured (avx2 / q8x2 ms): Q4_K 12 rows 2.53/2.69, Q6_K 10 2.38/2.42, Q8_0 6 1.61/1.95, IQ2_XS 6
+# 1.74/1.90; at 32 rows Q4_K 3.91/6.90 (ggml f32 + matmul 5.10), IQ2_XS 3.78/10.16 (16.99).
+PROMPT_AVX2_MIN_ROWS = {"Q4_0": 8, "Q4_1": 6, "Q5_0": 8, "Q5_1": 8, "Q8_0": 6, "Q4_K": 12, "Q5_K": 12,
+                        "Q6_K": 10, "IQ2_XXS": 6, "IQ2_XS": 6, "IQ4_NL": 6, "IQ4_XS": 10}
+
+
+def _prompt_min_rows(qtype) -> int:
+    """The fewest rows from which `qtype` takes the prompt product with its own decoder."""
+    if prompt.backend() == "avx2":
+        return PROMPT_AVX2_MIN_ROWS.get(_type_name(qtype), 8)
+    return PROMPT_AMX_MIN_ROWS
 
 _prompt_state = threading.local()
 
@@ -337,7 +353,8 @@ def try_qmatmul_prompt(x: torch.Tensor, w: QTensor, threads: int | None = None) 
     n = _prompt_rows(x)
     if n < PROMPT_AMX_MIN_ROWS or not prompt.has_type(w.qtype):
         return None
-    if n < PROMPT_MIN_ROWS.get(_type_name(w.qtype), 32) and not prompt.has_type(w.qtype, own_only=True):
+    own = prompt.has_type(w.qtype, own_only=True)
+    if n < (_prompt_min_rows(w.qtype) if own else PROMPT_MIN_ROWS.get(_type_name(w.qtype), 32)):
         return None
     y = prompt.matmul(x, w, threads, 1 if _activations == "q8" else 3)
     return None if y is None else y.to(x.dtype)
@@ -356,7 +373,7 @@ def _prompt_experts(x: torch.Tensor, ws: tuple[QTensor, ...]):
         own = prompt.has_type(w.qtype, own_only=True)
         pl = _plan(w if len(w.shape) == 2 else w[0])
         small.append(pl.fnptr if pl is not None else None)
-        mins.append(PROMPT_AMX_MIN_ROWS if own else PROMPT_MIN_ROWS.get(_type_name(w.qtype), 32))
+        mins.append(_prompt_min_rows(w.qtype) if own else PROMPT_MIN_ROWS.get(_type_name(w.qtype), 32))
     if any(s is None for s in small) and n < max(mins):
         return None
     return (1 if _activations == "q8" else 3), small, mins
@@ -370,7 +387,7 @@ def _batched_ok(x: torch.Tensor, w: QTensor) -> bool:
 
 
 def _prompt_ok(x: torch.Tensor, w: QTensor) -> bool:
-    return (w.raw.device.type == "cpu" and _prompt_rows(x) >= PROMPT_AMX_MIN_ROWS
+    return (w.raw.device.type == "cpu" and _prompt_rows(x) >= _prompt_min_rows(w.qtype)
             and prompt.has_type(w.qtype, own_only=True))
 
 

@@ -35,7 +35,7 @@ SOURCES = [SOURCE, Path(__file__).with_name("pool.c"),  # one library: these all
            Path(__file__).with_name("causal_conv.c"), Path(__file__).with_name("deltanet_decode.c"),
            Path(__file__).with_name("decode_attention.c"), Path(__file__).with_name("decode_stack.c"),
            Path(__file__).with_name("gdn_prompt.c")]
-HEADERS = [Path(__file__).with_name("qmm_avx2.h"),  # included by the sources: part of the cache key
+HEADERS = [Path(__file__).with_name("qmm_avx2.h"), Path(__file__).with_name("prefill_avx2.h"),  # included: part of the cache key
            Path(__file__).with_name("blocks.h"), Path(__file__).with_name("pool.h")]
 FLAGS = ["-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno"]
 ABI_VERSION = 10

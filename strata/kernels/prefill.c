@@ -18,8 +18,11 @@
  * rows, for one group of 16 rows of X.
  *
  * Built into the same library as qmm.c (whose thread pool runs the panels); without AMX-BF16 at
- * build time or without the kernel's permission to use AMX state, strata_pp_available() is 0 and
- * callers keep their other path.
+ * build time but with AVX2 + FMA + F16C, prefill_avx2.h's exact float32 products stand behind the
+ * same entry points (own AVX2 decoders into float32 tiles, an FMA micro-kernel) and share this
+ * file's SwiGLU / MoE calls; strata_pp_backend() says which (1 AMX, 2 AVX2). Without either, or
+ * without the kernel's permission to use AMX state, strata_pp_available() is 0 and callers keep
+ * their other path.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,6 +39,10 @@
 #endif
 
 typedef void (*pp_to_float)(const void *row, float *out, int64_t n);
+
+#if !defined(PP_AMX) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PP_AVX2 1 /* no AMX: prefill_avx2.h's float32 products behind the same entry points */
+#endif
 
 #include "pool.h"
 /* from qmm.c: ggml's to_float (NULL without ggml) */
@@ -64,6 +71,19 @@ int strata_pp_alloc_refused(void) {
 
 /* malloc, or NULL where the test hook refuses the request */
 void *strata_pp_malloc(size_t bytes) { return strata_pp_alloc_refused() ? NULL : malloc(bytes); }
+
+#if defined(PP_AMX) || defined(PP_AVX2)
+/* grow a thread's buffer to n elements of `size` bytes (64-byte aligned); 0 when out of memory
+ * (the buffer then kept as it was) */
+static int grow(void **buf, int64_t *cap, int64_t n, size_t size) {
+    if (strata_pp_alloc_refused()) return 0;
+    if (*cap >= n) return 1;
+    free(*buf);
+    *buf = aligned_alloc(64, ((size_t)n * size + 63) / 64 * 64);
+    *cap = *buf ? n : 0;
+    return *buf != NULL;
+}
+#endif
 
 #ifdef PP_AMX
 
@@ -606,16 +626,6 @@ typedef struct {
     atomic_int *failed; /* set by a panel that could not get its buffers (its rows of Y not written) */
 } pp_args;
 
-/* grow a thread's buffer to n elements of `size` bytes (64-byte aligned); 0 when out of memory
- * (the buffer then kept as it was) */
-static int grow(void **buf, int64_t *cap, int64_t n, size_t size) {
-    if (strata_pp_alloc_refused()) return 0;
-    if (*cap >= n) return 1;
-    free(*buf);
-    *buf = aligned_alloc(64, ((size_t)n * size + 63) / 64 * 64);
-    *cap = *buf ? n : 0;
-    return *buf != NULL;
-}
 
 static __thread uint16_t *panel_buf;
 static __thread float *row_buf;
@@ -812,6 +822,19 @@ int strata_pp_matmul(int type, const uint8_t *W, int64_t rows, int64_t cols, int
     return ok;
 }
 
+static int backend_ok(void) { return amx_ok(); }
+
+/* 1: AMX-BF16 tiles; 2: AVX2 + FMA float32 (prefill_avx2.h); 0: none */
+int strata_pp_backend(void) { return amx_ok() ? 1 : 0; }
+
+#elif defined(PP_AVX2)
+#include "prefill_avx2.h"
+
+int strata_pp_backend(void) { return 2; }
+#endif
+
+#if defined(PP_AMX) || defined(PP_AVX2)
+
 /* ------------------------------------------------------------------ SwiGLU experts
  *
  * A prompt's routed experts: each expert's rows gathered, gate and up from one packing of them,
@@ -858,7 +881,7 @@ static int swiglu(const swiglu_spec *s, const uint8_t *G, const uint8_t *U, cons
 
 static int make_spec(swiglu_spec *s, const int *types, const int64_t *wrow, void *const *small, const int *min_rows,
                      int64_t hidden, int64_t ffn, int terms, int nth) {
-    if (!amx_ok() || hidden % 32 || ffn % 32) return 0;
+    if (!backend_ok() || hidden % 32 || ffn % 32) return 0;
     for (int m = 0; m < 3; m++) {
         s->type[m] = types[m];
         if (!dequantizer(types[m])) return 0;
@@ -1042,6 +1065,7 @@ int strata_pp_dequant_row(int type, const uint8_t *w, int64_t n, float *y) {
     return 1;
 }
 
+#ifdef PP_AMX
 /* hi, lo (n bfloat16 each) = one row of W by the decoder prompt products use, straight into
  * bfloat16 parts (tests compare them with gguf-py's values split the same way); lo may be NULL */
 int strata_pp_decode_bf16(int type, const uint8_t *w, int64_t n, uint16_t *hi, uint16_t *lo) {
@@ -1049,10 +1073,17 @@ int strata_pp_decode_bf16(int type, const uint8_t *w, int64_t n, uint16_t *hi, u
     OWN_TILES[type](w, hi, lo, 32, n);
     return 1;
 }
+#else
+int strata_pp_decode_bf16(int type, const uint8_t *w, int64_t n, uint16_t *hi, uint16_t *lo) {
+    (void)type, (void)w, (void)n, (void)hi, (void)lo;
+    return 0; /* the float32 products decode no bfloat16 */
+}
+#endif
 
-#else /* no AMX-BF16 at build time */
+#else /* neither AMX-BF16 nor AVX2 + FMA at build time */
 
 int strata_pp_available(void) { return 0; }
+int strata_pp_backend(void) { return 0; }
 int strata_pp_has_type(int type, int own_only) { (void)type, (void)own_only; return 0; }
 int strata_pp_matmul(int type, const uint8_t *W, int64_t rows, int64_t cols, int64_t wrow, const float *X,
                      int64_t tokens, float *Y, int terms, int nth) {

@@ -1,5 +1,8 @@
-"""Prompt-sized products by quantized weights on AMX (prefill.c): each weight dequantized once per
-call into bfloat16 tiles and multiplied by all rows of x, float32 accumulation.
+"""Prompt-sized products by quantized weights (prefill.c): each weight dequantized once per call
+into bfloat16 tiles and multiplied by all rows of x on AMX, float32 accumulation; on a CPU with
+AVX2 + FMA but no AMX (`backend()` "avx2", prefill_avx2.h) into float32 tiles for an exact float32
+FMA product (`terms` ignored; Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ2_XXS, IQ2_XS,
+IQ4_NL and IQ4_XS only, no ggml fallback).
 
 `matmul(x, w)` is `x @ w.T` for a 2-D CPU QTensor w; None where it does not apply (no AMX, no
 dequantizer for the type, a row length that is not a multiple of 32). `terms` 3 (the default) keeps
@@ -46,13 +49,24 @@ def _lib() -> ctypes.CDLL | None:
         lib.strata_pp_swiglu.restype = c_int
         lib.strata_pp_moe.argtypes = [p, p, p, p, p, p, p, p, c_int, p, p, p, i64, i64, p, c_int, c_int]
         lib.strata_pp_moe.restype = c_int
+        lib.strata_pp_backend.restype = c_int
         _ready = bool(lib.strata_pp_available())
     return lib if _ready else None
 
 
 def available() -> bool:
-    """True when the AMX prompt products can run here."""
+    """True when the prompt products can run here (AMX, or the AVX2 + FMA float32 backend)."""
     return _lib() is not None
+
+
+BACKENDS = {1: "amx", 2: "avx2"}
+
+
+def backend() -> str | None:
+    """Which prompt products run here: "amx" (bfloat16 tiles, `terms`), "avx2" (float32 FMA, exact:
+    `terms` ignored, own decoders only), or None."""
+    lib = _lib()
+    return None if lib is None else BACKENDS.get(int(lib.strata_pp_backend()))
 
 
 _has_type: dict[tuple, bool] = {}  # (qtype, own_only) -> the library's answer, asked once
