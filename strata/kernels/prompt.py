@@ -62,11 +62,16 @@ def available() -> bool:
 BACKENDS = {1: "amx", 2: "avx2"}
 
 
+_backend: list = []  # the library's answer, asked once: every prompt product's routing reads it
+
+
 def backend() -> str | None:
     """Which prompt products run here: "amx" (bfloat16 tiles, `terms`), "avx2" (float32 FMA, exact:
     `terms` ignored, own decoders only), or None."""
-    lib = _lib()
-    return None if lib is None else BACKENDS.get(int(lib.strata_pp_backend()))
+    if not _backend:
+        lib = _lib()
+        _backend.append(None if lib is None else BACKENDS.get(int(lib.strata_pp_backend())))
+    return _backend[0]
 
 
 _has_type: dict[tuple, bool] = {}  # (qtype, own_only) -> the library's answer, asked once

@@ -385,6 +385,19 @@ static inline __attribute__((always_inline)) uint64_t V2(bits9)(uint64_t u, cons
 #endif
 }
 
+/* Chunk j's scales (sub-blocks 2j, 2j + 1) from scb (each sub-block's 2s + 1, both lanes), as
+ * V2(dot_sc) takes them: in each int16 (AVX2) or each int32's low half (VNNI, V2(sc16)). */
+static inline __attribute__((always_inline)) __m256i V2(iq2xs_scales)(__m256i scb, const int j) {
+#if VNNI
+    const __m256i sp = _mm256_setr_epi8(2 * j, -1, -1, -1, 2 * j, -1, -1, -1, 2 * j, -1, -1, -1, 2 * j, -1, -1, -1,
+                                        2 * j + 1, -1, -1, -1, 2 * j + 1, -1, -1, -1, 2 * j + 1, -1, -1, -1, 2 * j + 1, -1, -1, -1);
+#else
+    const __m256i sp = _mm256_setr_epi8(2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1,
+                                        2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1);
+#endif
+    return _mm256_shuffle_epi8(scb, sp);
+}
+
 static float V2(dot2_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
     const __m256i odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0));
     /* value m of u16 k (of 4) takes sign byte k: bytes 2k of 4 u16, then of the next 4 */
@@ -422,14 +435,7 @@ static float V2(dot2_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, con
                 const __m128i hi = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 32)], GRID_IQ2_XS[V2(bits9)(u, 48)]);
                 const __m256i mag = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
                 const __m256i sgn = _mm256_add_epi8(_mm256_and_si256(_mm256_shuffle_epi8(dup[c >> 1], c & 1 ? spread1 : spread0), bit), pos);
-#if VNNI /* the scale in each int32's low half (V2(sc16)) */
-                const __m256i sp = _mm256_setr_epi8(2 * j, -1, -1, -1, 2 * j, -1, -1, -1, 2 * j, -1, -1, -1, 2 * j, -1, -1, -1,
-                                                    2 * j + 1, -1, -1, -1, 2 * j + 1, -1, -1, -1, 2 * j + 1, -1, -1, -1, 2 * j + 1, -1, -1, -1);
-#else
-                const __m256i sp = _mm256_setr_epi8(2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1,
-                                                    2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1);
-#endif
-                const __m256i s = _mm256_shuffle_epi8(scb, sp);
+                const __m256i s = V2(iq2xs_scales)(scb, j);
                 sq = V2(dot_sc)(sq, mag, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(yq + 4 + 32 * j)), sgn), s, 0);
                 sr = V2(dot_sc)(sr, mag, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(yr + 4 + 32 * j)), sgn), s, 0);
                 __asm__("" : "+x"(sq), "+x"(sr)); /* one chain each: GCC's reassociated sums spilled */
@@ -479,14 +485,7 @@ static void V2(dot2m_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, con
                 const __m128i hi = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 32)], GRID_IQ2_XS[V2(bits9)(u, 48)]);
                 mag[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
                 sgn[j] = _mm256_add_epi8(_mm256_and_si256(_mm256_shuffle_epi8(dup[c >> 1], c & 1 ? spread1 : spread0), bit), pos);
-#if VNNI
-                const __m256i sp = _mm256_setr_epi8(2 * j, -1, -1, -1, 2 * j, -1, -1, -1, 2 * j, -1, -1, -1, 2 * j, -1, -1, -1,
-                                                    2 * j + 1, -1, -1, -1, 2 * j + 1, -1, -1, -1, 2 * j + 1, -1, -1, -1, 2 * j + 1, -1, -1, -1);
-#else
-                const __m256i sp = _mm256_setr_epi8(2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1, 2 * j, -1,
-                                                    2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1, 2 * j + 1, -1);
-#endif
-                s[j] = _mm256_shuffle_epi8(scb, sp);
+                s[j] = V2(iq2xs_scales)(scb, j);
             }
         }
         for (int r = 0; r < nr; r++) {
