@@ -391,7 +391,8 @@ def test_fused_residual_pass_equals_ggmls_two_passes(qtype, isa):
     """"q8x2" in one pass (qmm.c's kernels: each weight block unpacked once for both 8-bit
     activations; AVX-512 VNNI, or the 256-bit AVX-VNNI and AVX2 sets that CPUs without it run)
     against ggml's vec_dot run twice: the same sums up to float order, and the 256-bit sets
-    against the AVX-512 one where the CPU has both. Q4_1 and Q5_1 take exact integer block sums
+    against the AVX-512 one where the CPU has both. The 256-bit sets' 32-value types take x in
+    16-bit integers instead: each y within 5e-5 of its sum |x| |w| from the exact product. Q4_1 and Q5_1 take exact integer block sums
     of x where ggml's q8_1 keeps f16 ones, so there they must be closer to the exact product
     than the two passes."""
     lib = _build.load()
@@ -402,6 +403,8 @@ def test_fused_residual_pass_equals_ggmls_two_passes(qtype, isa):
     # float order alone: measured <= 4e-7 of max |y|, Q6_K 2e-6 (the AVX-512 kernel takes 32 * sum(x)
     # off a sum of u6 * x); a tight bound, so that a wrong min or scale of one sub-block fails
     tol = 1e-5 if qtype == "Q6_K" else 2e-6
+    # the 256-bit sets take the 32-value types against x in 16-bit integers (test_x16_kernels_...)
+    x16 = bs == 32 and isa != "avx512vnni"
     before = kernels.activations()
     kernels.set_activations("q8x2")
     try:
@@ -418,6 +421,11 @@ def test_fused_residual_pass_equals_ggmls_two_passes(qtype, isa):
                         two = kernels.qmatmul_fast(x, w, threads=threads)
                         lib.strata_set_fused(1)
                         one = kernels.qmatmul_fast(x, w, threads=threads)
+                        if x16:  # another quantization of x than ggml's blocks, as close to the exact product
+                            # (of each y's scale sum |x| |w|: 1.0-1.9e-5 at most over 40 seeds, as ggml's two passes)
+                            err = ((one.double() - ref.double()).abs() / (x.abs() @ w.dequantize().abs().T).double()).max()
+                            assert err < 5e-5, (qtype, rows, cols, batch, threads, float(err))
+                            continue
                         if wide and threads == 1:
                             lib.strata_set_fused_isa(_build.KERNEL_ISAS["avx512vnni"])
                             assert rel_err(one, kernels.qmatmul_fast(x, w, threads=1)) < tol, (qtype, rows, cols)
@@ -430,6 +438,35 @@ def test_fused_residual_pass_equals_ggmls_two_passes(qtype, isa):
                         assert rel_err(one, ref) < (2e-3 if qtype == "IQ3_XXS" else 3e-4)
     finally:
         lib.strata_set_fused(1)
+        kernels.set_activations(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "MXFP4", "Q4_1", "Q5_1"])
+def test_x16_kernels_are_exact_where_x_is_16_bit(qtype, isa):
+    """The 256-bit sets' 32-value kernels take x as 16-bit integers times a float scale per 32
+    values (max |x| / 32767). An x whose every block holds integers up to 32767, among them
+    32767 itself, is that exactly, so the product must equal the exact one up to float32
+    rounding (~1e-7 of max |y|): a wrong value, sign, fifth bit, scale or min of one block shows
+    as 1e-3 or more. Wild block scales, and 1 and 3 rows, 1 and 2 threads."""
+    lib = _build.load()
+    before = kernels.activations()
+    kernels.set_activations("q8x2")
+    try:
+        with kernel_isa(lib, isa):
+            for rows, blocks, seed in ((37, 3, 1), (5, 1, 2), (300, 8, 3)):
+                cols = blocks * 32
+                w = random_qtensor(qtype, (rows, cols), seed=seed, wild_scales=True)
+                for batch in (1, 3):
+                    g = torch.Generator().manual_seed(seed + batch)
+                    x = torch.randint(-32767, 32768, (batch, cols), generator=g).float()
+                    x[:, ::32] = 32767.0
+                    ref = x.double() @ w.dequantize().double().T
+                    for threads in (1, 2):
+                        y = kernels.qmatmul_fast(x, w, threads=threads).double()
+                        assert rel_err(y, ref) < 1e-6, (qtype, rows, cols, batch, threads)
+    finally:
         kernels.set_activations(before)
 
 
@@ -544,7 +581,8 @@ for name in ("Q4_K", "IQ2_XS", "IQ1_M", "Q4_0"):
 def test_a_build_without_avx512_takes_the_256_bit_kernels(tmp_path):
     """The library built for a CPU without AVX-512 (-march=haswell, -O0 to keep it short, in a
     fresh process) runs here: it offers only the 256-bit sets, takes the best this CPU has, and
-    its one pass agrees with ggml's two passes and the exact product."""
+    its one pass agrees with ggml's two passes (Q4_0 within 1e-4: x in 16 bits there) and the exact
+    product."""
     _gcc_on_x86()
     lib = _build.load()
     here = lib.strata_fused_isas() & 6  # AVX-VNNI and AVX2 bits: what a haswell build can offer here
@@ -557,7 +595,8 @@ def test_a_build_without_avx512_takes_the_256_bit_kernels(tmp_path):
     assert lines[0] == f"isas {here} in use {2 if here & 4 else 1}", r.stdout
     for line in lines[1:5]:
         name, has, vs_two, vs_exact = line.split()
-        assert has == "1" and float(vs_two) < 2e-6 and float(vs_exact) < 3e-4, line
+        # Q4_0: x in 16-bit integers there, not ggml's 8-bit blocks, so not their float order
+        assert has == "1" and float(vs_two) < (1e-4 if name == "Q4_0" else 2e-6) and float(vs_exact) < 3e-4, line
 
 
 @needs_kernels

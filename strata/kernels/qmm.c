@@ -1753,33 +1753,38 @@ static dot2m_fn fused2m_of(dot2_fn dot2, int64_t B) {
 #endif
 }
 
-/* The 256-bit kernels' layout of the q8_0 / q8_1 activations of one row (the part every weight
- * row shares, built once per product): x's and its residual's int8 values (32 per block each),
- * their block scales as float, and for q8_1 x's exact d * sum(q) over each block (both
- * activations; ggml's q8_1 keeps an f16 one). */
-static int64_t prep256_bytes(int64_t n) { const int64_t nb = n / 32; return nb * 64 + nb * 4 * 3; }
+/* The 256-bit kernels' layout of one row of activations for 32-value weight blocks (the part
+ * every weight row shares, built once per product): x in 16-bit integers, one float scale per 32
+ * values (max |x| / 32767, so each value is within max |x| / 65534 of x: as close as x and its
+ * 8-bit residual, "q8x2", and in one integer pass instead of two), then each block's scale times
+ * the sum of its integers (the weight blocks' mins and offsets take it). */
+static int64_t prep16_bytes(int64_t n) { const int64_t nb = n / 32; return nb * 64 + nb * 4 * 2; }
 
-static void prep256(int64_t n, const uint8_t *xq, const uint8_t *xr, int64_t qsize, uint8_t *out) {
-    const int64_t nb = n / 32, head = qsize == 36 ? 4 : 2;
-    uint8_t *vq = out, *vr = out + nb * 32;
-    float *dq = (float *)(out + nb * 64), *dr = dq + nb, *cs = dr + nb;
+static void prep16(int64_t n, const float *x, uint8_t *out) {
+    const int64_t nb = n / 32;
+    int16_t *v = (int16_t *)out;
+    float *dc = (float *)(out + nb * 64); /* per block its scale, then scale times sum: one 8-byte load */
     for (int64_t i = 0; i < nb; i++) {
-        const uint8_t *q = xq + i * qsize, *r = xr + i * qsize;
-        memcpy(vq + 32 * i, q + head, 32);
-        memcpy(vr + 32 * i, r + head, 32);
-        dq[i] = rd_f16(q);
-        dr[i] = rd_f16(r);
-        int sq = 0, sr = 0;
+        const float *xb = x + 32 * i;
+        float amax = 0.0f;
+        for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(xb[l]));
+        const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        int32_t sum = 0;
         for (int l = 0; l < 32; l++) {
-            sq += ((const int8_t *)(q + head))[l];
-            sr += ((const int8_t *)(r + head))[l];
+            const float t = xb[l] * inv;
+            int q = (int)(t + (t >= 0.0f ? 0.5f : -0.5f)); /* round half away from 0, as ggml's quantizers */
+            q = q > 32767 ? 32767 : q < -32767 ? -32767 : q;
+            v[32 * i + l] = (int16_t)q;
+            sum += q;
         }
-        cs[i] = dq[i] * (float)sq + dr[i] * (float)sr;
+        dc[2 * i] = amax / 32767.0f;
+        dc[2 * i + 1] = dc[2 * i] * (float)sum; /* |sum| < 2^21: exact in a float */
     }
 }
 
 /* How kernel `dot2` (fused2_for's choice for `type`) wants its activations: 0 ggml's blocks as
- * they are, 1 q8_0_prep, 2 q4_1_prep (the AVX-512 kernels of q8_0 and q8_1 types), 3 prep256,
+ * they are, 1 q8_0_prep, 2 q4_1_prep (the AVX-512 kernels of q8_0 and q8_1 types), 3 prep16 (the
+ * 256-bit kernels of the 32-value types, from x itself),
  * 4 q8k_prep (the AVX-512 Q4_K, Q5_K and Q6_K kernels). Decided from the kernel itself, so a set
  * switched meanwhile cannot pair one with another's layout. */
 static int fused2_prep(int type, int64_t qblk, int64_t qsize, dot2_fn dot2) {
@@ -1789,14 +1794,13 @@ static int fused2_prep(int type, int64_t qblk, int64_t qsize, dot2_fn dot2) {
 }
 
 static int64_t fused2_prep_bytes(int kind, int64_t cols) {
-    return kind == 1 ? q8_0_prep_bytes(cols) : kind == 2 ? q4_1_prep_bytes(cols) : kind == 3 ? prep256_bytes(cols)
+    return kind == 1 ? q8_0_prep_bytes(cols) : kind == 2 ? q4_1_prep_bytes(cols) : kind == 3 ? prep16_bytes(cols)
          : kind == 4 ? q8k_prep_bytes(cols) : 0;
 }
 
-static void fused2_prep_row(int kind, int64_t cols, const uint8_t *xq, const uint8_t *xr, int64_t qsize, uint8_t *out) {
+static void fused2_prep_row(int kind, int64_t cols, const uint8_t *xq, const uint8_t *xr, uint8_t *out) {
     if (kind == 1) q8_0_prep(cols, xq, xr, out);
     else if (kind == 2) q4_1_prep(cols, xq, xr, out);
-    else if (kind == 3) prep256(cols, xq, xr, qsize, out);
     else if (kind == 4) q8k_prep(cols, xq, xr, out);
 }
 
@@ -2054,7 +2058,7 @@ typedef struct {
     const float *X;
     int64_t cols, B;
     ggml_from_float_fn quant;
-    int prep; /* fused2_prep's kinds: 0 blocks as they are, 1 q8_0_prep, 2 q4_1_prep, 3 prep256 */
+    int prep; /* fused2_prep's kinds: 0 blocks as they are, 1 q8_0_prep, 2 q4_1_prep, 3 prep16, 4 q8k_prep */
     uint8_t *buf, *xq, *xr;
     int64_t xrow;
     float *unscale; /* per row, 1 / small_row_scale where ggml's two passes take f16-scaled blocks (else NULL) */
@@ -2083,11 +2087,11 @@ static float small_row_scale(const float *x, int64_t n) {
 }
 
 /* How many floats (the block scales, and q8_1's block sums) follow the int8 values of a prepared
- * row of `kind` that came from f16-scaled blocks (the q8_0 / q8_1 layouts, kinds 1-3), else 0: a
+ * row of `kind` that came from f16-scaled blocks (the q8_0 / q8_1 layouts, kinds 1 and 2), else 0: a
  * kind without f16 scales (q8k_prep's are float32) or one this list does not know is never rescaled. */
 static int64_t prep_f16_scales(int kind, int64_t cols) {
     const int64_t nb = cols / 32;
-    return kind == 1 ? 16 * nb : kind == 2 ? 17 * nb : kind == 3 ? 3 * nb : 0;
+    return kind == 1 ? 16 * nb : kind == 2 ? 17 * nb : 0;
 }
 
 /* Those floats of one prepared row, each times f. */
@@ -2100,6 +2104,15 @@ static void prep_rescale(int kind, int64_t cols, uint8_t *row, float f) {
 static int prepare_act(many_act *p, const ext_kernel *k, int twice) {
     const int64_t cols = p->cols, B = p->B, brow = cols / k->qblk * k->qsize;
     const int64_t prow = fused2_prep_bytes(p->prep, cols);
+    if (p->prep == 3) { /* 16-bit x, straight from x: no 8-bit blocks */
+        uint8_t *prep = malloc((size_t)(B * prow) + 64);
+        if (!prep) return 0;
+        for (int64_t b = 0; b < B; b++) prep16(cols, p->X + b * cols, prep + b * prow);
+        p->buf = p->xq = p->xr = prep;
+        p->xrow = prow;
+        p->unscale = NULL;
+        return 1;
+    }
     /* the layouts prep_rescale undoes; ggml's own q8_0 / q8_1 blocks (f16 scales), whose products
      * are scaled back instead (tile_many) */
     const int f16_blocks = p->prep == 0 && (k->qsize == 34 || k->qsize == 36) && k->qblk == 32;
@@ -2140,7 +2153,7 @@ static int prepare_act(many_act *p, const ext_kernel *k, int twice) {
     if (p->prep) {
         uint8_t *prep = blocks + (twice ? 2 : 1) * B * brow;
         for (int64_t b = 0; b < B; b++) {
-            fused2_prep_row(p->prep, cols, xq + b * brow, xr + b * brow, k->qsize, prep + b * prow);
+            fused2_prep_row(p->prep, cols, xq + b * brow, xr + b * brow, prep + b * prow);
             if (rescale && fs[b] != 1.0f) prep_rescale(p->prep, cols, prep + b * prow, 1.0f / fs[b]);
         }
         p->xq = p->xr = prep;

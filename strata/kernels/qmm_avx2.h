@@ -11,6 +11,8 @@
  * vpdpbusd takes four products per int32 lane and vpdpwssd the scales where a lane's sum stays
  * under 2^15 (|w| <= 63), and unscaled 32-value blocks take vpdpbusd alone. The integer sums are
  * exact, as in ggml's vec_dot; only the order of the float additions differs from its passes.
+ * The 32-value block types (Q4_0 to Q8_0, IQ4_NL, MXFP4) take x in 16-bit integers instead, one
+ * vpmaddwd pass as close to the exact product as the two 8-bit ones (see their section below).
  */
 
 /* 8 x int32 += (mag . sx) per 4 or 2 values times the 16-value scales sc (SC16 below). */
@@ -506,84 +508,88 @@ static void V2(dot2m_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, con
     for (int r = 0; r < nr; r++) y[r] = 0.125f * V2(hsum)(acc[r]);
 }
 
-/* ------------------------------------------------------------------ 32-value blocks x q8_0 / q8_1 */
+/* ------------------------------------------------------------------ 32-value blocks x 16-bit x */
 
-/* Q8_0 {f16 d; i8 qs[32]}, Q4_0 / IQ4_NL {f16 d; u8 qs[16]} and Q5_0 {f16 d; u32 qh; u8 qs[16]}
- * (signed values through a table), MXFP4 {u8 e8m0; u8 qs[16]} against q8_0 blocks; Q4_1 {f16 d,
- * m; u8 qs[16]} and Q5_1 {f16 d, m; u32 qh; u8 qs[16]} (unsigned) against q8_1 blocks, their m
- * times x's exact block sums (ggml takes q8_1's f16 s). The activations come laid out by qmm.c's
- * prep256 (`prep`: int8 values of x, of its residual, float block scales, x's block sums). */
+/* Q8_0 {f16 d; i8 qs[32]}, Q4_0 / IQ4_NL {f16 d; u8 qs[16]}, Q5_0 {f16 d; u32 qh; u8 qs[16]},
+ * MXFP4 {u8 e8m0; u8 qs[16]}, Q4_1 {f16 d, m; u8 qs[16]} and Q5_1 {f16 d, m; u32 qh; u8 qs[16]}
+ * against x in 16-bit integers (qmm.c's prep16: int16 values, a float scale per 32, and that scale
+ * times each block's integer sum). Each block's 32 weights become two vectors of 16-bit integers,
+ * and vpmaddwd takes both halves against x in one pass (the 8-bit x and residual of the other
+ * kernels took two): |w| <= 128 and |x| <= 32767, so a lane's two products stay far inside int32.
+ * Q4_1's and Q5_1's mins go through x's block sums. */
 static const int V2(B32_TS)[] = {34, 18, 22, 18, 17, 20, 24};
 
-/* Block b's weights: magnitudes (u8) in *mag, and for the signed kinds their signs in *sgn; the
- * block scale dw and, for Q4_1 / Q5_1, its min mw. */
-static inline __attribute__((always_inline)) void V2(b32_unpack)(const uint8_t *b, const int kind, __m256i *mag_,
-                                                                __m256i *sgn_, float *dw_, float *mw_) {
-    __m256i mag, sgn = _mm256_setzero_si256();
-    float dw, mw = 0.0f;
+/* Block b's weights as two vectors of 16-bit integers (values 0-15, 16-31), and in *dm the block
+ * scale (lane 0) and Q4_1's / Q5_1's min (lane 1; the other kinds' lane 1 is not used). */
+static inline __attribute__((always_inline)) void V2(b32_unpack)(const uint8_t *b, const int kind, __m256i *lo_,
+                                                                __m256i *hi_, __m128 *dm) {
+    __m256i lo, hi;
     if (kind == B_Q8_0) {
-        sgn = _mm256_loadu_si256((const __m256i *)(b + 2));
-        dw = rd_f16(b);
-    } else if (kind == B_MXFP4) {
-        sgn = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256((__m128i)E2M1_I8), V2(nibbles32)(b + 1));
-        dw = e8m0_half(b[0]);
-    } else if (kind == B_Q4_0 || kind == B_IQ4NL) {
-        const v16i8 t = kind == B_Q4_0 ? (v16i8){-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7} : IQ4_NL_I8;
-        sgn = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256((__m128i)t), V2(nibbles32)(b + 2));
-        dw = rd_f16(b);
-    } else if (kind == B_Q5_0) {
-        sgn = _mm256_sub_epi8(_mm256_or_si256(V2(nibbles32)(b + 6), _mm256_and_si256(V2(bits32)(rd_u32(b + 2)), _mm256_set1_epi8(16))),
-                              _mm256_set1_epi8(16));
-        dw = rd_f16(b);
-    } else { /* Q4_1 / Q5_1 */
-        mag = V2(nibbles32)(b + (kind == B_Q5_1 ? 8 : 4));
-        if (kind == B_Q5_1) mag = _mm256_or_si256(mag, _mm256_and_si256(V2(bits32)(rd_u32(b + 4)), _mm256_set1_epi8(16)));
-        dw = rd_f16(b);
-        mw = rd_f16(b + 2);
+        lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 2)));
+        hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 18)));
+    } else if (kind == B_MXFP4 || kind == B_IQ4NL) {
+        const v16i8 t = kind == B_MXFP4 ? E2M1_I8 : IQ4_NL_I8;
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + (kind == B_MXFP4 ? 1 : 2))), m4 = _mm_set1_epi8(15);
+        lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8((__m128i)t, _mm_and_si128(q, m4)));
+        hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8((__m128i)t, _mm_and_si128(_mm_srli_epi16(q, 4), m4)));
+    } else { /* nibbles, and the fifth bits of Q5_0 / Q5_1 */
+        const int at = kind == B_Q4_0 ? 2 : kind == B_Q5_0 ? 6 : kind == B_Q4_1 ? 4 : 8;
+        const __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + at))), m4 = _mm256_set1_epi16(15);
+        lo = _mm256_and_si256(q, m4);
+        hi = _mm256_srli_epi16(q, 4);
+        if (kind == B_Q5_0 || kind == B_Q5_1) { /* bit l of qh into lane l's bit 4: times 2^(15-l), bit 15 down to 4 */
+            const uint32_t qh = rd_u32(b + (kind == B_Q5_0 ? 2 : 4));
+            const __m256i up = _mm256_setr_epi16((short)0x8000, 0x4000, 0x2000, 0x1000, 0x800, 0x400, 0x200, 0x100,
+                                                 0x80, 0x40, 0x20, 0x10, 8, 4, 2, 1), m16 = _mm256_set1_epi16(16);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_srli_epi16(_mm256_mullo_epi16(_mm256_set1_epi16((short)qh), up), 11), m16));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(_mm256_mullo_epi16(_mm256_set1_epi16((short)(qh >> 16)), up), 11), m16));
+        }
+        if (kind == B_Q4_0 || kind == B_Q5_0) { /* signed here: a large block's offset through the sums cancels in float */
+            const __m256i off = _mm256_set1_epi16(kind == B_Q4_0 ? 8 : 16);
+            lo = _mm256_sub_epi16(lo, off);
+            hi = _mm256_sub_epi16(hi, off);
+        }
     }
-    if (!(kind == B_Q4_1 || kind == B_Q5_1)) mag = _mm256_abs_epi8(sgn);
-    *mag_ = mag;
-    *sgn_ = sgn;
-    *dw_ = dw;
-    *mw_ = mw;
+    /* d (and Q4_1's / Q5_1's m right after it) as one 4-byte load */
+    *dm = kind == B_MXFP4 ? _mm_set_ss(e8m0_half(b[0])) : _mm_cvtph_ps(_mm_cvtsi32_si128((int)rd_u32(b)));
+    *lo_ = lo;
+    *hi_ = hi;
 }
 
-/* Block i of one row of prepared activations (prep256's layout, nb blocks) times the unpacked
- * weights, added to acc (and the min times x's block sum to mins). */
-static inline __attribute__((always_inline)) void V2(b32_dot)(__m256 *acc, float *mins, __m256i mag, __m256i sgn,
-                                                             float dw, float mw, const uint8_t *prep, int64_t nb,
-                                                             int64_t i, const int kind) {
-    const uint8_t *vq = prep, *vr = prep + nb * 32;
-    const float *dxs = (const float *)(prep + nb * 64), *dys = dxs + nb, *cs = dys + nb;
-    const __m256i xqv = _mm256_loadu_si256((const __m256i *)(vq + 32 * i)), xrv = _mm256_loadu_si256((const __m256i *)(vr + 32 * i));
-    const float dxq = dxs[i], dxr = dys[i];
-    __m256 t;
-    if (kind == B_Q4_1 || kind == B_Q5_1) {
-        const __m256i pq = V2(dot_u)(mag, xqv), pr = V2(dot_u)(mag, xrv);
-        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pq), _mm256_set1_ps(dw * dxq), _mm256_mul_ps(_mm256_cvtepi32_ps(pr), _mm256_set1_ps(dw * dxr)));
-        *mins += mw * cs[i];
-    } else {
-        const __m256i pq = V2(dot_u)(mag, _mm256_sign_epi8(xqv, sgn)), pr = V2(dot_u)(mag, _mm256_sign_epi8(xrv, sgn));
-        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pq), _mm256_set1_ps(dw * dxq), _mm256_mul_ps(_mm256_cvtepi32_ps(pr), _mm256_set1_ps(dw * dxr)));
-    }
-    *acc = _mm256_add_ps(*acc, t);
+/* Block i of one row of prepared activations (prep16's layout, nb blocks) times the unpacked
+ * weights, added to acc (and, lane 1, the min times x's block sum to mins). */
+static inline __attribute__((always_inline)) void V2(b32_dot)(__m256 *acc, __m128 *mins, __m256i lo, __m256i hi,
+                                                             __m128 dm, const uint8_t *prep, int64_t nb, int64_t i,
+                                                             const int kind) {
+    const int16_t *x = (const int16_t *)prep + 32 * i;
+    const __m128 f = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd((const double *)(prep + nb * 64) + i))); /* d dx, m cs */
+    const __m256i xa = _mm256_loadu_si256((const __m256i *)x), xb = _mm256_loadu_si256((const __m256i *)(x + 16));
+#if VNNI
+    const __m256i s = _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(lo, xa), hi, xb);
+#else
+    const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(lo, xa), _mm256_madd_epi16(hi, xb));
+#endif
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcastss_ps(f), *acc);
+    if (kind == B_Q4_1 || kind == B_Q5_1) *mins = _mm_add_ps(*mins, f);
 }
 
 static inline __attribute__((always_inline)) float V2(dot2_b32)(int64_t n, const uint8_t *w, const uint8_t *prep,
                                                                const int kind) {
     const int64_t nb = n / 32;
     const int ts = V2(B32_TS)[kind];
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(); /* even and odd blocks: two FMA chains */
+    __m128 mins0 = _mm_setzero_ps(), mins1 = _mm_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + i * ts;
         stream_prefetch(b, ts);
-        __m256i mag, sgn;
-        float dw, mw;
-        V2(b32_unpack)(b, kind, &mag, &sgn, &dw, &mw);
-        V2(b32_dot)(&acc, &mins, mag, sgn, dw, mw, prep, nb, i, kind);
+        __m256i lo, hi;
+        __m128 dm;
+        V2(b32_unpack)(b, kind, &lo, &hi, &dm);
+        if (i & 1) V2(b32_dot)(&acc1, &mins1, lo, hi, dm, prep, nb, i, kind);
+        else V2(b32_dot)(&acc0, &mins0, lo, hi, dm, prep, nb, i, kind);
     }
-    return V2(hsum)(acc) + mins;
+    const __m128 m = _mm_add_ps(mins0, mins1);
+    return V2(hsum)(_mm256_add_ps(acc0, acc1)) + _mm_cvtss_f32(_mm_movehdup_ps(m));
 }
 
 /* nr <= DOT2M_ROWS rows of prepared activations (row r at prep + xoff[r]) against one weight row into
@@ -595,30 +601,40 @@ static inline __attribute__((always_inline)) void V2(dot2m_b32)(int64_t n, const
                                                                const int64_t *xoff, int nr, float *y, const int kind) {
     const int64_t nb = n / 32;
     const int ts = V2(B32_TS)[kind];
-    __m256 acc[DOT2M_ROWS];
-    float mins[DOT2M_ROWS];
+    __m256 acc[DOT2M_ROWS][2];
+    __m128 mins[DOT2M_ROWS][2];
     for (int r = 0; r < nr; r++) {
-        acc[r] = _mm256_setzero_ps();
-        mins[r] = 0.0f;
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        mins[r][0] = mins[r][1] = _mm_setzero_ps();
     }
-    for (int64_t i0 = 0; i0 < nb; i0 += B32_SPAN) {
+    for (int64_t i0 = 0; i0 < nb; i0 += B32_SPAN) { /* B32_SPAN is even: block i0 + g's parity is g's */
         const int ns = nb - i0 < B32_SPAN ? (int)(nb - i0) : B32_SPAN;
-        __m256i mag[B32_SPAN], sgn[B32_SPAN];
-        float dw[B32_SPAN], mw[B32_SPAN];
+        __m256i lo[B32_SPAN], hi[B32_SPAN];
+        __m128 dm[B32_SPAN];
         for (int g = 0; g < ns; g++) {
             stream_prefetch(w + (i0 + g) * ts, ts);
-            V2(b32_unpack)(w + (i0 + g) * ts, kind, &mag[g], &sgn[g], &dw[g], &mw[g]);
+            V2(b32_unpack)(w + (i0 + g) * ts, kind, &lo[g], &hi[g], &dm[g]);
         }
         for (int r = 0; r < nr; r++) {
-            __m256 a = acc[r];
-            float m = mins[r];
+            __m256 a0 = acc[r][0], a1 = acc[r][1];
+            __m128 m0 = mins[r][0], m1 = mins[r][1];
             const uint8_t *x = prep + xoff[r];
-            for (int g = 0; g < ns; g++) V2(b32_dot)(&a, &m, mag[g], sgn[g], dw[g], mw[g], x, nb, i0 + g, kind);
-            acc[r] = a;
-            mins[r] = m;
+            int g = 0;
+            for (; g + 1 < ns; g += 2) {
+                V2(b32_dot)(&a0, &m0, lo[g], hi[g], dm[g], x, nb, i0 + g, kind);
+                V2(b32_dot)(&a1, &m1, lo[g + 1], hi[g + 1], dm[g + 1], x, nb, i0 + g + 1, kind);
+            }
+            if (g < ns) V2(b32_dot)(&a0, &m0, lo[g], hi[g], dm[g], x, nb, i0 + g, kind);
+            acc[r][0] = a0;
+            acc[r][1] = a1;
+            mins[r][0] = m0;
+            mins[r][1] = m1;
         }
     }
-    for (int r = 0; r < nr; r++) y[r] = V2(hsum)(acc[r]) + mins[r];
+    for (int r = 0; r < nr; r++) {
+        const __m128 m = _mm_add_ps(mins[r][0], mins[r][1]);
+        y[r] = V2(hsum)(_mm256_add_ps(acc[r][0], acc[r][1])) + _mm_cvtss_f32(_mm_movehdup_ps(m));
+    }
 }
 #undef B32_SPAN
 
