@@ -292,10 +292,13 @@ PROMPT_AMX_MIN_ROWS = 6
 # many rows of x its product (own AVX2 decoders into float32 tiles + an FMA micro-kernel) beats the
 # q8x2 decode kernel (bench/bench_kernels.py --prompt-avx2 --threads 1, CPU ms, 768x2048, AVX2 Zen 3);
 # from there on it also beats ggml's float32 dequantization + one torch matmul at every row count.
-# Measured (avx2 / q8x2 ms): Q4_K 12 rows 2.53/2.69, Q6_K 10 2.38/2.42, Q8_0 6 1.61/1.95, IQ2_XS 6
-# 1.74/1.90; at 32 rows Q4_K 3.91/6.90 (ggml f32 + matmul 5.10), IQ2_XS 3.78/10.16 (16.99).
-PROMPT_AVX2_MIN_ROWS = {"Q4_0": 8, "Q4_1": 6, "Q5_0": 8, "Q5_1": 8, "Q8_0": 6, "Q4_K": 12, "Q5_K": 12,
-                        "Q6_K": 10, "IQ2_XXS": 6, "IQ2_XS": 6, "IQ4_NL": 6, "IQ4_XS": 10}
+# Measured (avx2 / q8x2 ms): Q4_K 12 rows 2.53/2.69, Q6_K 10 2.38/2.42, IQ2_XS 6 1.74/1.90; at 32
+# rows Q4_K 3.91/6.90 (ggml f32 + matmul 5.10), IQ2_XS 3.78/10.16 (16.99). The 32-value types since
+# their kernels take x in 16 bits: Q4_0 12 / 16 rows 2.11/2.04, 2.05/2.59; Q4_1 2.18/2.06, 2.15/2.73;
+# IQ4_NL 2.06/2.04, 2.11/2.66; Q5_1 2.31/2.22, 2.33/2.88; Q5_0 10 / 12 2.21/1.88, 2.21/2.35; Q8_0 6 / 8
+# 1.49/1.27, 1.52/1.70.
+PROMPT_AVX2_MIN_ROWS = {"Q4_0": 16, "Q4_1": 16, "Q5_0": 12, "Q5_1": 16, "Q8_0": 8, "Q4_K": 12, "Q5_K": 12,
+                        "Q6_K": 10, "IQ2_XXS": 6, "IQ2_XS": 6, "IQ4_NL": 16, "IQ4_XS": 10}
 
 
 def _prompt_min_rows(qtype) -> int:
