@@ -86,79 +86,96 @@ enum { B_Q8_0, B_Q4_0, B_Q5_0, B_IQ4NL, B_MXFP4, B_Q4_1, B_Q5_1 };
  * arithmetic is the same in both. */
 static const int V2(K256_TS)[] = {84, 110, 144, 176, 210, 66, 74, 82, 98, 110, 136, 50, 56};
 
-/* Block b's d (returned), dmin (K-quants), 16-value scales sc (Q4_K / Q5_K: scb's bytes instead)
- * and K-quant mins per 16 values m16 (int16). */
+/* Block b's d (returned), dmin (K-quants), its scales and K-quant mins per 16 values m16 (int16).
+ * The scales: Q4_K / Q5_K in scb, byte j the scale of values 32j..32j+31 (both lanes); Q2_K, Q3_K and
+ * Q6_K in scb as int16, the even sub-blocks' in the low lane and the odd ones' in the high lane, so
+ * that chunk j's two are one vpshufb of it (V2(k256_scale)), where two GPR moves and broadcasts a
+ * chunk cost as much as its products (ns a 256-value block, 1 thread, 3 alternating runs: Q6_K
+ * 45.6-46.5 -> 40.3-42.7, Q3_K 50.2-54.3 -> 44.0-45.3); the IQ types, whose scales are computed one
+ * by one, in sc[16] (packing those 16 ints into a vector cost more than the broadcasts it saved). */
 static inline __attribute__((always_inline)) float V2(k256_scales)(const uint8_t *b, const int kind, float *dmin_,
                                                                   int *sc, __m256i *scb_, __m256i *m16_) {
     float d, dmin = 0.0f;
-    __m256i scb = _mm256_setzero_si256(); /* Q4_K, Q5_K: byte j the scale of values 32j..32j+31 */
+    __m256i scb = _mm256_setzero_si256();
     __m256i m16 = _mm256_setzero_si256();
+    __m128i s8 = _mm_setzero_si128(); /* Q2_K, Q3_K, Q6_K: 16-value sub-block k's scale in byte k (int8) */
     if (kind == K_Q2) {
         d = rd_f16(b + 80);
         dmin = rd_f16(b + 82);
-        for (int k = 0; k < 16; k++) sc[k] = b[k] & 15;
-        m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)b), 4), _mm_set1_epi8(15)));
+        const __m128i raw = _mm_loadu_si128((const __m128i *)b);
+        s8 = _mm_and_si128(raw, _mm_set1_epi8(15));
+        m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15)));
     } else if (kind == K_Q3) {
         d = rd_f16(b + 108);
         uint32_t s4[4];
         q3k_scales_u32(b + 96, s4);
-        for (int k = 0; k < 16; k++) sc[k] = q3k_scale(s4, k);
-        m16 = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_setr_epi32((int)s4[0], (int)s4[1], (int)s4[2], (int)s4[3]), _mm_set1_epi8(32)));
+        s8 = _mm_sub_epi8(_mm_setr_epi32((int)s4[0], (int)s4[1], (int)s4[2], (int)s4[3]), _mm_set1_epi8(32));
+        m16 = _mm256_cvtepi8_epi16(s8);
         dmin = 4.0f * d;
     } else if (kind == K_Q4 || kind == K_Q5) {
         d = rd_f16(b);
         dmin = rd_f16(b + 2);
-        uint64_t s8, n8;
-        k4_scales_mins(b + 4, &s8, &n8);
-        scb = _mm256_broadcastsi128_si256(_mm_cvtsi64_si128((long long)s8));
+        uint64_t s8q, n8;
+        k4_scales_mins(b + 4, &s8q, &n8);
+        scb = _mm256_broadcastsi128_si256(_mm_cvtsi64_si128((long long)s8q));
         m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi64_si128((long long)n8),
                                                     _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
     } else if (kind == K_Q6) {
         d = rd_f16(b + 208);
-        for (int k = 0; k < 16; k++) sc[k] = ((const int8_t *)(b + 192))[k];
-        m16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        s8 = _mm_loadu_si128((const __m128i *)(b + 192));
+        m16 = _mm256_cvtepi8_epi16(s8);
         dmin = 32.0f * d;
-    } else if (kind == K_IQ2XXS || kind == K_IQ3XXS) {
-        d = rd_f16(b);
-        const uint8_t *sg = b + (kind == K_IQ2XXS ? 2 + 4 : 66);
-        const int stride = kind == K_IQ2XXS ? 8 : 4;
-        for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * (int)(rd_u32(sg + stride * g) >> 28) + 1;
-    } else if (kind == K_IQ2S) {
-        d = rd_f16(b);
-        const uint8_t *s = b + 74;
-        for (int g = 0; g < 8; g++) { sc[2 * g] = 2 * (s[g] & 15) + 1; sc[2 * g + 1] = 2 * (s[g] >> 4) + 1; }
-    } else if (kind == K_IQ3S) {
-        d = rd_f16(b);
-        for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * ((b[106 + g / 2] >> (4 * (g % 2))) & 15) + 1;
-    } else if (kind == K_IQ4XS) {
-        d = rd_f16(b);
-        for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = iq4xs_scale(b, g);
-    } else if (kind == K_IQ1S) {
-        d = rd_f16(b);
-        for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * ((rd_u16(b + 34 + 2 * g) >> 12) & 7) + 1;
-    } else { /* K_IQ1M: the f16 scale in the top nibbles of the 4 scale words */
-        const uint16_t s0 = rd_u16(b + 48), s1 = rd_u16(b + 50), s2 = rd_u16(b + 52), s3 = rd_u16(b + 54);
-        d = f16_to_f32((uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000)));
-        for (int k = 0; k < 16; k++) sc[k] = 2 * ((rd_u16(b + 48 + 2 * (k / 4)) >> (3 * (k % 4))) & 7) + 1;
+    } else {
+        if (kind == K_IQ2XXS || kind == K_IQ3XXS) {
+            d = rd_f16(b);
+            const uint8_t *sg = b + (kind == K_IQ2XXS ? 2 + 4 : 66);
+            const int stride = kind == K_IQ2XXS ? 8 : 4;
+            for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * (int)(rd_u32(sg + stride * g) >> 28) + 1;
+        } else if (kind == K_IQ2S) {
+            d = rd_f16(b);
+            const uint8_t *s = b + 74;
+            for (int g = 0; g < 8; g++) { sc[2 * g] = 2 * (s[g] & 15) + 1; sc[2 * g + 1] = 2 * (s[g] >> 4) + 1; }
+        } else if (kind == K_IQ3S) {
+            d = rd_f16(b);
+            for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * ((b[106 + g / 2] >> (4 * (g % 2))) & 15) + 1;
+        } else if (kind == K_IQ4XS) {
+            d = rd_f16(b);
+            for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = iq4xs_scale(b, g);
+        } else if (kind == K_IQ1S) {
+            d = rd_f16(b);
+            for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * ((rd_u16(b + 34 + 2 * g) >> 12) & 7) + 1;
+        } else { /* K_IQ1M: the f16 scale in the top nibbles of the 4 scale words */
+            const uint16_t s0 = rd_u16(b + 48), s1 = rd_u16(b + 50), s2 = rd_u16(b + 52), s3 = rd_u16(b + 54);
+            d = f16_to_f32((uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000)));
+            for (int k = 0; k < 16; k++) sc[k] = 2 * ((rd_u16(b + 48 + 2 * (k / 4)) >> (3 * (k % 4))) & 7) + 1;
+        }
     }
+    if (kind == K_Q2 || kind == K_Q3 || kind == K_Q6) /* even sub-blocks' scales to the low lane, odd ones' to the high */
+        scb = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
     *dmin_ = dmin;
     *scb_ = scb;
     *m16_ = m16;
     return d;
 }
 
-/* Chunk j's 16-value scales as V2(dot_sc) takes them. */
+/* Chunk j's 16-value scales as V2(dot_sc) takes them (V2(sc16)'s layout). */
 static inline __attribute__((always_inline)) __m256i V2(k256_scale)(const int j, const int kind, const int *sc,
                                                                    __m256i scb, const int big) {
-    if (kind == K_Q4 || kind == K_Q5) { /* byte j as V2(sc16) lays it out: one vpshufb, no GPR moves */
+    if (kind == K_Q4 || kind == K_Q5) { /* byte j, zero-extended */
 #if VNNI
         return _mm256_shuffle_epi8(scb, _mm256_set1_epi32(j | ~0xFF));
 #else
         return _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(j | ~0xFF)));
 #endif
     }
+    if (kind == K_Q2 || kind == K_Q3 || kind == K_Q6) { /* int16 j of each lane: sub-blocks 2j (low), 2j + 1 (high) */
+#if VNNI
+        return _mm256_shuffle_epi8(scb, _mm256_set1_epi32((2 * j) | (2 * j + 1) << 8 | ~0xFFFF));
+#else
+        return _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)((2 * j) | (2 * j + 1) << 8)));
+#endif
+    }
     return V2(sc16)(sc[2 * j], sc[2 * j + 1], big);
-
 }
 
 /* Chunk j of block b: magnitudes (u8) in *mag_ and, where the weights are signed (returns 1), their
