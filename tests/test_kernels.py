@@ -535,6 +535,58 @@ def test_kernel_isa_env_forces_a_kernel_set(monkeypatch, caplog):
         lib.strata_set_fused_isa(-1)
 
 
+PREFER_256 = {"IQ2_XS", "IQ2_XXS", "IQ3_XXS", "Q4_0", "Q4_1", "IQ4_NL"}  # qmm.c's prefer_256
+
+
+def _zen4() -> bool:
+    """AMD family 19h with AVX-512 (qmm.c's split_avx512), from /proc/cpuinfo."""
+    try:
+        first = open("/proc/cpuinfo").read().split("\n\n")[0]
+    except OSError:
+        return False
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    return (fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
+            and "avx512_vnni" in fields.get("flags", "").split())
+
+
+@needs_kernels
+def test_mixed_kernel_set_takes_each_type_from_its_set():
+    """Where AVX-512 runs as two 256-bit halves (Zen 4) the chosen set takes IQ2_XS, IQ2_XXS, IQ3_XXS,
+    Q4_0, Q4_1 and IQ4_NL from the 256-bit kernels (faster there, and multi-row) and the rest from the
+    AVX-512 ones: each product bit for bit the one of the set it should come from. Forced mixing runs
+    on any CPU with both sets; the automatic choice is checked against /proc/cpuinfo."""
+    lib = _build.load()
+    isas = lib.strata_fused_isas()
+    if not (isas >> 3 & 1 and isas & 6):
+        pytest.skip("this CPU does not run both the AVX-512 VNNI and a 256-bit kernel set")
+    narrow = 2 if isas >> 2 & 1 else 1
+    before = kernels.activations()
+    kernels.set_activations("q8x2")
+    try:
+        lib.strata_set_fused_isa(-1)
+        assert lib.strata_fused_mixed() == int(_zen4())
+        for qtype in ONE_PASS_TYPES:
+            if qtype not in kernels.ggml_types():
+                continue
+            w = random_qtensor(qtype, (64, 512), seed=21)
+            x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2))
+            by_set = {}
+            for isa in (3, narrow):
+                assert lib.strata_set_fused_isa(isa) == isa and not lib.strata_fused_mixed()
+                by_set[isa] = (kernels.qmatmul_fast(x[:1], w), kernels.qmatmul_fast(x, w))
+            lib.strata_set_fused_isa(3)
+            assert lib.strata_set_fused_mixed(1)
+            got = (kernels.qmatmul_fast(x[:1], w), kernels.qmatmul_fast(x, w))
+            want = by_set[narrow if qtype in PREFER_256 else 3]
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), qtype
+            if qtype in PREFER_256:  # the sets differ on these, so the test tells them apart
+                assert not torch.equal(by_set[3][1], by_set[narrow][1]), qtype
+            assert not lib.strata_set_fused_mixed(0)
+    finally:
+        lib.strata_set_fused_isa(-1)
+        kernels.set_activations(before)
+
+
 def _gcc_on_x86() -> str:
     import platform
 

@@ -162,6 +162,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_set_fused_isa.restype = ctypes.c_int
     lib.strata_fused_isas.restype = ctypes.c_int
     lib.strata_fused_isa.restype = ctypes.c_int
+    lib.strata_fused_mixed.restype = ctypes.c_int
+    lib.strata_set_fused_mixed.argtypes = [ctypes.c_int]
+    lib.strata_set_fused_mixed.restype = ctypes.c_int
     lib.strata_abi_version.restype = ctypes.c_int
     lib.strata_set_activations.argtypes = [ctypes.c_int]
     lib.strata_set_activations.restype = None
