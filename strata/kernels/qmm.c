@@ -1728,6 +1728,7 @@ static int split_avx512(void) {
 #endif
 }
 
+/* ggml type ids: IQ2_XS 17, IQ2_XXS 16, IQ3_XXS 18, Q4_0 2, Q4_1 3, IQ4_NL 20 */
 static int prefer_256(int type) {
     return type == 17 || type == 16 || type == 18 || type == 2 || type == 3 || type == 20;
 }
