@@ -22,10 +22,9 @@ Every run is a fresh interpreter with the placement `--pin-experts auto --expert
 
 A second prompt of as many other tokens then runs in the same process, to its first token: what a
 running server's next request waits. The first prompt's reads land in the RAM cache's fresh pages,
-which a virtual machine whose host takes back free guest memory backs again page by page: in one
-process, three 8-token flagship prompts took 18.3 / 6.6 / 5.7 and 18.6 / 8.4 / 7.3 s of CPU to their
-first tokens (two processes; perf put 29 % of a first prompt's run in clear_page_erms), while this
-shared disk gave them anything from 0.06 to 1.01 GB/s.
+which a virtual machine whose host takes back free guest memory backs again page by page (`perf
+record` over a flagship `strata run` put 29 % of its samples in clear_page_erms); the second's land
+in pages the process has, so the two differ by that cost, and by what this shared disk gives each.
 
 Limits printed beside the figures: decode tok/s if every byte the decode read from disk came at
 that bandwidth (`disk limit`), time to first token if the bytes that must be read before

@@ -1675,7 +1675,7 @@ typedef void (*dot2m_fn)(int64_t n, const uint8_t *w, const uint8_t *xq, const u
 /* The kernel sets this CPU and OS run, as bits: 1 << 3 AVX-512 VNNI (if compiled in), 1 << 2
  * AVX-VNNI, 1 << 1 AVX2. cpuid leaf 1 (FMA, F16C, OSXSAVE), leaf 7 (AVX2, AVX-512 F/BW/VL/VNNI;
  * sub-leaf 1: AVX-VNNI) and XCR0 (the OS saves ymm state, and zmm for AVX-512). */
-static int fused_isa_mask(void) {
+static int cpu_isa_mask(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
     const int fma = (c >> 12) & 1, f16c = (c >> 29) & 1, osxsave = (c >> 27) & 1;
@@ -1691,7 +1691,7 @@ static int fused_isa_mask(void) {
     return mask;
 }
 #else
-static int fused_isa_mask(void) {
+static int cpu_isa_mask(void) {
 #if defined(HAVE_FUSED2)
     return 1 << 3;
 #else
@@ -1700,8 +1700,16 @@ static int fused_isa_mask(void) {
 }
 #endif
 
+/* cpu_isa_mask, asked once: cpuid traps to the hypervisor in a VM (tens of us a call, which per
+ * product made a 192x576 Q4_1 product 29 -> 65 us). */
+static int fused_isa_mask(void) {
+    static int mask = -1;
+    if (mask < 0) mask = cpu_isa_mask();
+    return mask;
+}
+
 static int fused_isa = -1; /* -1: not chosen yet; 0: none */
-static int fused_mixed = 0; /* 1: AVX-512 VNNI, the types of prefer_256 from the 256-bit set; 2: that set is AVX-VNNI */
+static int fused_mixed = 0; /* the 256-bit set prefer_256's types take beside AVX-512 VNNI (narrow_isa), or 0 */
 
 static int best_fused_isa(void) {
     const int mask = fused_isa_mask();
@@ -1717,15 +1725,22 @@ static int best_fused_isa(void) {
  * 0.158 against 0.139 / 0.140; Q8_0 alike (0.141 / 0.137 against 0.135 / 0.134); the K-quants, IQ4_XS, Q5_0,
  * Q5_1 and MXFP4 ran faster in 512 bits. The 256-bit kernels also have multi-row versions. */
 static int split_avx512(void) {
+    static int split = -1; /* asked once, as fused_isa_mask */
+    if (split >= 0) return split;
+    split = 0;
 #if defined(HAVE_FUSED_256)
     unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541u || c != 0x444d4163u || d != 0x69746e65u) return 0;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
-    const unsigned family = ((a >> 8) & 15) + ((a >> 20) & 255);
-    return family == 0x19;
-#else
-    return 0;
+    if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && c == 0x444d4163u && d == 0x69746e65u &&
+        __get_cpuid(1, &a, &b, &c, &d))
+        split = ((a >> 8) & 15) + ((a >> 20) & 255) == 0x19;
 #endif
+    return split;
+}
+
+/* The best 256-bit set this CPU runs: 2 AVX-VNNI, 1 AVX2, 0 none. */
+static int narrow_isa(void) {
+    const int mask = fused_isa_mask();
+    return mask & 4 ? 2 : mask & 2 ? 1 : 0;
 }
 
 /* ggml type ids: IQ2_XS 17, IQ2_XXS 16, IQ3_XXS 18, Q4_0 2, Q4_1 3, IQ4_NL 20 */
@@ -1741,9 +1756,7 @@ int strata_set_fused_isa(int isa) {
     if (chosen) isa = best_fused_isa();
     else if (isa > 3 || !(fused_isa_mask() >> isa & 1)) return -1;
     fused_isa = isa;
-    /* decided here, not per product: cpuid traps to the hypervisor in a VM (tens of us a call) */
-    const int mask = fused_isa_mask();
-    fused_mixed = chosen && isa == 3 && split_avx512() && (mask & 6) ? (mask & 4 ? 2 : 1) : 0;
+    fused_mixed = chosen && isa == 3 && split_avx512() ? narrow_isa() : 0;
     return fused_isa;
 }
 
@@ -1757,8 +1770,7 @@ int strata_fused_mixed(void) {
  * (on) or not (off), whatever the CPU; returns whether they now are (0 where it cannot apply). */
 int strata_set_fused_mixed(int on) {
     if (fused_isa < 0) strata_set_fused_isa(-1);
-    const int mask = fused_isa_mask();
-    fused_mixed = on && fused_isa == 3 && (mask & 6) ? (mask & 4 ? 2 : 1) : 0;
+    fused_mixed = on && fused_isa == 3 ? narrow_isa() : 0;
     return fused_mixed != 0;
 }
 
