@@ -130,6 +130,11 @@ def test_bad_sampling_values_on_the_cli(good, capsys, flag, value):
     assert flag.lstrip("-").replace("-", "_").replace("repeat", "repetition") in err
 
 
+def test_contradicting_activation_flags(good, capsys):
+    err = run_cli(["run", "--model", str(good), "--prompt", "x", "--exact-activations", "--activations", "q8c"], capsys)
+    assert "--exact-activations" in err and "q8c" in err and "disagree" in err
+
+
 def test_cli_in_a_fresh_process_prints_no_traceback(tmp_path):
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"nope")

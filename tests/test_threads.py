@@ -96,7 +96,7 @@ def parallel_8bit(request):
     kernels.set_activations(before)
 
 
-@pytest.mark.parametrize("parallel_8bit", ["q8x2", "q8"], indirect=True)
+@pytest.mark.parametrize("parallel_8bit", ["q8x2", "q8", "q8c"], indirect=True)
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("IQ2_XS", "IQ2_XS", "Q2_K"), ("Q4_1", "Q8_0", "Q5_0")])
 def test_decode_token_experts_are_two_parallel_regions_bit_equal(types, parallel_8bit):
     """A decode token's k experts: every gate and up in one pool job over x quantized once, then

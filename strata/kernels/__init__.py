@@ -25,6 +25,11 @@ batch is at most FAST_BATCH_MAX rows, else the reference runs. Activations (`set
   on an AVX2 + FMA CPU without AMX the same calls in exact float32 (own AVX2 decoders, FMA
   micro-kernel; the types of PROMPT_AVX2_MIN_ROWS), else W dequantized by ggml to float32 for one matmul.
   Adds IQ1_S, IQ1_M, IQ2_S and IQ3_S. Without ggml, as "int16".
+- "q8c" (`--activations q8c`): the 256-value types (K-quants, IQ types) take one 8-bit pass with a
+  step per 32 values (qmm.c's q8c_prep: the chunk's largest |x| sets it, where ggml's q8_K takes the
+  block's), from the best 256-bit kernel set on every CPU: llama.cpp's accuracy class (RMS error
+  0.45-0.8x of its single pass on x with uneven channels) at ~0.8x "q8x2"'s kernel time (decode
+  +18-20 % on the Q4_K_M and IQ2_XS bench files, 1 thread, AVX2 Zen 3). Other types as "q8x2".
 - "q8": one pass, as llama.cpp computes (relative error ~1e-2), 10-60 % less kernel time than
   "q8x2" (IQ2 types gain most); prompt batches take one bfloat16 product (AMX).
 - "int16": for Q4_K, Q5_K, Q6_K, Q8_0, IQ2_XXS, IQ2_XS, IQ4_NL, IQ4_XS and MXFP4 (AVX2 builds)
@@ -112,7 +117,7 @@ _activations = _build.default_activations()  # STRATA_ACTIVATIONS; the test suit
 
 
 def set_activations(mode: str) -> None:
-    """How the kernels treat x: "q8x2" (default), "q8", "int16" or "float32" (exact); see the module doc."""
+    """How the kernels treat x: "q8x2" (default), "q8c", "q8", "int16" or "float32" (exact); see the module doc."""
     global _activations
     if mode not in ACTIVATIONS:
         raise ValueError(f"activations {mode!r} is not one of {', '.join(ACTIVATIONS)}")
@@ -142,7 +147,7 @@ def kernel_types() -> tuple[GGMLQuantizationType, ...]:
 
 def _ggml_only() -> list[str]:
     """Types only ggml has kernels for: usable in the q8 modes alone."""
-    return [n for n in _build.GGML_TYPES if n not in _build.KERNEL_TYPES] if _activations in ("q8", "q8x2") else []
+    return [n for n in _build.GGML_TYPES if n not in _build.KERNEL_TYPES] if _activations in ("q8", "q8x2", "q8c") else []
 
 
 def _type_name(qtype) -> str:
@@ -321,7 +326,7 @@ class prompt_batches:
     def __enter__(self):
         _prompt_state.depth = getattr(_prompt_state, "depth", 0) + 1
         self.team = None
-        if USE_KERNELS and _activations in ("q8", "q8x2") and prompt.available():
+        if USE_KERNELS and _activations in ("q8", "q8x2", "q8c") and prompt.available():
             self.team = torch_threads.torch_team_for_large_only().__enter__()
         return self
 
@@ -342,7 +347,7 @@ def _prompt_rows(x: torch.Tensor) -> int:
     and inside `prompt_batches()` or above FAST_BATCH_MAX rows (where the decode kernels stop). A
     verify pass or a decode batch of fewer rows keeps the decode kernels, so each of its rows equals
     its one-token step (and a verify pass picks the tokens plain decode would)."""
-    if not USE_KERNELS or _activations not in ("q8", "q8x2") or x.device.type != "cpu":
+    if not USE_KERNELS or _activations not in ("q8", "q8x2", "q8c") or x.device.type != "cpu":
         return 0
     n = x.numel() // max(x.shape[-1], 1)
     return n if n > FAST_BATCH_MAX or in_prompt() else 0

@@ -64,7 +64,7 @@ KERNEL_TYPES = {
 KERNEL_ISAS = {"avx2": 1, "avxvnni": 2, "avx512vnni": 3}
 
 # How the kernels treat x (kernels.set_activations): qmm.c's act_mode values.
-ACTIVATIONS = {"float32": 0, "int16": 1, "q8": 2, "q8x2": 3}
+ACTIVATIONS = {"float32": 0, "int16": 1, "q8": 2, "q8x2": 3, "q8c": 4}
 
 
 def default_activations() -> str:

@@ -1844,6 +1844,63 @@ static void prep16(int64_t n, const float *x, uint8_t *out) {
     }
 }
 
+/* "q8c" activations (Q8C_BLOCK bytes per 256 values: f32 d; i8 q[256]; i16 bsums[16]; i16 m[8]):
+ * chunk j (32 values) is q * d * m_j, m_j = ceil(32 a_j / a) in 1..32 for the chunk's largest |x|
+ * a_j and the block's a, d = a / (127 * 32); q = round(x / (d m_j)), within +-127. A block whose
+ * largest |x| is under 1e-30 (or zero) is all zero. */
+#ifndef Q8C_BLOCK
+#define Q8C_BLOCK 308
+#endif
+static int64_t q8c_prep_bytes(int64_t n) { return n / 256 * Q8C_BLOCK; }
+
+static void q8c_prep(int64_t n, const float *x, uint8_t *out) {
+    for (int64_t i = 0; i < n / 256; i++, x += 256, out += Q8C_BLOCK) {
+        float a[8], amax = 0.0f;
+        for (int j = 0; j < 8; j++) {
+            float m = 0.0f;
+            for (int l = 0; l < 32; l++) m = fmaxf(m, fabsf(x[32 * j + l]));
+            a[j] = m;
+            amax = fmaxf(amax, m);
+        }
+        memset(out, 0, Q8C_BLOCK);
+        if (!(amax >= 1e-30f)) continue;
+        const float d = amax / (127.0f * 32.0f);
+        int8_t *q = (int8_t *)(out + 4);
+        int16_t bs[16], mj[8];
+        for (int j = 0; j < 8; j++) {
+            int m = (int)ceilf(32.0f * a[j] / amax);
+            m = m < 1 ? 1 : m > 32 ? 32 : m;
+            mj[j] = (int16_t)m;
+            const float inv = (127.0f * 32.0f) / (amax * (float)m);
+            int s0 = 0, s1 = 0;
+            for (int l = 0; l < 32; l++) {
+                float t = rintf(x[32 * j + l] * inv);
+                t = t > 127.0f ? 127.0f : t < -127.0f ? -127.0f : t;
+                q[32 * j + l] = (int8_t)t;
+                if (l < 16) s0 += (int)t;
+                else s1 += (int)t;
+            }
+            bs[2 * j] = (int16_t)s0;
+            bs[2 * j + 1] = (int16_t)s1;
+        }
+        memcpy(out, &d, 4);
+        memcpy(out + 260, bs, 32);
+        memcpy(out + 292, mj, 16);
+    }
+}
+
+/* The "q8c" kernel for `type`, from the best 256-bit set this CPU runs (on every CPU: the AVX-512
+ * set has none), or NULL: a type without one (the 32-value types) stays as in "q8x2". */
+static dot2_fn q8c_for(int type) {
+#if defined(HAVE_FUSED_256)
+    const int isa = narrow_isa();
+    return isa == 2 ? q8c_for_vnni(type) : isa == 1 ? q8c_for_avx2(type) : NULL;
+#else
+    (void)type;
+    return NULL;
+#endif
+}
+
 /* How kernel `dot2` (fused2_for's choice for `type`) wants its activations: 0 ggml's blocks as
  * they are, 1 q8_0_prep, 2 q4_1_prep (the AVX-512 kernels of q8_0 and q8_1 types), 3 prep16 (the
  * 256-bit kernels of the 32-value types, from x itself),
@@ -1857,7 +1914,7 @@ static int fused2_prep(int type, int64_t qblk, int64_t qsize, dot2_fn dot2) {
 
 static int64_t fused2_prep_bytes(int kind, int64_t cols) {
     return kind == 1 ? q8_0_prep_bytes(cols) : kind == 2 ? q4_1_prep_bytes(cols) : kind == 3 ? prep16_bytes(cols)
-         : kind == 4 ? q8k_prep_bytes(cols) : 0;
+         : kind == 4 ? q8k_prep_bytes(cols) : kind == 5 ? q8c_prep_bytes(cols) : 0;
 }
 
 static void fused2_prep_row(int kind, int64_t cols, const uint8_t *xq, const uint8_t *xr, uint8_t *out) {
@@ -2120,7 +2177,7 @@ typedef struct {
     const float *X;
     int64_t cols, B;
     ggml_from_float_fn quant;
-    int prep; /* fused2_prep's kinds: 0 blocks as they are, 1 q8_0_prep, 2 q4_1_prep, 3 prep16, 4 q8k_prep */
+    int prep; /* fused2_prep's kinds: 0 blocks as they are, 1 q8_0_prep, 2 q4_1_prep, 3 prep16, 4 q8k_prep, 5 q8c_prep */
     uint8_t *buf, *xq, *xr;
     int64_t xrow;
     float *unscale; /* per row, 1 / small_row_scale where ggml's two passes take f16-scaled blocks (else NULL) */
@@ -2166,10 +2223,13 @@ static void prep_rescale(int kind, int64_t cols, uint8_t *row, float f) {
 static int prepare_act(many_act *p, const ext_kernel *k, int twice) {
     const int64_t cols = p->cols, B = p->B, brow = cols / k->qblk * k->qsize;
     const int64_t prow = fused2_prep_bytes(p->prep, cols);
-    if (p->prep == 3) { /* 16-bit x, straight from x: no 8-bit blocks */
+    if (p->prep == 3 || p->prep == 5) { /* 16-bit x or q8c, straight from x: no ggml blocks */
         uint8_t *prep = malloc((size_t)(B * prow) + 64);
         if (!prep) return 0;
-        for (int64_t b = 0; b < B; b++) prep16(cols, p->X + b * cols, prep + b * prow);
+        for (int64_t b = 0; b < B; b++) {
+            if (p->prep == 3) prep16(cols, p->X + b * cols, prep + b * prow);
+            else q8c_prep(cols, p->X + b * cols, prep + b * prow);
+        }
         p->buf = p->xq = p->xr = prep;
         p->xrow = prow;
         p->unscale = NULL;
@@ -2249,8 +2309,9 @@ static int many_run(int n, const many_req *req, int nth, int twice) {
             break;
         }
         const ext_kernel *k = &EXT[type];
-        const dot2_fn dot2 = twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
-        const int prep = fused2_prep(type, k->qblk, k->qsize, dot2);
+        const dot2_fn c1 = act_mode == 4 && fused2_on ? q8c_for(type) : NULL;
+        const dot2_fn dot2 = c1 ? c1 : twice && fused2_on ? fused2_for(type, k->qblk, k->qsize) : NULL;
+        const int prep = c1 ? 5 : fused2_prep(type, k->qblk, k->qsize, dot2);
         int a = 0;
         while (a < n_act && !(acts[a].X == q->X && acts[a].cols == q->cols && acts[a].B == q->xB &&
                               acts[a].quant == k->quant && acts[a].prep == prep))
@@ -2302,7 +2363,7 @@ static int many_run(int n, const many_req *req, int nth, int twice) {
 int strata_qmm_ext(int type, const uint8_t *W, int64_t rows, int64_t cols, const float *X, int64_t B, float *Y,
                    int nth, int64_t wrow) {
     const many_req q = {type, W, rows, cols, wrow, X, B, NULL, B, Y, NULL};
-    return many_run(1, &q, nth, act_mode == 3);
+    return many_run(1, &q, nth, act_mode >= 3);
 }
 
 /* Y_j = X_j W_j^T (X_j: [B, cols_j], Y_j: [B, rows_j], wrows_j bytes per row of W_j) for n products of ggml types types[j] in
@@ -2313,7 +2374,7 @@ int strata_qmm_many(int n, const int *types, const void *const *W, const int64_t
     if (act_mode < 2 || n <= 0 || n > MANY_MAX || B <= 0) return 0;
     many_req req[MANY_MAX];
     for (int j = 0; j < n; j++) req[j] = (many_req){types[j], W[j], rows[j], cols[j], wrows[j], X[j], B, NULL, B, Y[j], NULL};
-    return many_run(n, req, nth, act_mode == 3);
+    return many_run(n, req, nth, act_mode >= 3);
 }
 
 /* Prefill: W's rows dequantized by ggml's to_float, as float32 or rounded to bfloat16 (nearest
@@ -2517,7 +2578,7 @@ static int moe_token_many(const void *const *gate, const void *const *up, const 
         gu[2 * k] = (many_req){st[0], (const uint8_t *)sh_W[0], sh_ffn, hidden, sw[0], x, 1, NULL, 1, sg, shh};
         gu[2 * k + 1] = (many_req){st[1], (const uint8_t *)sh_W[1], sh_ffn, hidden, sw[1], x, 1, NULL, 1, su, NULL};
     }
-    if (!many_run(2 * k + 2 * sh, gu, nth, act_mode == 3)) {
+    if (!many_run(2 * k + 2 * sh, gu, nth, act_mode >= 3)) {
         free(buf);
         return 0;
     }
@@ -2605,7 +2666,7 @@ int strata_moe_tokens(const void *const *gate, const void *const *up, const void
             req[2 * j] = (many_req){gt, gate[e0 + j], ffn, hidden, gw, x, n_tok, token + first, n, g + first * ffn, NULL};
             req[2 * j + 1] = (many_req){ut, up[e0 + j], ffn, hidden, uw, x, n_tok, token + first, n, u + first * ffn, NULL};
         }
-        many = many_run(2 * ne, req, nth, act_mode == 3);
+        many = many_run(2 * ne, req, nth, act_mode >= 3);
     }
     float *h = g; /* silu(g) * u, in place */
     if (many) {
@@ -2618,7 +2679,7 @@ int strata_moe_tokens(const void *const *gate, const void *const *up, const void
                 const int64_t n = count[e0 + j];
                 req[j] = (many_req){dt, down[e0 + j], hidden, ffn, dw, h + first * ffn, n, NULL, n, ys + first * hidden, NULL};
             }
-            downs = many_run(ne, req, nth, act_mode == 3);
+            downs = many_run(ne, req, nth, act_mode >= 3);
         }
         if (!downs) /* a non-finite h: each down alone */
             for (int64_t e = 0, p = 0; e < n_exp; p += count[e], e++)

@@ -76,6 +76,8 @@ static inline __attribute__((always_inline)) __m256i V2(nibbles32)(const uint8_t
 #define QMM_AVX2_KINDS
 enum { K_Q2, K_Q3, K_Q4, K_Q5, K_Q6, K_IQ2XXS, K_IQ2XS, K_IQ2S, K_IQ3XXS, K_IQ3S, K_IQ4XS, K_IQ1S, K_IQ1M }; /* K_IQ2XS: its own kernel below */
 enum { B_Q8_0, B_Q4_0, B_Q5_0, B_IQ4NL, B_MXFP4, B_Q4_1, B_Q5_1 };
+/* "q8c" activations, per 256 values (qmm.c's q8c_prep): f32 d; i8 q[256]; i16 bsums[16]; i16 m[8]. */
+#define Q8C_BLOCK 308
 #endif
 
 /* The 256-value types' block loops (`kind` is a constant in each caller): per block its scales
@@ -385,6 +387,93 @@ V2_K256(iq1_s, K_IQ1S)
 V2_K256(iq1_m, K_IQ1M)
 #undef V2_K256
 
+/* ------------------------------------------------------------------ 256-value blocks x q8c, one pass
+ *
+ * "q8c" (qmm.c's q8c_prep) gives x one 8-bit integer pass, as llama.cpp's q8_K does, but each 32
+ * values their own step d m_j (m_j in 1..32, the smallest that keeps their largest |x| within 127
+ * steps), where q8_K steps by the block's largest |x| / 127: rounding noise falls with the chunk's
+ * largest value instead of the block's. The integer m_j joins the weights' 16-value scales (Q6_K:
+ * |128 * 32| per scale, so a block's int32 lane sums stay under 2^30), and the block's d stays one
+ * float: the inner loop is q8_K's single pass, ggml's cost, not q8x2's two. */
+
+/* Chunk j's scales from cs (16-value scales times m_j: int16 j of the low lane the chunk's first
+ * 16 values', of the high lane its last 16's), as V2(dot_sc) takes them. */
+static inline __attribute__((always_inline)) __m256i V2(cs_chunk)(__m256i cs, const int j) {
+#if VNNI
+    return _mm256_shuffle_epi8(cs, _mm256_set1_epi32((2 * j) | (2 * j + 1) << 8 | ~0xFFFF));
+#else
+    return _mm256_shuffle_epi8(cs, _mm256_set1_epi16((short)((2 * j) | (2 * j + 1) << 8)));
+#endif
+}
+
+/* The K-quants' block scales of V2(k256_scales) times x's m_j (y: the block's q8c activations): scb
+ * in cs's layout (Q4_K / Q5_K's bytes widened), and the mins per 16 values (the IQ types' scales
+ * take m_j chunk by chunk). */
+static inline __attribute__((always_inline)) void V2(k256_cscales)(const int kind, const uint8_t *y, __m256i *scb,
+                                                                  __m256i *m16) {
+    const __m128i m8 = _mm_loadu_si128((const __m128i *)(y + 292));
+    if (kind == K_Q4 || kind == K_Q5)
+        *scb = _mm256_broadcastsi128_si256(_mm_mullo_epi16(_mm_cvtepu8_epi16(_mm256_castsi256_si128(*scb)), m8));
+    else if (kind == K_Q2 || kind == K_Q3 || kind == K_Q6)
+        *scb = _mm256_mullo_epi16(*scb, _mm256_broadcastsi128_si256(m8));
+    if (kind <= K_Q6)
+        *m16 = _mm256_mullo_epi16(*m16, _mm256_setr_m128i(_mm_unpacklo_epi16(m8, m8), _mm_unpackhi_epi16(m8, m8)));
+}
+
+/* One weight row against one row of q8c activations. */
+static inline __attribute__((always_inline)) float V2(dot1c_k256)(int64_t n, const uint8_t *w, const uint8_t *xc,
+                                                                 const int kind) {
+    const int big = kind == K_IQ4XS, has_mins = kind <= K_Q6;
+    const int ts = V2(K256_TS)[kind];
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / 256; i++) {
+        const uint8_t *b = w + i * ts, *y = xc + i * Q8C_BLOCK;
+        stream_prefetch(b, ts);
+        float dmin, dy;
+        int sc[16];
+        __m256i scb, m16;
+        const float d = V2(k256_scales)(b, kind, &dmin, sc, &scb, &m16);
+        V2(k256_cscales)(kind, y, &scb, &m16);
+        const int16_t *mj = (const int16_t *)(y + 292);
+        memcpy(&dy, y, 4);
+        __m256i sq = _mm256_setzero_si256();
+        #pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            __m256i mag, sgn;
+            const int signed_w = V2(k256_chunk)(b, j, kind, &mag, &sgn);
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(y + 4 + 32 * j));
+            if (signed_w) xv = _mm256_sign_epi8(xv, sgn);
+            const __m256i s = kind <= K_Q6 ? V2(cs_chunk)(scb, j) : V2(sc16)(sc[2 * j] * mj[j], sc[2 * j + 1] * mj[j], big);
+            sq = V2(dot_sc)(sq, mag, xv, s, big);
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq), _mm256_set1_ps(d * dy), acc);
+        if (has_mins) {
+            const __m256i bq = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(y + 260)), m16);
+            accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bq), _mm256_set1_ps(dmin * dy), accm);
+        }
+    }
+    return V2(k256_result)(acc, accm, kind);
+}
+
+#define V2_K256C(name, kind) \
+    static float V2(dot1c_##name)(int64_t n, const uint8_t *w, const uint8_t *xc, const uint8_t *unused) { \
+        (void)unused; \
+        return V2(dot1c_k256)(n, w, xc, kind); \
+    }
+V2_K256C(q2_k, K_Q2)
+V2_K256C(q3_k, K_Q3)
+V2_K256C(q4_k, K_Q4)
+V2_K256C(q5_k, K_Q5)
+V2_K256C(q6_k, K_Q6)
+V2_K256C(iq2_xxs, K_IQ2XXS)
+V2_K256C(iq2_s, K_IQ2S)
+V2_K256C(iq3_xxs, K_IQ3XXS)
+V2_K256C(iq3_s, K_IQ3S)
+V2_K256C(iq4_xs, K_IQ4XS)
+V2_K256C(iq1_s, K_IQ1S)
+V2_K256C(iq1_m, K_IQ1M)
+#undef V2_K256C
+
 /* IQ2_XS {f16 d; u16 qs[32]; u8 scales[8]} x q8_K in its own loop: dot2_k256's way (scalar sign
  * lookups, one u16 at a time) took ~114 cycles a block on Zen 3 (llvm-mca), 4-5x Q4_K's per byte.
  * Here the 32 sign bytes of a block come from two vectors (each u16's 7 bits >> 9 and their parity
@@ -523,6 +612,73 @@ static void V2(dot2m_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, con
         }
     }
     for (int r = 0; r < nr; r++) y[r] = 0.125f * V2(hsum)(acc[r]);
+}
+
+/* IQ2_XS against one row of q8c activations: V2(dot2_iq2_xs)'s unpacking, one integer pass, the
+ * 16-value scales (2s + 1) times m_j in cs's layout (even sub-blocks in the low lane). */
+static float V2(dot1c_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xc, const uint8_t *unused) {
+    (void)unused;
+    const __m256i odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0));
+    const __m256i spread0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2,
+                                             4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
+    const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi8(8));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull), pos = _mm256_set1_epi8(0x7F);
+    const __m128i m15 = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
+    const __m128i evens = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / 256; i++) {
+        const uint8_t *b = w + i * 74, *y = xc + i * Q8C_BLOCK;
+        stream_prefetch(b, 74);
+        float dy;
+        memcpy(&dy, y, 4);
+        const float d = rd_f16(b);
+        const __m128i sb = _mm_loadl_epi64((const __m128i *)(b + 66));
+        const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sb, m15), _mm_and_si128(_mm_srli_epi16(sb, 4), m15));
+        const __m256i s16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_add_epi8(_mm_add_epi8(nib, nib), one), evens));
+        const __m256i cs = _mm256_mullo_epi16(s16, _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(y + 292))));
+        __m256i sq = _mm256_setzero_si256();
+        #pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2 + 32 * h));
+            const __m256i p = _mm256_srli_epi16(q, 9);
+            const __m256i f = _mm256_or_si256(p, _mm256_shuffle_epi8(odd, _mm256_xor_si256(p, _mm256_srli_epi16(q, 13))));
+            const __m256i dup[2] = {_mm256_permute2x128_si256(f, f, 0x00), _mm256_permute2x128_si256(f, f, 0x11)};
+            #pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const int j = 4 * h + c;
+                uint64_t u;
+                memcpy(&u, b + 2 + 8 * j, 8);
+                __asm__("" : "+r"(u));
+                const __m128i lo = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 0)], GRID_IQ2_XS[V2(bits9)(u, 16)]);
+                const __m128i hi = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 32)], GRID_IQ2_XS[V2(bits9)(u, 48)]);
+                const __m256i mag = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+                const __m256i sgn = _mm256_add_epi8(_mm256_and_si256(_mm256_shuffle_epi8(dup[c >> 1], c & 1 ? spread1 : spread0), bit), pos);
+                sq = V2(dot_sc)(sq, mag, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 4 + 32 * j)), sgn), V2(cs_chunk)(cs, j), 0);
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq), _mm256_set1_ps(d * dy), acc);
+    }
+    return 0.125f * V2(hsum)(acc);
+}
+
+/* The q8c kernel for a ggml type (256-value blocks), or NULL (qmm.c's q8c_for). */
+static dot2_fn V2(q8c_for)(int type) {
+    switch (type) {
+    case 10: return V2(dot1c_q2_k);
+    case 11: return V2(dot1c_q3_k);
+    case 12: return V2(dot1c_q4_k);
+    case 13: return V2(dot1c_q5_k);
+    case 14: return V2(dot1c_q6_k);
+    case 16: return V2(dot1c_iq2_xxs);
+    case 17: return V2(dot1c_iq2_xs);
+    case 18: return V2(dot1c_iq3_xxs);
+    case 19: return V2(dot1c_iq1_s);
+    case 21: return V2(dot1c_iq3_s);
+    case 22: return V2(dot1c_iq2_s);
+    case 23: return V2(dot1c_iq4_xs);
+    case 29: return V2(dot1c_iq1_m);
+    default: return NULL;
+    }
 }
 
 /* ------------------------------------------------------------------ 32-value blocks x 16-bit x */

@@ -27,6 +27,7 @@ class EngineOptions(TierOptions):  # tier options (placement, expert cache, trac
     prefill_chunk: int = 8192
     cpu_threads: int = 0  # 0 = torch's default
     exact_activations: bool = False  # CPU kernels keep x in float32 (else 8-bit, as llama.cpp)
+    activations: str = ""  # the CPU kernels' activation mode (strata.kernels.ACTIVATIONS); "": as set already
     progress: bool = False  # a progress bar on stderr while loading (the CLI turns it on)
     draft: str = "auto"  # on | off | auto (= on when the model has an MTP layer): speculative decoding
     draft_tokens: int = 2  # tokens the MTP head drafts per verify pass
@@ -95,8 +96,15 @@ class Engine:
         return_large_frees_to_the_os()  # so anonymous memory stays what the RAM budget counts
         if self.options.cpu_threads > 0:
             torch.set_num_threads(self.options.cpu_threads)
+        mode = self.options.activations
         if self.options.exact_activations:
-            kernels.set_activations("float32")
+            if mode not in ("", "float32"):
+                raise BadOption(f"--exact-activations and --activations {mode} disagree", "give one of them")
+            mode = "float32"
+        if mode:
+            if mode not in kernels.ACTIVATIONS:
+                raise BadOption(f"activations {mode!r} is not a mode", f"use one of {', '.join(kernels.ACTIVATIONS)}")
+            kernels.set_activations(mode)
         t0 = time.perf_counter()
         loaded, self.tiers, self.kv_tier = load_with_tiers(path, self.options)  # the tiers plug in at construction
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
