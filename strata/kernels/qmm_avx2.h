@@ -455,10 +455,58 @@ static inline __attribute__((always_inline)) float V2(dot1c_k256)(int64_t n, con
     return V2(k256_result)(acc, accm, kind);
 }
 
+/* nr <= DOT2M_ROWS rows of q8c activations (row r at xc + xoff[r]) against one weight row: each
+ * block's chunks unpacked once for all rows, each row's arithmetic that of V2(dot1c_k256). */
+static inline __attribute__((always_inline)) void V2(dot1cm_k256)(int64_t n, const uint8_t *w, const uint8_t *xc,
+                                                                 const int64_t *xoff, int nr, float *y, const int kind) {
+    const int big = kind == K_IQ4XS, has_mins = kind <= K_Q6;
+    const int ts = V2(K256_TS)[kind];
+    __m256 acc[DOT2M_ROWS], accm[DOT2M_ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / 256; i++) {
+        const uint8_t *b = w + i * ts;
+        stream_prefetch(b, ts);
+        float dmin;
+        int sc[16];
+        __m256i scb0, m160, mag[8], sgn[8];
+        const float d = V2(k256_scales)(b, kind, &dmin, sc, &scb0, &m160);
+        int signed_w = 0;
+        #pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) signed_w = V2(k256_chunk)(b, j, kind, &mag[j], &sgn[j]);
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *yb = xc + xoff[r] + i * Q8C_BLOCK;
+            __m256i scb = scb0, m16 = m160;
+            V2(k256_cscales)(kind, yb, &scb, &m16);
+            const int16_t *mj = (const int16_t *)(yb + 292);
+            float dy;
+            memcpy(&dy, yb, 4);
+            __m256i sq = _mm256_setzero_si256();
+            #pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(yb + 4 + 32 * j));
+                if (signed_w) xv = _mm256_sign_epi8(xv, sgn[j]);
+                const __m256i s = kind <= K_Q6 ? V2(cs_chunk)(scb, j) : V2(sc16)(sc[2 * j] * mj[j], sc[2 * j + 1] * mj[j], big);
+                sq = V2(dot_sc)(sq, mag[j], xv, s, big);
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq), _mm256_set1_ps(d * dy), acc[r]);
+            if (has_mins) {
+                const __m256i bq = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(yb + 260)), m16);
+                accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bq), _mm256_set1_ps(dmin * dy), accm[r]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) y[r] = V2(k256_result)(acc[r], accm[r], kind);
+}
+
 #define V2_K256C(name, kind) \
     static float V2(dot1c_##name)(int64_t n, const uint8_t *w, const uint8_t *xc, const uint8_t *unused) { \
         (void)unused; \
         return V2(dot1c_k256)(n, w, xc, kind); \
+    } \
+    static void V2(dot1cm_##name)(int64_t n, const uint8_t *w, const uint8_t *xc, const uint8_t *unused, \
+                                  const int64_t *xoff, int nr, float *y) { \
+        (void)unused; \
+        V2(dot1cm_k256)(n, w, xc, xoff, nr, y, kind); \
     }
 V2_K256C(q2_k, K_Q2)
 V2_K256C(q3_k, K_Q3)
@@ -659,6 +707,60 @@ static float V2(dot1c_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xc, co
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq), _mm256_set1_ps(d * dy), acc);
     }
     return 0.125f * V2(hsum)(acc);
+}
+
+/* nr rows of q8c activations against one IQ2_XS weight row: V2(dot2m_iq2_xs)'s unpacking once for
+ * all rows, each row's arithmetic that of V2(dot1c_iq2_xs). */
+static void V2(dot1cm_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xc, const uint8_t *unused, const int64_t *xoff,
+                              int nr, float *y) {
+    (void)unused;
+    const __m256i odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0));
+    const __m256i spread0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2,
+                                             4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
+    const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi8(8));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull), pos = _mm256_set1_epi8(0x7F);
+    const __m128i m15 = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
+    const __m128i evens = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    __m256 acc[DOT2M_ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / 256; i++) {
+        const uint8_t *b = w + i * 74;
+        stream_prefetch(b, 74);
+        const float d = rd_f16(b);
+        const __m128i sb = _mm_loadl_epi64((const __m128i *)(b + 66));
+        const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sb, m15), _mm_and_si128(_mm_srli_epi16(sb, 4), m15));
+        const __m256i s16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_add_epi8(_mm_add_epi8(nib, nib), one), evens));
+        __m256i mag[8], sgn[8];
+        #pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2 + 32 * h));
+            const __m256i p = _mm256_srli_epi16(q, 9);
+            const __m256i f = _mm256_or_si256(p, _mm256_shuffle_epi8(odd, _mm256_xor_si256(p, _mm256_srli_epi16(q, 13))));
+            const __m256i dup[2] = {_mm256_permute2x128_si256(f, f, 0x00), _mm256_permute2x128_si256(f, f, 0x11)};
+            #pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const int j = 4 * h + c;
+                uint64_t u;
+                memcpy(&u, b + 2 + 8 * j, 8);
+                const __m128i lo = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 0)], GRID_IQ2_XS[V2(bits9)(u, 16)]);
+                const __m128i hi = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 32)], GRID_IQ2_XS[V2(bits9)(u, 48)]);
+                mag[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+                sgn[j] = _mm256_add_epi8(_mm256_and_si256(_mm256_shuffle_epi8(dup[c >> 1], c & 1 ? spread1 : spread0), bit), pos);
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *yb = xc + xoff[r] + i * Q8C_BLOCK;
+            float dy;
+            memcpy(&dy, yb, 4);
+            const __m256i cs = _mm256_mullo_epi16(s16, _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(yb + 292))));
+            __m256i sq = _mm256_setzero_si256();
+            #pragma GCC unroll 8
+            for (int j = 0; j < 8; j++)
+                sq = V2(dot_sc)(sq, mag[j], _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(yb + 4 + 32 * j)), sgn[j]), V2(cs_chunk)(cs, j), 0);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sq), _mm256_set1_ps(d * dy), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) y[r] = 0.125f * V2(hsum)(acc[r]);
 }
 
 /* The q8c kernel for a ggml type (256-value blocks), or NULL (qmm.c's q8c_for). */
@@ -875,6 +977,21 @@ static dot2_fn V2(fused2_for)(int type, int64_t qblk, int64_t qsize) {
  * much as (0.96-1.33x at B = 2-17). IQ2_XS's own multi-row loop: 1.06-1.15 / 0.90-0.92 / 0.79-0.83 /
  * 0.75-0.78x its one-row loop per row at B = 2 / 4 / 8 / 17 (bench_kernels --multirow-ab, 1 thread). */
 static dot2m_fn V2(fused2m_of)(dot2_fn f, int *min_rows) {
+    /* q8c, the same row counts (CPU time multi / one-row, 2048x2048, B = 2 / 3 / 4 / 8, Zen 3: Q4_K 0.98 / 1.00 /
+     * 0.92 / 0.85, Q6_K 0.93 / 0.75 / 0.67 / 0.65, Q5_K 1.02 / 0.83 / 0.76 / 0.71, IQ2_XS 0.95 / 1.07 / 0.68 / 0.55) */
+    if (f == V2(dot1c_q2_k)) return *min_rows = 3, V2(dot1cm_q2_k);
+    if (f == V2(dot1c_q3_k)) return *min_rows = 3, V2(dot1cm_q3_k);
+    if (f == V2(dot1c_q4_k)) return *min_rows = 4, V2(dot1cm_q4_k);
+    if (f == V2(dot1c_q5_k)) return *min_rows = 3, V2(dot1cm_q5_k);
+    if (f == V2(dot1c_q6_k)) return *min_rows = 3, V2(dot1cm_q6_k);
+    if (f == V2(dot1c_iq2_xs)) return *min_rows = 4, V2(dot1cm_iq2_xs);
+    if (f == V2(dot1c_iq2_xxs)) return *min_rows = 2, V2(dot1cm_iq2_xxs);
+    if (f == V2(dot1c_iq2_s)) return *min_rows = 2, V2(dot1cm_iq2_s);
+    if (f == V2(dot1c_iq3_xxs)) return *min_rows = 2, V2(dot1cm_iq3_xxs);
+    if (f == V2(dot1c_iq3_s)) return *min_rows = 2, V2(dot1cm_iq3_s);
+    if (f == V2(dot1c_iq4_xs)) return *min_rows = 3, V2(dot1cm_iq4_xs);
+    if (f == V2(dot1c_iq1_s)) return *min_rows = 2, V2(dot1cm_iq1_s);
+    if (f == V2(dot1c_iq1_m)) return *min_rows = 2, V2(dot1cm_iq1_m);
     if (f == V2(dot2_q2_k)) return *min_rows = 3, V2(dot2m_q2_k);
     if (f == V2(dot2_q3_k)) return *min_rows = 3, V2(dot2m_q3_k);
     if (f == V2(dot2_q4_k)) return *min_rows = 4, V2(dot2m_q4_k);
