@@ -26,7 +26,8 @@ same background load, and medians are printed:
 llama.cpp runs in its own process with the caller's environment: `import strata` sets
 OMP_WAIT_POLICY=PASSIVE for its process where unset, and llama.cpp, sharing the process's libgomp,
 would run under Strata's choice. Without llama-cpp-python it reports Strata alone. The kernels' activation mode is printed
-(STRATA_ACTIVATIONS, default q8x2 with ggml installed).
+(STRATA_ACTIVATIONS, default q8x2 with ggml installed); `--also q8c` adds a decode row per model in
+that mode, timed in the same alternation against the same llama.cpp runs.
 """
 
 from __future__ import annotations
@@ -303,6 +304,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-prefill", action="store_true", help="skip the pp512 runs")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode runs (pp512 only)")
     ap.add_argument("--profile", action="store_true", help="also profile Strata's decode steps")
+    ap.add_argument("--also", nargs="*", default=[], choices=["q8c", "q8", "q8x2", "int16", "float32"],
+                    help="Strata's decode again in these activation modes, in the same alternation (a row each, "
+                         "beside the same llama.cpp runs)")
     ap.add_argument("--dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "strata-bench")
     args = ap.parse_args(argv)
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -338,12 +342,20 @@ def main(argv=None) -> int:
             vocab = engine.config.vocab_size
             llm = LlamaChild(path, threads, args.tokens) if have_llama else None
             dec, ldec, pre, lpre = [], [], [], []
+            also = {mode: [] for mode in args.also if mode != kernels.activations()}
             prompt = prefill_prompt(vocab)
             for _ in range(args.repeats):
                 if not args.no_decode:
                     dec.append(strata_decode(engine, args.tokens))
                     if llm is not None:
                         ldec.append(llm.decode(args.tokens))
+                    for mode, runs in also.items():
+                        default = kernels.activations()
+                        kernels.set_activations(mode)
+                        try:
+                            runs.append(strata_decode(engine, args.tokens))
+                        finally:
+                            kernels.set_activations(default)
                 if not args.no_prefill:
                     pre.append(strata_prefill(engine, prompt))
                     if llm is not None:
@@ -363,6 +375,13 @@ def main(argv=None) -> int:
                   f"{_fmt(sp)} {_fmt(lp)} {_ratio(sp, lp):>6} | {nb / 2**20:7.1f} "
                   f"{_fmt(gs, 6, 2)} {_fmt(gl, 6, 2)} {bw:5.1f} {_fmt(100 * gs / bw if gs else None, 5, 0)} "
                   f"{_fmt(100 * gl / bw if gl else None, 5, 0)}", flush=True)
+            for mode, runs in also.items():
+                aw, ac = med(runs, 0), med(runs, 1)
+                ga = nb * aw / 1e9 if aw else None
+                print(f"{'  ' + mode + ' activations':<26} {threads:>3} | {_fmt(aw)} {_fmt(lw)} {_ratio(aw, lw):>6} | "
+                      f"{_fmt(ac)} {_fmt(lc)} {_ratio(ac, lc):>6} | {_fmt(runs[0][2] if runs else None, 6)} {'':>6} | "
+                      f"{_fmt(med([r for r in runs if r[3] is not None], 3), 5, 2)} | {'':>22} | {nb / 2**20:7.1f} "
+                      f"{_fmt(ga, 6, 2)} {'':>6} {bw:5.1f} {_fmt(100 * ga / bw if ga else None, 5, 0)}", flush=True)
             if args.profile:
                 from decode_profile import print_profile, print_timeline, replay_products
 
