@@ -603,6 +603,40 @@ static float V2(dot2_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, con
     return 0.125f * V2(hsum)(acc);
 }
 
+/* Block b's 16-value scales 2s + 1 (byte k: sub-block k), and its 8 chunks' grid magnitudes and
+ * sign bytes as V2(dot2_iq2_xs) unpacks them: the multi-row kernels' shared unpacking. */
+static inline __attribute__((always_inline)) __m128i V2(iq2xs_scale_bytes)(const uint8_t *b) {
+    const __m128i m15 = _mm_set1_epi8(15);
+    const __m128i sb = _mm_loadl_epi64((const __m128i *)(b + 66));
+    const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sb, m15), _mm_and_si128(_mm_srli_epi16(sb, 4), m15));
+    return _mm_add_epi8(_mm_add_epi8(nib, nib), _mm_set1_epi8(1));
+}
+
+static inline __attribute__((always_inline)) void V2(iq2xs_chunks)(const uint8_t *b, __m256i *mag, __m256i *sgn) {
+    const __m256i odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0));
+    const __m256i spread0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2,
+                                             4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
+    const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi8(8));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull), pos = _mm256_set1_epi8(0x7F);
+    #pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2 + 32 * h));
+        const __m256i p = _mm256_srli_epi16(q, 9);
+        const __m256i f = _mm256_or_si256(p, _mm256_shuffle_epi8(odd, _mm256_xor_si256(p, _mm256_srli_epi16(q, 13))));
+        const __m256i dup[2] = {_mm256_permute2x128_si256(f, f, 0x00), _mm256_permute2x128_si256(f, f, 0x11)};
+        #pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const int j = 4 * h + c;
+            uint64_t u;
+            memcpy(&u, b + 2 + 8 * j, 8);
+            const __m128i lo = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 0)], GRID_IQ2_XS[V2(bits9)(u, 16)]);
+            const __m128i hi = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 32)], GRID_IQ2_XS[V2(bits9)(u, 48)]);
+            mag[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+            sgn[j] = _mm256_add_epi8(_mm256_and_si256(_mm256_shuffle_epi8(dup[c >> 1], c & 1 ? spread1 : spread0), bit), pos);
+        }
+    }
+}
+
 /* nr <= DOT2M_ROWS rows of activations against one IQ2_XS weight row (V2(dot2m_k256)'s contract):
  * each block's 8 chunks (grid magnitudes, sign bytes, 16-value scales) unpacked once, as
  * V2(dot2_iq2_xs) unpacks them, then every row's products in V2(dot2_iq2_xs)'s order, so each
@@ -610,40 +644,16 @@ static float V2(dot2_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, con
  * block's cost (~44 cycles), so a prompt's or a verify pass's rows share them. */
 static void V2(dot2m_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff,
                              int nr, float *y) {
-    const __m256i odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0));
-    const __m256i spread0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2,
-                                             4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
-    const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi8(8));
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull), pos = _mm256_set1_epi8(0x7F);
-    const __m128i m15 = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
     __m256 acc[DOT2M_ROWS];
     for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / 256; i++) {
         const uint8_t *b = w + i * 74;
         stream_prefetch(b, 74);
         const float d = rd_f16(b);
-        const __m128i sb = _mm_loadl_epi64((const __m128i *)(b + 66));
-        const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sb, m15), _mm_and_si128(_mm_srli_epi16(sb, 4), m15));
-        const __m256i scb = _mm256_broadcastsi128_si256(_mm_add_epi8(_mm_add_epi8(nib, nib), one));
+        const __m256i scb = _mm256_broadcastsi128_si256(V2(iq2xs_scale_bytes)(b));
         __m256i mag[8], sgn[8], s[8];
-        #pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2 + 32 * h));
-            const __m256i p = _mm256_srli_epi16(q, 9);
-            const __m256i f = _mm256_or_si256(p, _mm256_shuffle_epi8(odd, _mm256_xor_si256(p, _mm256_srli_epi16(q, 13))));
-            const __m256i dup[2] = {_mm256_permute2x128_si256(f, f, 0x00), _mm256_permute2x128_si256(f, f, 0x11)};
-            #pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) {
-                const int j = 4 * h + c;
-                uint64_t u;
-                memcpy(&u, b + 2 + 8 * j, 8);
-                const __m128i lo = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 0)], GRID_IQ2_XS[V2(bits9)(u, 16)]);
-                const __m128i hi = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 32)], GRID_IQ2_XS[V2(bits9)(u, 48)]);
-                mag[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-                sgn[j] = _mm256_add_epi8(_mm256_and_si256(_mm256_shuffle_epi8(dup[c >> 1], c & 1 ? spread1 : spread0), bit), pos);
-                s[j] = V2(iq2xs_scales)(scb, j);
-            }
-        }
+        V2(iq2xs_chunks)(b, mag, sgn);
+        for (int j = 0; j < 8; j++) s[j] = V2(iq2xs_scales)(scb, j);
         for (int r = 0; r < nr; r++) {
             const uint8_t *yq = xq + xoff[r] + i * 292, *yr = xr + xoff[r] + i * 292;
             float dq, dr;
@@ -671,7 +681,6 @@ static float V2(dot1c_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xc, co
                                              4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
     const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi8(8));
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull), pos = _mm256_set1_epi8(0x7F);
-    const __m128i m15 = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
     const __m128i evens = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / 256; i++) {
@@ -680,9 +689,7 @@ static float V2(dot1c_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xc, co
         float dy;
         memcpy(&dy, y, 4);
         const float d = rd_f16(b);
-        const __m128i sb = _mm_loadl_epi64((const __m128i *)(b + 66));
-        const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sb, m15), _mm_and_si128(_mm_srli_epi16(sb, 4), m15));
-        const __m256i s16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_add_epi8(_mm_add_epi8(nib, nib), one), evens));
+        const __m256i s16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(V2(iq2xs_scale_bytes)(b), evens));
         const __m256i cs = _mm256_mullo_epi16(s16, _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(y + 292))));
         __m256i sq = _mm256_setzero_si256();
         #pragma GCC unroll 2
@@ -714,12 +721,6 @@ static float V2(dot1c_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xc, co
 static void V2(dot1cm_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xc, const uint8_t *unused, const int64_t *xoff,
                               int nr, float *y) {
     (void)unused;
-    const __m256i odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0));
-    const __m256i spread0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2,
-                                             4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
-    const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi8(8));
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull), pos = _mm256_set1_epi8(0x7F);
-    const __m128i m15 = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
     const __m128i evens = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     __m256 acc[DOT2M_ROWS];
     for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
@@ -727,27 +728,9 @@ static void V2(dot1cm_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xc, co
         const uint8_t *b = w + i * 74;
         stream_prefetch(b, 74);
         const float d = rd_f16(b);
-        const __m128i sb = _mm_loadl_epi64((const __m128i *)(b + 66));
-        const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sb, m15), _mm_and_si128(_mm_srli_epi16(sb, 4), m15));
-        const __m256i s16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_add_epi8(_mm_add_epi8(nib, nib), one), evens));
+        const __m256i s16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(V2(iq2xs_scale_bytes)(b), evens));
         __m256i mag[8], sgn[8];
-        #pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2 + 32 * h));
-            const __m256i p = _mm256_srli_epi16(q, 9);
-            const __m256i f = _mm256_or_si256(p, _mm256_shuffle_epi8(odd, _mm256_xor_si256(p, _mm256_srli_epi16(q, 13))));
-            const __m256i dup[2] = {_mm256_permute2x128_si256(f, f, 0x00), _mm256_permute2x128_si256(f, f, 0x11)};
-            #pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) {
-                const int j = 4 * h + c;
-                uint64_t u;
-                memcpy(&u, b + 2 + 8 * j, 8);
-                const __m128i lo = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 0)], GRID_IQ2_XS[V2(bits9)(u, 16)]);
-                const __m128i hi = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 32)], GRID_IQ2_XS[V2(bits9)(u, 48)]);
-                mag[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-                sgn[j] = _mm256_add_epi8(_mm256_and_si256(_mm256_shuffle_epi8(dup[c >> 1], c & 1 ? spread1 : spread0), bit), pos);
-            }
-        }
+        V2(iq2xs_chunks)(b, mag, sgn);
         for (int r = 0; r < nr; r++) {
             const uint8_t *yb = xc + xoff[r] + i * Q8C_BLOCK;
             float dy;
