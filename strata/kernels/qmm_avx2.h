@@ -554,14 +554,56 @@ static inline __attribute__((always_inline)) __m256i V2(iq2xs_scales)(__m256i sc
     return _mm256_shuffle_epi8(scb, sp);
 }
 
-static float V2(dot2_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
+/* Block b's 16-value scales 2s + 1 (byte k: sub-block k), and its 8 chunks' grid magnitudes and
+ * sign bytes as V2(dot2_iq2_xs) unpacks them: the multi-row kernels' shared unpacking. */
+static inline __attribute__((always_inline)) __m128i V2(iq2xs_scale_bytes)(const uint8_t *b) {
+    const __m128i m15 = _mm_set1_epi8(15);
+    const __m128i sb = _mm_loadl_epi64((const __m128i *)(b + 66));
+    const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sb, m15), _mm_and_si128(_mm_srli_epi16(sb, 4), m15));
+    return _mm_add_epi8(_mm_add_epi8(nib, nib), _mm_set1_epi8(1));
+}
+
+/* Half h (u16 16h..16h+15) of block b: its sign words' 7 bits and parity, in both lanes' order as
+ * V2(iq2xs_chunk) takes them. */
+static inline __attribute__((always_inline)) void V2(iq2xs_half)(const uint8_t *b, const int h, __m256i dup[2]) {
     const __m256i odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0));
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2 + 32 * h));
+    const __m256i p = _mm256_srli_epi16(q, 9);
+    const __m256i f = _mm256_or_si256(p, _mm256_shuffle_epi8(odd, _mm256_xor_si256(p, _mm256_srli_epi16(q, 13))));
+    dup[0] = _mm256_permute2x128_si256(f, f, 0x00);
+    dup[1] = _mm256_permute2x128_si256(f, f, 0x11);
+}
+
+/* Chunk j (values 32j..32j+31: u16 4j..4j+3) of block b, dup its half's (V2(iq2xs_half)): the grid
+ * magnitudes and the sign bytes. */
+static inline __attribute__((always_inline)) void V2(iq2xs_chunk)(const uint8_t *b, const int j, const __m256i dup[2],
+                                                                 __m256i *mag, __m256i *sgn) {
     /* value m of u16 k (of 4) takes sign byte k: bytes 2k of 4 u16, then of the next 4 */
     const __m256i spread0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2,
                                              4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
     const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi8(8));
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull), pos = _mm256_set1_epi8(0x7F);
-    const __m128i m15 = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
+    const int c = j % 4;
+    uint64_t u;
+    memcpy(&u, b + 2 + 8 * j, 8);
+    __asm__("" : "+r"(u)); /* one load; GCC would fold it into each bextr */
+    const __m128i lo = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 0)], GRID_IQ2_XS[V2(bits9)(u, 16)]);
+    const __m128i hi = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 32)], GRID_IQ2_XS[V2(bits9)(u, 48)]);
+    *mag = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    *sgn = _mm256_add_epi8(_mm256_and_si256(_mm256_shuffle_epi8(dup[c >> 1], c & 1 ? spread1 : spread0), bit), pos);
+}
+
+static inline __attribute__((always_inline)) void V2(iq2xs_chunks)(const uint8_t *b, __m256i *mag, __m256i *sgn) {
+    #pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        __m256i dup[2];
+        V2(iq2xs_half)(b, h, dup);
+        #pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) V2(iq2xs_chunk)(b, 4 * h + c, dup, &mag[4 * h + c], &sgn[4 * h + c]);
+    }
+}
+
+static float V2(dot2_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / 256; i++) {
         const uint8_t *b = w + i * 74, *yq = xq + i * 292, *yr = xr + i * 292;
@@ -570,27 +612,17 @@ static float V2(dot2_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, con
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
         const float d = rd_f16(b);
-        /* byte g: sub-block g's 2s + 1 (low nibbles first), in both 128-bit lanes */
-        const __m128i sb = _mm_loadl_epi64((const __m128i *)(b + 66));
-        const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sb, m15), _mm_and_si128(_mm_srli_epi16(sb, 4), m15));
-        const __m256i scb = _mm256_broadcastsi128_si256(_mm_add_epi8(_mm_add_epi8(nib, nib), one));
+        const __m256i scb = _mm256_broadcastsi128_si256(V2(iq2xs_scale_bytes)(b)); /* in both 128-bit lanes */
         __m256i sq = _mm256_setzero_si256(), sr = _mm256_setzero_si256();
         #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) { /* u16 16h..16h+15: 128 values */
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2 + 32 * h));
-            const __m256i p = _mm256_srli_epi16(q, 9);
-            const __m256i f = _mm256_or_si256(p, _mm256_shuffle_epi8(odd, _mm256_xor_si256(p, _mm256_srli_epi16(q, 13))));
-            const __m256i dup[2] = {_mm256_permute2x128_si256(f, f, 0x00), _mm256_permute2x128_si256(f, f, 0x11)};
+            __m256i dup[2];
+            V2(iq2xs_half)(b, h, dup);
             #pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) { /* values 32j..32j+31: u16 4j..4j+3, sub-blocks 2j, 2j+1 */
+            for (int c = 0; c < 4; c++) { /* sub-blocks 2j, 2j+1 */
                 const int j = 4 * h + c;
-                uint64_t u;
-                memcpy(&u, b + 2 + 8 * j, 8);
-                __asm__("" : "+r"(u)); /* one load; GCC would fold it into each bextr */
-                const __m128i lo = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 0)], GRID_IQ2_XS[V2(bits9)(u, 16)]);
-                const __m128i hi = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 32)], GRID_IQ2_XS[V2(bits9)(u, 48)]);
-                const __m256i mag = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-                const __m256i sgn = _mm256_add_epi8(_mm256_and_si256(_mm256_shuffle_epi8(dup[c >> 1], c & 1 ? spread1 : spread0), bit), pos);
+                __m256i mag, sgn;
+                V2(iq2xs_chunk)(b, j, dup, &mag, &sgn);
                 const __m256i s = V2(iq2xs_scales)(scb, j);
                 sq = V2(dot_sc)(sq, mag, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(yq + 4 + 32 * j)), sgn), s, 0);
                 sr = V2(dot_sc)(sr, mag, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(yr + 4 + 32 * j)), sgn), s, 0);
@@ -601,40 +633,6 @@ static float V2(dot2_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, con
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sr), _mm256_set1_ps(d * dr), acc);
     }
     return 0.125f * V2(hsum)(acc);
-}
-
-/* Block b's 16-value scales 2s + 1 (byte k: sub-block k), and its 8 chunks' grid magnitudes and
- * sign bytes as V2(dot2_iq2_xs) unpacks them: the multi-row kernels' shared unpacking. */
-static inline __attribute__((always_inline)) __m128i V2(iq2xs_scale_bytes)(const uint8_t *b) {
-    const __m128i m15 = _mm_set1_epi8(15);
-    const __m128i sb = _mm_loadl_epi64((const __m128i *)(b + 66));
-    const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sb, m15), _mm_and_si128(_mm_srli_epi16(sb, 4), m15));
-    return _mm_add_epi8(_mm_add_epi8(nib, nib), _mm_set1_epi8(1));
-}
-
-static inline __attribute__((always_inline)) void V2(iq2xs_chunks)(const uint8_t *b, __m256i *mag, __m256i *sgn) {
-    const __m256i odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0));
-    const __m256i spread0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2,
-                                             4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
-    const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi8(8));
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull), pos = _mm256_set1_epi8(0x7F);
-    #pragma GCC unroll 2
-    for (int h = 0; h < 2; h++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2 + 32 * h));
-        const __m256i p = _mm256_srli_epi16(q, 9);
-        const __m256i f = _mm256_or_si256(p, _mm256_shuffle_epi8(odd, _mm256_xor_si256(p, _mm256_srli_epi16(q, 13))));
-        const __m256i dup[2] = {_mm256_permute2x128_si256(f, f, 0x00), _mm256_permute2x128_si256(f, f, 0x11)};
-        #pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) {
-            const int j = 4 * h + c;
-            uint64_t u;
-            memcpy(&u, b + 2 + 8 * j, 8);
-            const __m128i lo = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 0)], GRID_IQ2_XS[V2(bits9)(u, 16)]);
-            const __m128i hi = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 32)], GRID_IQ2_XS[V2(bits9)(u, 48)]);
-            mag[j] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-            sgn[j] = _mm256_add_epi8(_mm256_and_si256(_mm256_shuffle_epi8(dup[c >> 1], c & 1 ? spread1 : spread0), bit), pos);
-        }
-    }
 }
 
 /* nr <= DOT2M_ROWS rows of activations against one IQ2_XS weight row (V2(dot2m_k256)'s contract):
@@ -676,11 +674,6 @@ static void V2(dot2m_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xq, con
  * 16-value scales (2s + 1) times m_j in cs's layout (even sub-blocks in the low lane). */
 static float V2(dot1c_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xc, const uint8_t *unused) {
     (void)unused;
-    const __m256i odd = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, -128, -128, 0, -128, 0, 0, -128, -128, 0, 0, -128, 0, -128, -128, 0));
-    const __m256i spread0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2,
-                                             4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
-    const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi8(8));
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull), pos = _mm256_set1_epi8(0x7F);
     const __m128i evens = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / 256; i++) {
@@ -694,20 +687,13 @@ static float V2(dot1c_iq2_xs)(int64_t n, const uint8_t *w, const uint8_t *xc, co
         __m256i sq = _mm256_setzero_si256();
         #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2 + 32 * h));
-            const __m256i p = _mm256_srli_epi16(q, 9);
-            const __m256i f = _mm256_or_si256(p, _mm256_shuffle_epi8(odd, _mm256_xor_si256(p, _mm256_srli_epi16(q, 13))));
-            const __m256i dup[2] = {_mm256_permute2x128_si256(f, f, 0x00), _mm256_permute2x128_si256(f, f, 0x11)};
+            __m256i dup[2];
+            V2(iq2xs_half)(b, h, dup);
             #pragma GCC unroll 4
             for (int c = 0; c < 4; c++) {
                 const int j = 4 * h + c;
-                uint64_t u;
-                memcpy(&u, b + 2 + 8 * j, 8);
-                __asm__("" : "+r"(u));
-                const __m128i lo = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 0)], GRID_IQ2_XS[V2(bits9)(u, 16)]);
-                const __m128i hi = V2(ld2q)(GRID_IQ2_XS[V2(bits9)(u, 32)], GRID_IQ2_XS[V2(bits9)(u, 48)]);
-                const __m256i mag = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-                const __m256i sgn = _mm256_add_epi8(_mm256_and_si256(_mm256_shuffle_epi8(dup[c >> 1], c & 1 ? spread1 : spread0), bit), pos);
+                __m256i mag, sgn;
+                V2(iq2xs_chunk)(b, j, dup, &mag, &sgn);
                 sq = V2(dot_sc)(sq, mag, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y + 4 + 32 * j)), sgn), V2(cs_chunk)(cs, j), 0);
             }
         }
