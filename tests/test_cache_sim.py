@@ -12,7 +12,7 @@ import torch
 from strata.cli import main as cli_main
 from strata.errors import BadOption, StrataError
 from strata.tiers.cache_sim import Belady, parse_sizes, replay, replay_trace, simulate, table
-from strata.tiers.policy import LRU, SlotMap, make_policy, regions
+from strata.tiers.policy import LRU, Adaptive, SlotMap, make_policy, regions
 from strata.tiers.trace import TraceRecorder, load_trace
 
 
@@ -85,6 +85,60 @@ def test_adaptive_calibrates_each_layer_to_its_own_reuse():
                 seen[layer].append(adaptive.estimate(np.arange(layer * E, (layer + 1) * E)).mean())
             adaptive.access([layer * E + int(e) for e in rng.choice(E, top, replace=False)])
     assert abs(np.mean(seen[0]) - 0.5) < 0.03 and abs(np.mean(seen[1]) - 0.25) < 0.03
+
+
+def test_adaptive_learns_which_experts_follow_which_at_a_layer():
+    """Decode routing where expert a is followed by a+1 or a+3 (of 8), each half the time: every
+    expert has the same lifetime share and the same spread of lags, so only what followed what
+    tells the two successors of the last expert from the other six. A batched step, which does
+    not say which token used which expert, leaves no such score."""
+    E, rng = 8, np.random.default_rng(0)
+    adaptive = make_policy("adaptive", 4, E, n_experts=E)
+    expert = 0
+    for _ in range(400):
+        adaptive.access([expert])
+        expert = (expert + int(rng.choice([1, 3]))) % E
+    last = int(np.flatnonzero(adaptive.last == adaptive.runs[0])[0])
+    after = [(last + 1) % E, (last + 3) % E]
+    chance = adaptive.estimate_following(np.arange(E))
+    assert chance[after].min() > 0.3 and np.delete(chance, after).max() < 0.1
+    assert np.delete(adaptive.estimate(np.arange(E)), after).max() > 0.1  # the calibration without the input
+    adaptive.access([1, 2, 5], counts=[9, 7, 8])  # a batched step
+    assert not adaptive.follows.any()
+
+
+class _WithoutInput(Adaptive):
+    """Adaptive that never ranks with the transition input."""
+
+    following = property(lambda self: False, lambda self, value: None)
+
+
+def _successor_pairs(n: int, seed: int = 0) -> list[list[int]]:
+    """Top-2 routing of 8 experts in which each pair has a successor pair, taken 80 % of the time."""
+    rng, succ, pair, out = np.random.default_rng(seed), {}, (0, 1), []
+    for _ in range(n):
+        out.append(sorted(pair))
+        if tuple(out[-1]) not in succ:
+            succ[tuple(out[-1])] = tuple(int(x) for x in rng.choice(8, 2, replace=False))
+        pair = succ[tuple(out[-1])] if rng.random() < 0.8 else tuple(int(x) for x in rng.choice(8, 2, replace=False))
+    return out
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_adaptive_ranks_with_the_transition_input_while_its_shadow_cache_hits_more(slots):
+    """Two shadow resident sets, ranked with and without what-follows-what, take every run's keys;
+    the cache ranks with the input while its shadow has hit more lately. Where each pair of experts
+    has a usual successor, the input pays and the cache follows it; the same routing as batched steps
+    (which score no transitions) ranks alike in both shadows, so the cache decides as without it."""
+    routing = [(0, keys) for keys in _successor_pairs(800)]
+    adaptive, without = make_policy("adaptive", slots, 8, n_experts=8), _WithoutInput(slots, 8, 8)
+    rate, rate_without = replay(routing, adaptive, 8).hit_rate, replay(routing, without, 8).hit_rate
+    assert adaptive.following and rate > rate_without + 0.05
+    batched = [[2, 2]] * len(routing)
+    adaptive, without = make_policy("adaptive", slots, 8, n_experts=8), _WithoutInput(slots, 8, 8)
+    rate, rate_without = replay(routing, adaptive, 8, counts=batched), replay(routing, without, 8, counts=batched)
+    assert not adaptive.following and not adaptive.lead
+    assert rate.stats.layers[0].hits == rate_without.stats.layers[0].hits
 
 
 def test_adaptive_evicts_a_key_of_the_layer_that_just_ran_before_one_of_a_layer_still_to_run():

@@ -26,6 +26,14 @@ that one layer used keys (and how many of the step's tokens each served); `place
   that just ran waits longest) plus the runs a chance p takes on average, 1 / p - 1. Real routing
   differs in what predicts reuse (Mixtral's is close to memoryless, batched Qwen1.5-MoE's
   is all frequency); the table learns which, instead of a fixed blend of the two.
+  A second calibration also weighs what follows what at a layer: over consecutive one-token
+  runs (decode), the chance that an expert is used right after the layer's last run's whole
+  expert set, smoothed towards the chance after that run's experts one by one, as a log-ratio
+  to the expert's base rate. It pays on some routing (Mixtral's) and not on other (the demo
+  model's), so two shadow resident sets of the cache's size, ranked without and with it, take
+  every run's keys by the same rule, and the cache ranks with it while its shadow has hit more
+  (decayed by DUEL_DECAY a run). A batched or prefill step says no transitions, so on batched
+  routing both shadows agree and the cache ranks without it.
 - `static`: a fixed hot set (a ranking from a trace, or the first experts seen); never evicts.
 
 Measured with bench/bench_cache_policy.py on public vLLM routing logs (Mixtral-8x7B-Instruct,
@@ -44,7 +52,9 @@ with the layer that just ran (lower on Mixtral; raising only: no change, as thos
 seldom the victim once the rank counts the wait to the next run), a LIRS-like input (the gap
 between a key's last two uses: 1.3 points lower on one Mixtral trace), and a share over the last
 ~64-128 runs or a table horizon of 1, 4 or 8 runs (each within about half a point, up or down,
-on the Mixtral traces).
+on the Mixtral traces); the transition input ranked always (lowered the demo's trace below LFU at
+60 %), per-key offsets, an admission margin, ARC-like per-layer slot targets and a ghost input
+(no better, or lower, on Mixtral).
 
 `SlotMap` puts a policy to work over the cache's regions (decode, prefill) and prefetches;
 the runtime's `DeviceCache` and `strata cache-sim` both drive it, so they count alike.
@@ -70,6 +80,10 @@ BURST_HALF_LIVES = (2.0, 16.0)  # runs of the key's layer: the recent-share feat
 CALIBRATION_RATE = 0.02  # step of the calibration's online logistic regression (per run of a layer)
 LAYER_RATE = 0.3  # step of a layer's own offset to the shared calibration's log-odds (per run of that layer)
 NEVER_LAG = 50  # the lag feature of a key never used
+FOLLOW_PRIOR = 1.0  # pseudo-runs at the base rate in the chance that an expert follows a layer's last experts
+FOLLOW_SET_PRIOR = 16.0  # pseudo-runs at that pooled chance in the chance after the last run's whole expert set
+FOLLOW_SETS = 1024  # expert sets remembered per layer (least recently seen dropped): bounds a wide layer's memory
+DUEL_DECAY = 0.999  # per run, of the lead of the shadow cache that ranks with the transition input
 
 Placement = tuple[list[tuple[int, int | None]], list[int]]  # (admitted (key, victim)), rejected
 
@@ -278,6 +292,21 @@ class Adaptive(Packed):
         self.share = np.zeros(len(self.last))
         self.features = np.zeros((len(self.last), len(BURST_HALF_LIVES) + 2))
         self._refresh(np.arange(len(self.last)))
+        # What follows what at a layer (consecutive one-token runs), the input of a second calibration
+        # (own weights and layer offsets), and the duel that decides whether the cache ranks with it.
+        self.followed: dict[int, np.ndarray] = {}  # layer -> [a, b]: b used in the run after a run using a
+        self.leads = np.zeros((n_layers, self.n_experts))  # [layer, a]: one-token runs using a that one followed
+        self.single_uses = np.zeros(n_layers * self.n_experts)  # uses in one-token runs
+        self.single_runs = np.zeros(n_layers)
+        self.previous: dict[int, np.ndarray] = {}  # layer -> experts of its last run, if a one-token run
+        self.after_set: dict[int, OrderedDict] = {}  # layer -> expert set -> [runs after it, {expert: uses}]
+        self.follows = np.zeros(n_layers * self.n_experts)  # per key: log(chance after its layer's last run / base)
+        self.follow_weights = np.insert(self.weights, len(self.weights) - 1, 0.0)  # the table at first, input at 0
+        self.follow_offset = np.zeros(n_layers)
+        self.follow_inputs: dict[int, np.ndarray] = {}
+        self.shadows = {False: set(), True: set()}  # resident sets ranked without / with the input
+        self.lead = 0.0  # decayed hits of the shadow with the input over the one without
+        self.following = False  # the cache ranks with the input while its shadow leads
 
     def _cells(self, keys: np.ndarray):
         layer = keys // self.n_experts
@@ -315,6 +344,17 @@ class Adaptive(Packed):
         offset (layers differ in how often a key with the same inputs is used again: top-k, skew)."""
         return 1 / (1 + np.exp(-(self.inputs_of(keys) @ self.weights + self.offset[keys // self.n_experts])))
 
+    def following_inputs_of(self, keys: np.ndarray) -> np.ndarray:
+        """The calibration's inputs with the transition input before the constant."""
+        x = self.inputs_of(keys)
+        return np.column_stack([x[:, :-1], self.follows[keys], x[:, -1:]])
+
+    def estimate_following(self, keys: np.ndarray) -> np.ndarray:
+        """The chance of a use at the layer's next run by the second calibration, which also weighs
+        how much likelier the key is after its layer's last run's experts than on average."""
+        return 1 / (1 + np.exp(-(self.following_inputs_of(keys) @ self.follow_weights
+                                 + self.follow_offset[keys // self.n_experts])))
+
     def access(self, keys, counts=None):
         if not keys:
             return
@@ -322,14 +362,22 @@ class Adaptive(Packed):
         every = np.arange(layer * self.n_experts, (layer + 1) * self.n_experts)
         self.now, self.span = layer, max(self.span, layer + 1)
         used = np.asarray(keys, dtype=np.int64)
+        lead = len(self.shadows[True].intersection(keys)) - len(self.shadows[False].intersection(keys))
+        hit = np.zeros(self.n_experts)
+        hit[used - every[0]] = 1.0
+        ran = self.runs > 0  # offsets centred: the shared intercept keeps the common level (one layer: offset 0)
         if layer in self.inputs:  # one gradient step of the calibration and of the layer's offset on this run's outcome
-            x, hit = self.inputs[layer], np.zeros(self.n_experts)
-            hit[used - every[0]] = 1.0
+            x = self.inputs[layer]
             error = hit - 1 / (1 + np.exp(-(x @ self.weights + self.offset[layer])))
             self.weights += CALIBRATION_RATE * x.T @ error / len(x)
             self.offset[layer] += LAYER_RATE * error.mean()
-            ran = self.runs > 0  # centred: the shared intercept keeps the common level (one layer: offset 0)
             self.offset[ran] -= self.offset[ran].mean()
+        if layer in self.follow_inputs:  # the same for the calibration with the transition input
+            x = self.follow_inputs[layer]
+            error = hit - 1 / (1 + np.exp(-(x @ self.follow_weights + self.follow_offset[layer])))
+            self.follow_weights += CALIBRATION_RATE * x.T @ error / len(x)
+            self.follow_offset[layer] += LAYER_RATE * error.mean()
+            self.follow_offset[ran] -= self.follow_offset[ran].mean()
         waiting = self.waiting.setdefault(layer, deque())  # the cells as they stand since the layer's last run
         waiting.append((int(self.runs[layer]), self.lag_cell[every].copy(), self.share_cell[every].copy()))
         self.runs[layer] += 1
@@ -348,15 +396,108 @@ class Adaptive(Packed):
         for b, half_life in zip(self.burst, BURST_HALF_LIVES):
             b[every] += (1 - 0.5 ** (1 / half_life)) * (run_share - b[every])
         self._refresh(every)
+        self._follow(layer, used - every[0], counts is None or sum(counts) == len(keys))
         self.inputs[layer] = self.inputs_of(every)
+        self.follow_inputs[layer] = self.following_inputs_of(every)
+        self.lead = DUEL_DECAY * self.lead + lead
+        self.following = self.lead > 0
+        self._shadows_place(keys)
+
+    def _follow(self, layer: int, experts: np.ndarray, one_token: bool) -> None:
+        """Learn which experts a layer uses right after which (consecutive one-token runs: a decode
+        step's token follows the last one's), and score every expert of the layer for its next run:
+        the chance after the last run's whole expert set, smoothed towards the chance pooled over that
+        run's experts one by one, itself smoothed towards the base rate. A batched or prefill step
+        names experts without saying which token used which, so it teaches nothing and leaves no score."""
+        E, rows = self.n_experts, slice(layer * self.n_experts, (layer + 1) * self.n_experts)
+        if not one_token:
+            self.previous.pop(layer, None)
+            self.follows[rows] = 0.0
+            return
+        sets = self.after_set.setdefault(layer, OrderedDict())
+        if layer in self.previous:
+            before = self.previous[layer]
+            followed = self.followed.setdefault(layer, np.zeros((E, E), dtype=np.float32))
+            followed[np.ix_(before, experts)] += 1
+            self.leads[layer][before] += 1
+            entry = sets.setdefault(tuple(before.tolist()), [0, {}])
+            entry[0] += 1
+            for e in experts.tolist():
+                entry[1][e] = entry[1].get(e, 0) + 1
+        current = np.sort(experts)
+        self.previous[layer] = current
+        self.single_uses[rows][experts] += 1
+        self.single_runs[layer] += 1
+        base = (self.single_uses[rows] + 1) / (self.single_runs[layer] + E / len(experts))
+        followed = self.followed.get(layer)
+        pooled = ((followed[current].sum(0) if followed is not None else 0) + FOLLOW_PRIOR * base) / (
+            self.leads[layer][current].sum() + FOLLOW_PRIOR)
+        entry = sets.get(tuple(current.tolist()))
+        after = pooled
+        if entry is not None:
+            sets.move_to_end(tuple(current.tolist()))
+            uses = np.zeros(E)
+            uses[list(entry[1])] = list(entry[1].values())
+            after = (uses + FOLLOW_SET_PRIOR * pooled) / (entry[0] + FOLLOW_SET_PRIOR)
+        while len(sets) > FOLLOW_SETS:
+            sets.popitem(last=False)
+        self.follows[rows] = np.log(np.clip(after, 1e-4, 1) / np.clip(base, 1e-4, 1))
+
+    def _shadows_place(self, keys: list[int]) -> None:
+        """Two resident sets of the cache's size take this run's keys by the cache's own rule (the
+        least valued evicted; a miss admitted only if valued above that victim), one ranked without
+        the transition input and one with it: the duel compares the hits of the two. Both are scored
+        in one pass over the keys either holds."""
+        misses = {}
+        for with_input, shadow in self.shadows.items():
+            out = [k for k in keys if k not in shadow]
+            free = max(self.capacity - len(shadow), 0)
+            shadow.update(out[:free])
+            if out[free:]:
+                misses[with_input] = out[free:]
+        if not misses:
+            return
+        held = np.fromiter(set().union(*(self.shadows[w] for w in misses)), dtype=np.int64)
+        held = np.sort(held[~np.isin(held, keys)])
+        incoming = np.array(sorted(set().union(*misses.values())), dtype=np.int64)
+        ranks = dict(zip((False, True), zip(*(self._ranks_both(k) for k in (held, incoming)))))
+        for with_input, out in misses.items():
+            shadow = self.shadows[with_input]
+            candidates = np.array(sorted(shadow.difference(keys)), dtype=np.int64)
+            if not len(candidates):
+                continue
+            held_ranks, incoming_ranks = ranks[with_input]
+            mine = held_ranks[np.searchsorted(held, candidates)]
+            for key in out:
+                rank = incoming_ranks[np.searchsorted(incoming, key)]
+                i = int(np.argmin(mine))
+                if mine[i] == np.inf or not rank > mine[i]:
+                    continue
+                shadow.discard(int(candidates[i]))
+                shadow.add(key)
+                mine[i] = np.inf
+
+    def _ranks_both(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ranks of `keys` without and with the transition input, from one pass over their inputs."""
+        x = self.inputs_of(keys)
+        layer = keys // self.n_experts
+        without = 1 / (1 + np.exp(-(x @ self.weights + self.offset[layer])))
+        x = np.column_stack([x[:, :-1], self.follows[keys], x[:, -1:]])
+        with_input = 1 / (1 + np.exp(-(x @ self.follow_weights + self.follow_offset[layer])))
+        return tuple(1 / (self._wait(keys) + 1 / np.maximum(c, 1e-6)) + TIE * self.share[keys] + 1e-12 * self.last[keys]
+                     for c in (without, with_input))
+
+    def _rank(self, keys: np.ndarray, with_input: bool) -> np.ndarray:
+        chance = self.estimate_following(keys) if with_input else self.estimate(keys)
+        return 1 / (self._wait(keys) + 1 / np.maximum(chance, 1e-6)) + TIE * self.share[keys] + 1e-12 * self.last[keys]
 
     def ranks(self, resident):
         """1 / (expected wait + 1): the wait being the steps until the key's layer runs next plus
         1 / p - 1 steps for its chance p of use at each run. Within a step the cache sees the layers
         in order, so a key of the layer that just ran waits a whole step for its next chance, while
-        one of a layer still to run may be used in this step: at equal chances the first is evicted."""
-        return (1 / (self._wait(resident) + 1 / np.maximum(self.estimate(resident), 1e-6)) + TIE * self.share[resident]
-                + 1e-12 * self.last[resident])
+        one of a layer still to run may be used in this step: at equal chances the first is evicted.
+        The chance is the calibration's with the transition input while its shadow leads the duel."""
+        return self._rank(resident, self.following)
 
     def admit(self, key, victim):
         return self.admit_all or self.rank_of(key) > self.rank_of(victim)
