@@ -553,3 +553,21 @@ def test_converter_names_a_bad_forward_sizes_in_one_line(tmp_path, capsys):
     assert _converter().main([str(log), "-o", str(tmp_path / "o.npz"), "--forward-sizes", "3,a"]) == 2
     err = capsys.readouterr().err
     assert "'a' is not N or N*K" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_wide_layers_leave_the_transition_input_out():
+    """Above FOLLOW_MAX_EXPERTS experts a layer, adaptive keeps no transition tables, shadows or duel
+    (their CPU and memory grow with the experts: 3.3x the policy's time per layer-step at 512), and
+    ranks as without them; at Mixtral's 8 it learns them."""
+    from strata.tiers import policy as pol
+
+    rng = np.random.default_rng(3)
+    for n_experts, on in ((8, True), (pol.FOLLOW_MAX_EXPERTS + 1, False), (512, False)):
+        p = make_policy("adaptive", 3 * n_experts // 10, 4 * n_experts, n_experts=n_experts)
+        slots = SlotMap(regions(p), n_experts)
+        for _ in range(20):
+            for layer in range(4):
+                slots.request(sorted((layer * n_experts + rng.choice(n_experts, 2, replace=False)).tolist()), False)
+        assert p.follow_on is on
+        assert bool(p.followed) is on and bool(p.shadows[True]) is on
+        assert not p.following or on

@@ -84,6 +84,11 @@ FOLLOW_PRIOR = 1.0  # pseudo-runs at the base rate in the chance that an expert 
 FOLLOW_SET_PRIOR = 16.0  # pseudo-runs at that pooled chance in the chance after the last run's whole expert set
 FOLLOW_SETS = 1024  # expert sets remembered per layer (least recently seen dropped): bounds a wide layer's memory
 DUEL_DECAY = 0.999  # per run, of the lead of the shadow cache that ranks with the transition input
+# Layers of more experts than this leave the transition input out: its tables and duel cost CPU on
+# every layer's run (48 layers x 512 experts, top-10, 30 %: 0.70 -> 2.30 ms a layer-step, 110 ms a
+# token) and memory (an E x E table per layer, 1,024 remembered sets), more than the misses it saves
+# where experts are small; every routing it was measured on (Mixtral's 8) is far below this.
+FOLLOW_MAX_EXPERTS = 64
 
 Placement = tuple[list[tuple[int, int | None]], list[int]]  # (admitted (key, victim)), rejected
 
@@ -307,6 +312,7 @@ class Adaptive(Packed):
         self.shadows = {False: set(), True: set()}  # resident sets ranked without / with the input
         self.lead = 0.0  # decayed hits of the shadow with the input over the one without
         self.following = False  # the cache ranks with the input while its shadow leads
+        self.follow_on = self.n_experts <= FOLLOW_MAX_EXPERTS  # off for wide layers (FOLLOW_MAX_EXPERTS)
 
     def _cells(self, keys: np.ndarray):
         layer = keys // self.n_experts
@@ -362,7 +368,8 @@ class Adaptive(Packed):
         every = np.arange(layer * self.n_experts, (layer + 1) * self.n_experts)
         self.now, self.span = layer, max(self.span, layer + 1)
         used = np.asarray(keys, dtype=np.int64)
-        lead = len(self.shadows[True].intersection(keys)) - len(self.shadows[False].intersection(keys))
+        lead = (len(self.shadows[True].intersection(keys)) - len(self.shadows[False].intersection(keys))
+                if self.follow_on else 0)
         hit = np.zeros(self.n_experts)
         hit[used - every[0]] = 1.0
         ran = self.runs > 0  # offsets centred: the shared intercept keeps the common level (one layer: offset 0)
@@ -396,12 +403,13 @@ class Adaptive(Packed):
         for b, half_life in zip(self.burst, BURST_HALF_LIVES):
             b[every] += (1 - 0.5 ** (1 / half_life)) * (run_share - b[every])
         self._refresh(every)
-        self._follow(layer, used - every[0], counts is None or sum(counts) == len(keys))
         self.inputs[layer] = self.inputs_of(every)
-        self.follow_inputs[layer] = self.following_inputs_of(every)
-        self.lead = DUEL_DECAY * self.lead + lead
-        self.following = self.lead > 0
-        self._shadows_place(keys)
+        if self.follow_on:
+            self._follow(layer, used - every[0], counts is None or sum(counts) == len(keys))
+            self.follow_inputs[layer] = self.following_inputs_of(every)
+            self.lead = DUEL_DECAY * self.lead + lead
+            self.following = self.lead > 0
+            self._shadows_place(keys)
 
     def _follow(self, layer: int, experts: np.ndarray, one_token: bool) -> None:
         """Learn which experts a layer uses right after which (consecutive one-token runs: a decode
