@@ -1640,6 +1640,8 @@ static void q8k_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *o
  * products cost ~0.85x a one-row product per row), and each result is bit for bit its one-row
  * kernel's: the same integer sums, and per row the same float operations in the same order. */
 #define DOT2M_ROWS 32
+/* Bytes of "q8c" activations per 256 values (q8c_prep: f32 d; i8 q[256]; i16 bsums[16]; i16 m[8]). */
+#define Q8C_BLOCK 308
 typedef void (*dot2m_fn)(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff, int nr,
                          float *y);
 
@@ -1848,9 +1850,6 @@ static void prep16(int64_t n, const float *x, uint8_t *out) {
  * chunk j (32 values) is q * d * m_j, m_j = ceil(32 a_j / a) in 1..32 for the chunk's largest |x|
  * a_j and the block's a, d = a / (127 * 32); q = round(x / (d m_j)), within +-127. A block whose
  * largest |x| is under 1e-30 (or zero) is all zero. */
-#ifndef Q8C_BLOCK
-#define Q8C_BLOCK 308
-#endif
 static int64_t q8c_prep_bytes(int64_t n) { return n / 256 * Q8C_BLOCK; }
 
 static void q8c_prep(int64_t n, const float *x, uint8_t *out) {

@@ -76,8 +76,6 @@ static inline __attribute__((always_inline)) __m256i V2(nibbles32)(const uint8_t
 #define QMM_AVX2_KINDS
 enum { K_Q2, K_Q3, K_Q4, K_Q5, K_Q6, K_IQ2XXS, K_IQ2XS, K_IQ2S, K_IQ3XXS, K_IQ3S, K_IQ4XS, K_IQ1S, K_IQ1M }; /* K_IQ2XS: its own kernel below */
 enum { B_Q8_0, B_Q4_0, B_Q5_0, B_IQ4NL, B_MXFP4, B_Q4_1, B_Q5_1 };
-/* "q8c" activations, per 256 values (qmm.c's q8c_prep): f32 d; i8 q[256]; i16 bsums[16]; i16 m[8]. */
-#define Q8C_BLOCK 308
 #endif
 
 /* The 256-value types' block loops (`kind` is a constant in each caller): per block its scales

@@ -102,9 +102,10 @@ class Engine:
                 raise BadOption(f"--exact-activations and --activations {mode} disagree", "give one of them")
             mode = "float32"
         if mode:
-            if mode not in kernels.ACTIVATIONS:
-                raise BadOption(f"activations {mode!r} is not a mode", f"use one of {', '.join(kernels.ACTIVATIONS)}")
-            kernels.set_activations(mode)
+            try:
+                kernels.set_activations(mode)
+            except ValueError:
+                raise BadOption(f"activations {mode!r} is not a mode", f"use one of {', '.join(kernels.ACTIVATIONS)}") from None
         t0 = time.perf_counter()
         loaded, self.tiers, self.kv_tier = load_with_tiers(path, self.options)  # the tiers plug in at construction
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
