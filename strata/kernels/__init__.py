@@ -28,7 +28,7 @@ batch is at most FAST_BATCH_MAX rows, else the reference runs. Activations (`set
 - "q8c" (`--activations q8c`): the 256-value types (K-quants, IQ types) take one 8-bit pass with a
   step per 32 values (qmm.c's q8c_prep: the chunk's largest |x| sets it, where ggml's q8_K takes the
   block's), from the best 256-bit kernel set on every CPU: llama.cpp's accuracy class (RMS error
-  0.55-0.62x of its single pass on x with uneven channels) at ~0.8x "q8x2"'s kernel time (decode
+  0.54-0.62x of its single pass on x with uneven channels) at ~0.8x "q8x2"'s kernel time (decode
   +18-20 % on the Q4_K_M and IQ2_XS bench files, 1 thread, AVX2 Zen 3). Other types as "q8x2".
 - "q8": one pass, as llama.cpp computes (relative error ~1e-2), 10-60 % less kernel time than
   "q8x2" (IQ2 types gain most); prompt batches take one bfloat16 product (AMX).
