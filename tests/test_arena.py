@@ -4,11 +4,14 @@ its pages populated in the background before they are handed out."""
 import ctypes
 import resource
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from strata.tiers import arena as arena_module
 from strata.tiers.arena import PAGE, Arena
 
 
@@ -74,3 +77,67 @@ def test_its_memory_counts_as_the_process_anonymous_memory():
     arena.take(arena.nbytes)[::PAGE] = 1
     assert anon_rss() - before >= 60 * 2**20  # RssAnon, which --ram-memory bounds (shmem would not count)
     arena.close()
+
+
+class _SlowPopulate:
+    """madvise for the arena's populating thread that populates `first` chunks, then waits for `go`:
+    a virtual machine's host backing pages slower than the reads land."""
+
+    def __init__(self, first: int):
+        self.first, self.calls, self.go = first, 0, threading.Event()
+
+    def __call__(self):
+        def madvise(addr, n, advice):
+            self.calls += 1
+            if self.calls > self.first:
+                self.go.wait(10)
+            return 0
+        return madvise
+
+
+def test_while_populating_it_hands_out_populated_memory_first(monkeypatch):
+    slow = _SlowPopulate(first=1)
+    monkeypatch.setattr(arena_module, "_madvise", slow)
+    monkeypatch.setattr(arena_module, "POPULATE_CHUNK", 4 * PAGE)
+    arena = Arena(16 * PAGE)
+    try:
+        _wait_for(lambda: arena.populated == 4 * PAGE)
+        assert arena.ready == 4 * PAGE
+        a, b = arena.take(2 * PAGE), arena.take(2 * PAGE)  # the populated front
+        arena.give(a)
+        a = None
+        again = arena.take(2 * PAGE)  # a free buffer before any page past the front
+        assert again.ctypes.data == arena.base and arena.reused == 1
+        past = arena.take(2 * PAGE)  # nothing free: past the front, as without the thread
+        assert past is not None and past.ctypes.data == arena.base + 4 * PAGE
+    finally:
+        slow.go.set()
+        arena.close()
+    assert arena.ready == arena.nbytes  # the thread is done: every byte counts
+
+
+def _wait_for(cond, seconds: float = 10.0) -> None:
+    stop = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < stop, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_paused_arena_populates_nothing_until_it_goes_on(monkeypatch):
+    slow = _SlowPopulate(first=1)
+    monkeypatch.setattr(arena_module, "_madvise", slow)
+    monkeypatch.setattr(arena_module, "POPULATE_CHUNK", 4 * PAGE)
+    arena = Arena(16 * PAGE)
+    try:
+        _wait_for(lambda: slow.calls == 2)  # the second chunk's call is under way
+        arena.pause(True)  # a prompt's forward begins
+        slow.go.set()
+        _wait_for(lambda: arena.populated == 8 * PAGE)  # the call under way finishes ...
+        time.sleep(0.05)
+        assert arena.populated == 8 * PAGE and arena.populating  # ... and no other starts
+        arena.pause(False)  # decode
+        arena._thread.join(10)
+        assert arena.populated == arena.nbytes and not arena.populating
+    finally:
+        slow.go.set()
+        arena.close()

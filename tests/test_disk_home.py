@@ -276,8 +276,8 @@ def test_a_short_prompts_disk_experts_take_one_call_each_over_their_rows(tmp_pat
     used = sorted(set(ids.flatten().tolist()))
     calls = []
     at = kernels.moe_tokens_at
-    monkeypatch.setattr(kernels, "moe_tokens_at", lambda x, parts, spec, tokens, *a: calls.append(tuple(tokens)) or
-                        at(x, parts, spec, tokens, *a))
+    monkeypatch.setattr(kernels, "moe_tokens_at", lambda xs, parts, spec, tokens, *a: calls.append(xs[tokens]) or
+                        at(xs, parts, spec, tokens, *a))
     try:
         with kernels.prompt_batches():
             y = sum(f.result() for f in lane.submit(0, x, ids, w, used))
@@ -286,7 +286,8 @@ def test_a_short_prompts_disk_experts_take_one_call_each_over_their_rows(tmp_pat
     finally:
         lane.close()
         home.close()
-    assert sorted(calls) == [(6, 7), (7,)]  # experts 1 and 2, one call each, their rows ascending
+    calls.sort(key=len)  # experts 1 and 2, one call each, over their own rows (ascending)
+    assert len(calls) == 2 and torch.equal(calls[0], x[[7]]) and torch.equal(calls[1], x[[6, 7]])
     assert (y - general).abs().max().item() <= 1e-4 * general.abs().max().item()
     dense = [torch.from_numpy(gguf_dequantize(q.raw.numpy(), q.qtype)).double().reshape(q.shape) for q in stacked]
     ref = torch.zeros(n, hidden, dtype=torch.float64)
@@ -430,3 +431,73 @@ def test_busy_time_counts_overlapping_reads_once(tmp_path):
         assert reader.device_bytes >= 3 * DIRECT_MIN
     finally:
         reader.close()
+
+
+def test_while_its_arena_is_populated_the_cache_holds_what_is_populated(tmp_path, monkeypatch):
+    """Reads reuse evicted experts' buffers rather than fault fresh pages in (a virtual machine backs
+    those at 2.7 s a GiB, inside the readers' reads) until the populating thread is done; then the
+    cache grows to its capacity, and every read returns the file's bytes throughout."""
+    from strata.tiers import arena as arena_module
+    from test_arena import _SlowPopulate
+
+    n, size = 80, sum(SIZES)
+    slow = _SlowPopulate(first=1)
+    monkeypatch.setattr(arena_module, "_madvise", slow)
+    monkeypatch.setattr(arena_module, "POPULATE_CHUNK", 16 * size)  # 16 experts' buffers
+    path = tmp_path / "m.gguf"
+    data = os.urandom(size * n)
+    path.write_bytes(data)
+    offsets = [0, SIZES[0] * n, (SIZES[0] + SIZES[1]) * n]
+    fmt = ExpertFormat(tuple(Part(None, (1, s), s, off) for s, off in zip(SIZES, offsets)))
+    home = DiskHome({0: fmt}, FileReader(path), capacity=40 * size, readers=2)
+    expect = lambda e: [data[o + e * s:o + (e + 1) * s] for o, s in zip(offsets, SIZES)]  # noqa: E731
+    try:
+        assert home.arena is not None
+        for e in range(30):
+            assert [bytes(t.numpy()) for t in home.parts(0, e)] == expect(e)
+        ready = home.arena.ready
+        assert ready == 16 * size  # one chunk populated, the thread held up
+        assert home.held <= ready - home._spare_room + size  # the cache stayed within it ...
+        assert home.arena._carved <= ready  # ... and no read went past the populated front
+        slow.go.set()
+        home.arena._thread.join(10)
+        for e in range(30, n):
+            assert [bytes(t.numpy()) for t in home.parts(0, e)] == expect(e)
+        assert home.held > ready  # populated: the cache fills its capacity
+        assert home.held <= home.capacity
+    finally:
+        slow.go.set()
+        home.close()
+
+
+def test_a_prompt_pauses_the_cache_populating_and_its_experts_land_one_call_each(tmp_path, monkeypatch):
+    """A prompt's forward holds the RAM cache's populating thread and a decode step lets it go on; a
+    prompt of up to FAST_BATCH_MAX rows computes its disk experts as they land, each over its own rows
+    (not the general path's one call over all of them), with the resident run's greedy tokens."""
+    import strata
+    from strata import kernels, synth
+    from strata.tiers.executor import CpuLane
+
+    if not kernels.available():
+        pytest.skip("kernels unavailable")
+    path = synth.write(tmp_path / "next.gguf", like_name="qwen3-next-80b", layers=1, vocab=512, experts=64,
+                       quant_name="Q4_0")  # a cache of 4 x SPARES experts or more has an arena
+    ids = [(7 * i + 3) % 512 for i in range(24)]  # more rows than the 8 that took the landing path before
+    ref = strata.load(path, cpu_threads=1)
+    want = ref.generate(ids, 4, stop_at_eos=False)
+    ref.close()
+    engine = strata.load(path, cpu_threads=2, pin_experts="disk", ram_cache="90%")
+    phases, landed = [], []
+    wide = DiskHome.wide_forward
+    monkeypatch.setattr(DiskHome, "wide_forward", lambda self, on: phases.append(on) or wide(self, on))
+    products = CpuLane._landing_products
+    monkeypatch.setattr(CpuLane, "_landing_products", lambda self, *a: landed.append(a[2].shape[0]) or products(self, *a))
+    try:
+        home = next(h for h in engine.tiers.homes.values() if h.kind == "disk")
+        assert home.arena is not None
+        got = engine.generate(ids, 4, stop_at_eos=False)
+    finally:
+        engine.close()
+    assert phases[0] is True and phases[-1] is False  # the prompt paused it, decode let it go on
+    assert landed[0] == 24  # the prompt's rows, by the landing path
+    assert got == want

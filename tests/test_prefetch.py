@@ -53,7 +53,7 @@ def test_a_cpu_prediction_runs_on_a_worker_and_is_settled_before_its_layer_route
         release.wait(5)
         return torch.tensor([[3, 1]])
 
-    home = SimpleNamespace(request=lambda layer, experts, ahead=False: asked.append((layer, experts, ahead)))
+    home = SimpleNamespace(readers=8, request=lambda layer, experts, ahead=False: asked.append((layer, experts, ahead)))
     x, mask = torch.randn(1, 1, 8), torch.ones(1, 1, dtype=torch.bool)
     with ThreadPoolExecutor(1, thread_name_prefix="worker") as pool:
         pre = Prefetcher({1: predict}, None, TierStats(), 4, {1: 100}, {1}, disk_homes={1: home}, submit=pool.submit)
@@ -64,3 +64,15 @@ def test_a_cpu_prediction_runs_on_a_worker_and_is_settled_before_its_layer_route
         assert asked == [(1, [1, 3], True)] and where[0].startswith("worker") and pre.pending is None
         on_device = Prefetcher({1: predict}, object(), TierStats(), 4, {1: 100}, set(), submit=pool.submit)
         assert on_device.submit is None  # a device cache's bookkeeping stays on the calling thread
+
+
+def test_a_prompt_reads_ahead_only_what_most_of_its_tokens_predict():
+    """A decode step reads ahead every predicted expert; a prompt, whose layer's own reads keep the disk
+    busy, only the 2 x readers experts most of its rows predicted."""
+    from strata.tiers.prefetch import _read_ahead
+
+    ids = torch.tensor([[5, 1], [5, 2], [5, 3], [2, 4], [2, 6], [7, 8]])  # 5 thrice, 2 twice, the rest once
+    experts = torch.unique(ids).tolist()
+    assert _read_ahead(ids, experts, prefill=False, readers=1) == experts
+    assert _read_ahead(ids, experts, prefill=True, readers=1) == [2, 5]
+    assert _read_ahead(ids, experts, prefill=True, readers=8) == experts  # no more predicted than that

@@ -7,10 +7,15 @@ each fault also waits for the host to back the page again: 5-11 us a 4 KiB page 
 with 837,000 such faults inside the readers' O_DIRECT reads, 6.9 s of its 13 s of prefill CPU.
 
 Here the cache's bytes are one mapping whose pages a thread populates from the start
-(`madvise(MADV_POPULATE_WRITE)` in chunks: no fault per page), beside the load and the first
-forward's waits for the disk, ahead of the buffers handed out from the same start. A buffer comes
-back when its expert is evicted and is handed out again once nothing views it; nothing is returned
-to the OS, so the cache's memory is populated once per process.
+(`madvise(MADV_POPULATE_WRITE)` in chunks: no fault per page), and the buffers handed out come
+from its populated front, so the cache (`DiskHome`) holds what is populated so far and its reads
+reuse evicted experts' buffers meanwhile. The thread is paused through a prompt's forwards: beside
+them it doubled the full-size flagship's first prompt (32 tokens: 15.5-16.1 s against 8.3-9.4 s
+paused, 20.5 s of CPU against 11.5-12.6; populating at low priority, SCHED_IDLE, was as slow, 18 s
+to the first token), so it populates while decode waits on the disk (0.6-3.7 s a GiB there, by
+how long the host has had the memory back). A buffer comes back when its expert is evicted and is
+handed out again once nothing views it; nothing is returned to the OS, so the cache's memory is
+populated once per process.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ class Arena:
     """`nbytes` of anonymous memory carved into buffers (`take`) that come back (`give`).
 
     `take(size)` is a free buffer of exactly `size` bytes, else one carved from the mapping's
-    untouched end, else a free larger one (whole: its size is what it holds), else None (the
-    caller allocates its own). A given-back
+    populated front, else a free larger one (whole: its size is what it holds), else one carved
+    past the populated front (its read faults its pages in), else None (the caller allocates its
+    own). `ready` is how many bytes a cache can hold without a read faulting a page: what the
+    populating thread has done so far (all of it once done, or where it cannot populate). A given-back
     buffer is free once only the arena refers to it (every torch view of a buffer shares one
     storage, which holds one reference to the array)."""
 
@@ -53,10 +60,22 @@ class Arena:
         self.reused = 0  # buffers handed out again
         self.populated = 0  # bytes from the start the populating thread has faulted in (or skipped)
         self._stop = threading.Event()
+        self._go = threading.Event()  # cleared while `pause`d
+        self._go.set()
         self._thread = None
-        if populate and self.nbytes:
+        self._populating = populate and self.nbytes > 0
+        if self._populating:
             self._thread = threading.Thread(target=self._populate, name="strata-arena-populate", daemon=True)
             self._thread.start()
+
+    @property
+    def populating(self) -> bool:
+        """Whether the populating thread is still at work (then only `ready` bytes are populated)."""
+        return self._populating
+
+    @property
+    def ready(self) -> int:
+        return self.populated if self._populating else self.nbytes
 
     def owns(self, buf: np.ndarray) -> bool:
         return self.base <= buf.ctypes.data < self.base + self.nbytes
@@ -69,15 +88,20 @@ class Arena:
                 self.reused += 1
                 return free.pop()
             span = -(-size // PAGE) * PAGE
-            if self._carved + span <= self.nbytes:
-                buf = self._bytes[self._carved:self._carved + size]
-                self._carved += span
-                return buf
+            if self._carved + span <= self.ready:
+                return self._carve(size, span)
             larger = [s for s, bufs in self._free.items() if s > size and bufs]
             if larger:
                 self.reused += 1
                 return self._free[min(larger)].pop()
+            if self._carved + span <= self.nbytes:
+                return self._carve(size, span)
         return None
+
+    def _carve(self, size: int, span: int) -> np.ndarray:
+        buf = self._bytes[self._carved:self._carved + size]
+        self._carved += span
+        return buf
 
     def give(self, buf: np.ndarray) -> None:
         """An evicted expert's buffer (ignored when it is not the arena's)."""
@@ -96,10 +120,17 @@ class Arena:
         self._back = keep
 
     def _populate(self) -> None:
+        try:
+            self._populate_all()
+        finally:
+            self._populating = False  # done, stopped, or unable: every byte counts as ready
+
+    def _populate_all(self) -> None:
         madvise = _madvise()
         if madvise is None:
             return
         while not self._stop.is_set():
+            self._go.wait()
             with self._lock:  # buffers already handed out are faulted by their own reads
                 start = max(self.populated, self._carved // POPULATE_CHUNK * POPULATE_CHUNK)
             if start >= self.nbytes:
@@ -109,9 +140,17 @@ class Arena:
                 break  # an older kernel: pages fault in on first use, as without the arena
             self.populated = start + n
 
+    def pause(self, paused: bool) -> None:
+        """Hold the populating thread (between chunks) while the CPU is wanted elsewhere, or let it go on."""
+        if paused:
+            self._go.clear()
+        else:
+            self._go.set()
+
     def close(self) -> None:
         """Stop populating (the mapping itself goes with the last buffer)."""
         self._stop.set()
+        self._go.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None

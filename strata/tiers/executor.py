@@ -58,10 +58,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-ARRIVAL_ROWS = 8  # up to this many tokens of a prompt (FAST_BATCH_MAX of a verify pass or decode batch), a
-# disk home's experts are computed one by one as they land
-
-
 def _first_once(source):
     """`source` whose first answer is kept for the one call that repeats it: the primitive asks
     for its first expert to check the types, then again to compute, and a disk home would
@@ -116,12 +112,13 @@ class CpuLane:
         arrival = getattr(home, "arrival", None)
         with torch.inference_mode(), (kernels.prompt_batches() if in_prompt else nullcontext()):
             source = lambda: _first_once(expert_source(self.formats[layer], lambda e: home.parts(layer, e)))  # noqa: E731
-            if arrival is None or x.shape[0] > (ARRIVAL_ROWS if in_prompt else kernels.FAST_BATCH_MAX):
+            if arrival is None or x.shape[0] > kernels.FAST_BATCH_MAX:
                 return moe.grouped_swiglu(x, route_table(ids, weights, experts), source())
-            # a disk home at decode, in a verify pass, a decode batch or a short prompt: each expert as its read
-            # lands, the products summed in expert order (so the result does not depend on which
-            # read came first, and each row is its one-token step's); one read expert held at a
-            # time (one call over them all would hold every one, past the RAM cache). Each worker's
+            # a disk home at decode, in a verify pass, a decode batch or a prompt (chunk) of up to
+            # FAST_BATCH_MAX rows: each expert as its read lands, the products summed in expert
+            # order (so the result does not depend on which read came first, and each row is its
+            # one-token step's); one read expert held at a time (one call over them all would hold
+            # every one, past the RAM cache). Each worker's
             # products run on its own thread (the workers are the parallelism: a worker that also
             # asked for the kernels' helper threads would oversubscribe the cores, and wait at
             # their barrier once per expert)
@@ -172,16 +169,25 @@ class CpuLane:
             if e not in rows:  # asked for but routed by none of these rows (a prediction's read): adds nothing
                 continue
             tokens, ws = rows[e]
+            at = None if one_token else torch.tensor(tokens)
             if len(tokens) >= kernels.PROMPT_AMX_MIN_ROWS:
-                products[e] = general(e)
+                products[e] = general(e) if one_token else (at, general(e).index_select(0, at))
                 continue
             parts = home.parts(layer, e)  # held through the call: an evicted expert's buffer is read into again
             ptrs = tuple(p.data_ptr() for p in parts)
-            y = torch.zeros_like(x)
-            ok = kernels.moe_token_at(x, [ptrs], spec, ws, threads, y) if one_token \
-                else kernels.moe_tokens_at(x, ptrs, spec, tokens, ws, threads, y)
+            if one_token:
+                y = torch.zeros_like(x)
+                ok = kernels.moe_token_at(x, [ptrs], spec, ws, threads, y)
+            else:  # its own rows only (the products are row-independent): a layer's products hold
+                # its routings' rows, not a copy of x per expert (78 MB zeroed a layer at 32 rows)
+                y = torch.zeros(len(tokens), x.shape[-1])
+                ok = kernels.moe_tokens_at(x.index_select(0, at), ptrs, spec, list(range(len(tokens))), ws,
+                                           threads, y)
+                y = (at, y)
             del parts
-            products[e] = y if ok else general(e)  # declined: y is dropped
+            if not ok:  # declined: y is dropped
+                y = general(e) if one_token else (at, general(e).index_select(0, at))
+            products[e] = y
         return products
 
     def close(self) -> None:
@@ -247,10 +253,16 @@ class _SharedLanding:
 
 
 def _sum_in_order(products: dict, x: torch.Tensor) -> torch.Tensor:
-    """The experts' products summed in expert order, whatever order they were computed in."""
+    """The experts' products summed in expert order, whatever order they were computed in. A product
+    is x-shaped, or (rows, their products): added at those rows, the same sums (the other rows'
+    zeros add nothing)."""
     out = torch.zeros_like(x)
     for e in sorted(products):
-        out += products[e]
+        y = products[e]
+        if isinstance(y, tuple):
+            out.index_add_(0, *y)
+        else:
+            out += y
     return out
 
 

@@ -83,9 +83,22 @@ class Prefetcher:
         self.stats.predicted(layer, set(keys))
         home = self.disk_homes.get(layer)
         if home is not None:  # reads start now, while this block computes
-            home.request(layer, experts, ahead=True)
+            home.request(layer, _read_ahead(ids, experts, prefill, home.readers), ahead=True)
         if self.cache is not None and layer in self.cached_layers:
             self.stats.prefetched(layer, self.cache.prefetch(keys, prefill, after), self.nbytes[layer])
+
+
+def _read_ahead(ids: torch.Tensor, experts: list[int], prefill: bool, readers: int) -> list[int]:
+    """The predicted experts a disk home reads ahead: all of a decode step's; of a prompt's, only the
+    2 x `readers` that most of its tokens predicted. A prompt's layer demands hundreds of experts,
+    whose own reads keep the disk busy; the read ahead need only cover the layer boundary, and all
+    of it wasted a fifth of the full-size flagship's first-prompt reads (3.53 of 18.09 GiB, 32
+    tokens), read before the first token."""
+    cap = 2 * readers
+    if not prefill or len(experts) <= cap:
+        return experts
+    counts = torch.bincount(ids.reshape(-1).cpu(), minlength=max(experts) + 1)
+    return sorted(torch.argsort(counts, descending=True, stable=True)[:cap].tolist())
 
 
 def _real_rows(x: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:

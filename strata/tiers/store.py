@@ -416,6 +416,7 @@ class DiskHome(Home):
         spare_room = SPARES * max(self._sizes.values(), default=0)
         self._keep_spares = capacity >= 4 * spare_room > 0  # a small cache frees its buffers instead
         self._room = capacity - spare_room if self._keep_spares else capacity  # for cached experts
+        self._spare_room = spare_room if self._keep_spares else 0
         self._spares: list[np.ndarray] = []  # evicted experts' buffers, maybe still in use
         self._owners: dict[tuple[int, int], np.ndarray] = {}  # a cached expert's buffer
         self._spare_reads = 0  # reads into a kept buffer (outside the arena)
@@ -423,8 +424,14 @@ class DiskHome(Home):
         self.arena = _arena(capacity) if self._keep_spares else None
 
     def request(self, layer: int, experts, ahead: bool = False) -> None:
-        """Start reading each of `experts` that is neither cached nor being read; returns at once."""
+        """Start reading each of `experts` that is neither cached nor being read; returns at once. A
+        layer's own request (not `ahead`) settles the reads ahead for it: those it does not ask for
+        were wrong predictions, no longer waiting for a use."""
         with self._lock:
+            if not ahead and self.ahead:
+                asked = {int(e) for e in experts}
+                for key in [k for k in self.ahead if k[0] == layer and k[1] not in asked]:
+                    del self.ahead[key]
             for e in experts:
                 key = (layer, int(e))
                 if key in self.entries:
@@ -556,8 +563,12 @@ class DiskHome(Home):
             return
         self.entries[key] = flat
         self.held += _held(flat)
-        while self.held > self._room and len(self.entries) > 1:
-            gone, old = self.entries.popitem(last=False)
+        room = self._room_now()
+        while self.held > room and len(self.entries) > 1:
+            gone = self._victim(spare_unused=self.arena is not None and self.arena.populating)
+            if gone is None:
+                break
+            old = self.entries.pop(gone)
             self.held -= _held(old)
             buf = self._owners.pop(gone, None)
             if buf is not None and self.arena is not None and self.arena.owns(buf):
@@ -566,6 +577,32 @@ class DiskHome(Home):
                 self._spares.append(buf)
             self.ahead.pop(gone, None)  # a read ahead evicted unused: a wasted read
             self.demand.pop(gone, None)
+
+    def wide_forward(self, wide: bool) -> None:
+        """A prompt's forward (`wide`) or a decode step's starts: the arena's populating thread waits
+        through a prompt, whose compute wants both cores (5.8 s of CPU populating beside the
+        full-size flagship's first prompt, 32 tokens), and populates during decode, which waits on
+        the disk. The cache meanwhile holds what is populated."""
+        if self.arena is not None:
+            self.arena.pause(wide)
+
+    def _room_now(self) -> int:
+        """The bytes the cache may hold now. While its arena is still being populated, only what is
+        populated (less the reads in flight's share): a read then reuses an evicted expert's
+        buffer instead of faulting fresh pages in, which on a virtual machine whose host backs
+        free memory again page by page cost 2.7 s a GiB inside the readers' O_DIRECT reads (the
+        full-size flagship's first prompt: 16 % of the run's CPU), so the cache grows at the
+        populating thread's pace, off the readers' path."""
+        if self.arena is None:
+            return self._room
+        return min(self._room, self.arena.ready - self._spare_room)
+
+    def _victim(self, spare_unused: bool):
+        """The least recently used entry; while the room is only what is populated, not one read for a
+        layer (or ahead for it) that has not used it yet (evicting it would read it twice)."""
+        if not spare_unused:
+            return next(iter(self.entries))
+        return next((k for k in self.entries if k not in self.demand and k not in self.ahead), None)
 
     def close(self) -> None:
         self.pool.shutdown()
