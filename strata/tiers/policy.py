@@ -34,6 +34,13 @@ that one layer used keys (and how many of the step's tokens each served); `place
   every run's keys by the same rule, and the cache ranks with it while its shadow has hit more
   (decayed by DUEL_DECAY a run). A batched or prefill step says no transitions, so on batched
   routing both shadows agree and the cache ranks without it.
+  A third shadow is kept by plain LFU (every miss admitted, the least-used evicted). Once the cache
+  holds most of what a layer uses, the next-run chance ranks a just-used rare expert above a steady
+  one unused for a few runs, where keeping the most-used pays more; so the LFU shadow's hits are
+  duelled (DUEL_DECAY) against those of the adaptive shadow the cache follows, on one-token runs,
+  and while LFU leads, the cache evicts first what the LFU shadow does not hold and admits what it
+  does: its contents move to LFU's. Batched steps do not score this duel (a step of dozens of keys
+  hits in lumps, and on ~100 batched steps the lead flips on noise between near-equal shadows).
 - `static`: a fixed hot set (a ranking from a trace, or the first experts seen); never evicts.
 
 Measured with bench/bench_cache_policy.py on public vLLM routing logs (Mixtral-8x7B-Instruct,
@@ -54,7 +61,9 @@ between a key's last two uses: 1.3 points lower on one Mixtral trace), and a sha
 ~64-128 runs or a table horizon of 1, 4 or 8 runs (each within about half a point, up or down,
 on the Mixtral traces); the transition input ranked always (lowered the demo's trace below LFU at
 60 %), per-key offsets, an admission margin, ARC-like per-layer slot targets and a ghost input
-(no better, or lower, on Mixtral).
+(no better, or lower, on Mixtral); for the LFU duel, comparing LFU against the better adaptive shadow
+or the one without the input, a two-sigma gate, a switching margin of the keys LFU holds and the cache
+does not, and scoring batched steps too (bench/routing_logs.md).
 
 `SlotMap` puts a policy to work over the cache's regions (decode, prefill) and prefetches;
 the runtime's `DeviceCache` and `strata cache-sim` both drive it, so they count alike.
@@ -313,6 +322,16 @@ class Adaptive(Packed):
         self.lead = 0.0  # decayed hits of the shadow with the input over the one without
         self.following = False  # the cache ranks with the input while its shadow leads
         self.follow_on = self.n_experts <= FOLLOW_MAX_EXPERTS  # off for wide layers (FOLLOW_MAX_EXPERTS)
+        # A third shadow resident set kept by plain LFU (every miss admitted, the least-used non-run key evicted,
+        # ties to the least recent), duelled against the adaptive shadow the cache follows, on one-token runs:
+        # while it leads, the cache evicts and admits towards its contents (`ranks`).
+        self.lfu_shadow: set[int] = set()
+        self.in_lfu = np.zeros(len(self.last), dtype=bool)  # per key: held by the LFU shadow
+        self.lfu_uses = np.zeros(len(self.last))  # per key: runs that used it (LFU's count)
+        self.lfu_seen = np.zeros(len(self.last))  # per key: the layer-step of its last use (LFU's tie-break)
+        self.steps = 0  # layer-steps so far
+        self.lfu_lead = 0.0  # decayed hits of the LFU shadow over the adaptive shadow the cache follows
+        self.following_lfu = False
 
     def _cells(self, keys: np.ndarray):
         layer = keys // self.n_experts
@@ -408,6 +427,11 @@ class Adaptive(Packed):
             self._follow(layer, used - every[0], counts is None or sum(counts) == len(keys))
             self.follow_inputs[layer] = self.following_inputs_of(every)
             self.lead = DUEL_DECAY * self.lead + lead
+            if counts is None or sum(counts) == len(keys):  # one-token run: the LFU duel's evidence
+                followed = len(self.shadows[self.following].intersection(keys))
+                self.lfu_lead = DUEL_DECAY * self.lfu_lead + len(self.lfu_shadow.intersection(keys)) - followed
+            self._lfu_place(keys)
+            self.following_lfu = self.lfu_lead > 0
             self.following = self.lead > 0
             self._shadows_place(keys)
 
@@ -450,6 +474,30 @@ class Adaptive(Packed):
         while len(sets) > FOLLOW_SETS:
             sets.popitem(last=False)
         self.follows[rows] = np.log(np.clip(after, 1e-4, 1) / np.clip(base, 1e-4, 1))
+
+    def _lfu_place(self, keys: list[int]) -> None:
+        """The LFU shadow takes this run's keys as `LFU` would: each used key counts one more use, every
+        miss is admitted, evicting the non-run key of fewest uses (the least recent among equals)."""
+        self.steps += 1
+        used = np.asarray(keys, dtype=np.int64)
+        self.lfu_uses[used] += 1
+        self.lfu_seen[used] = self.steps
+        shadow = self.lfu_shadow
+        out = [k for k in keys if k not in shadow]
+        free = max(self.capacity - len(shadow), 0)
+        shadow.update(out[:free])
+        self.in_lfu[out[:free]] = True
+        out = out[free:]
+        candidates = np.array(sorted(shadow.difference(keys)), dtype=np.int64)
+        if not out or not len(candidates):
+            return
+        score = self.lfu_uses[candidates] + 1e-9 * self.lfu_seen[candidates]
+        for key in out[:len(candidates)]:
+            i = int(np.argmin(score))
+            shadow.discard(int(candidates[i]))
+            shadow.add(key)
+            self.in_lfu[[candidates[i], key]] = False, True
+            score[i] = np.inf
 
     def _shadows_place(self, keys: list[int]) -> None:
         """Two resident sets of the cache's size take this run's keys by the cache's own rule (the
@@ -504,8 +552,12 @@ class Adaptive(Packed):
         1 / p - 1 steps for its chance p of use at each run. Within a step the cache sees the layers
         in order, so a key of the layer that just ran waits a whole step for its next chance, while
         one of a layer still to run may be used in this step: at equal chances the first is evicted.
-        The chance is the calibration's with the transition input while its shadow leads the duel."""
-        return self._rank(resident, self.following)
+        The chance is the calibration's with the transition input while its shadow leads the duel.
+        While the LFU shadow leads its duel, a key it holds outranks every key it does not (ranks are
+        below 1), so the cache evicts what LFU would not hold and admits what it holds: the cache's
+        contents move to the LFU shadow's, in its own order among the keys that leave."""
+        rank = self._rank(resident, self.following)
+        return rank + 2.0 * self.in_lfu[resident] if self.following_lfu else rank
 
     def admit(self, key, victim):
         return self.admit_all or self.rank_of(key) > self.rank_of(victim)
@@ -515,7 +567,8 @@ class Adaptive(Packed):
         prefetch evicts only a victim whose next use is expected later than the prediction's."""
         if confidence is None:
             return True
-        return self.rank_of(victim) < 1 / (self._wait(np.array([key]))[0] + 1 / max(confidence, 1e-6))
+        value = float(self._rank(np.array([victim], dtype=np.int64), self.following)[0])  # without the LFU duel's lift
+        return value < 1 / (self._wait(np.array([key]))[0] + 1 / max(confidence, 1e-6))
 
     def _wait(self, keys: np.ndarray) -> np.ndarray:
         """Steps until each key's layer runs next (1 for the layer that just ran)."""
