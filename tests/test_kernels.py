@@ -553,20 +553,20 @@ def test_kernel_isa_env_forces_a_kernel_set(monkeypatch, caplog):
 PREFER_256 = {"IQ2_XS", "IQ2_XXS", "IQ3_XXS", "Q4_0", "Q4_1", "IQ4_NL"}  # qmm.c's prefer_256
 
 
-def _zen4() -> bool:
-    """AMD family 19h with AVX-512 (qmm.c's split_avx512), from /proc/cpuinfo."""
+def _amd_avx512() -> bool:
+    """AMD family 19h (Zen 4) or later with AVX-512 (qmm.c's split_avx512), from /proc/cpuinfo."""
     try:
         first = open("/proc/cpuinfo").read().split("\n\n")[0]
     except OSError:
         return False
     fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
-    return (fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
+    return (fields.get("vendor_id") == "AuthenticAMD" and int(fields.get("cpu family", "0")) >= 25
             and "avx512_vnni" in fields.get("flags", "").split())
 
 
 @needs_kernels
 def test_mixed_kernel_set_takes_each_type_from_its_set():
-    """Where AVX-512 runs as two 256-bit halves (Zen 4) the chosen set takes IQ2_XS, IQ2_XXS, IQ3_XXS,
+    """On AMD's AVX-512 CPUs (Zen 4, Zen 5) the chosen set takes IQ2_XS, IQ2_XXS, IQ3_XXS,
     Q4_0, Q4_1 and IQ4_NL from the 256-bit kernels (faster there, and multi-row) and the rest from the
     AVX-512 ones: each product bit for bit the one of the set it should come from. Forced mixing runs
     on any CPU with both sets; the automatic choice is checked against /proc/cpuinfo."""
@@ -579,7 +579,7 @@ def test_mixed_kernel_set_takes_each_type_from_its_set():
     kernels.set_activations("q8x2")
     try:
         lib.strata_set_fused_isa(-1)
-        assert lib.strata_fused_mixed() == int(_zen4())
+        assert lib.strata_fused_mixed() == int(_amd_avx512())
         for qtype in ONE_PASS_TYPES:
             if qtype not in kernels.ggml_types():
                 continue
