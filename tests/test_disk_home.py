@@ -501,3 +501,25 @@ def test_a_prompt_pauses_the_cache_populating_and_its_experts_land_one_call_each
     assert phases[0] is True and phases[-1] is False  # the prompt paused it, decode let it go on
     assert landed[0] == 24  # the prompt's rows, by the landing path
     assert got == want
+
+
+def test_a_layers_own_request_drops_the_reads_ahead_for_it_that_it_does_not_ask_for(tmp_path):
+    """A prediction's reads still queued when its layer routes elsewhere are wrong: they are dropped
+    before they take the disk; one already started runs on, and one the layer asks for is moved up."""
+    home = _home(tmp_path / "m.gguf", capacity=2**20, readers=1)
+    gate, started = threading.Event(), threading.Event()
+    read = home._read
+    home._read = lambda layer, e: (started.set(), gate.wait(5), read(layer, e))[2]
+    try:
+        home.request(0, [1, 2, 3], ahead=True)  # the one reader takes expert 1 and waits
+        assert started.wait(5)
+        home.request(0, [2, 4])  # the layer routes to 2 and 4: 3 was a wrong prediction
+        assert home.cancelled == 1 and (0, 3) not in home.inflight and home.read_ahead == 2
+        gate.set()
+        assert sorted(home.arrival(0, [2, 4])) == [2, 4]
+        assert [bytes(t.numpy()) for t in home.parts(0, 2)] == [bytes(t.numpy()) for t in read(0, 2)]
+        home.parts(0, 4)
+        assert home.stats()["disk_reads"] == 3 and home.stats()["read_ahead_cancelled"] == 1  # 1, 2, 4; never 3
+    finally:
+        gate.set()
+        home.close()

@@ -345,6 +345,15 @@ class ReadQueue:
             self._cond.notify()
         return future
 
+    def cancel(self, key) -> bool:
+        """Drop a queued read ahead that has not started (its future is cancelled); False if it has."""
+        with self._cond:
+            future = self._later.pop(key, None)
+        if future is None:
+            return False
+        future.cancel()
+        return True
+
     def promote(self, key) -> None:
         with self._cond:
             future = self._later.pop(key, None)
@@ -404,6 +413,7 @@ class DiskHome(Home):
         self.held = 0
         self.hits = self.misses = 0
         self.read_ahead = 0  # reads started from a prediction, before the layer asked
+        self.cancelled = 0  # reads ahead dropped before they started: the layer asked for others
         self.ahead: dict[tuple[int, int], bool] = {}  # read ahead and not used yet
         self.ahead_used = 0  # uses served by a read ahead (the first use after it)
         self.used_bytes = 0  # expert bytes of the reads a use needed (misses and reads ahead used): not wasted
@@ -426,12 +436,16 @@ class DiskHome(Home):
     def request(self, layer: int, experts, ahead: bool = False) -> None:
         """Start reading each of `experts` that is neither cached nor being read; returns at once. A
         layer's own request (not `ahead`) settles the reads ahead for it: those it does not ask for
-        were wrong predictions, no longer waiting for a use."""
+        were wrong predictions, no longer waiting for a use, and those not started yet are dropped."""
         with self._lock:
             if not ahead and self.ahead:
                 asked = {int(e) for e in experts}
                 for key in [k for k in self.ahead if k[0] == layer and k[1] not in asked]:
                     del self.ahead[key]
+                    if key in self.inflight and self.pool.cancel(key):
+                        del self.inflight[key]
+                        self.read_ahead -= 1
+                        self.cancelled += 1
             for e in experts:
                 key = (layer, int(e))
                 if key in self.entries:
@@ -618,7 +632,7 @@ class DiskHome(Home):
         return {"home": "disk", "ram_cache_bytes": self.capacity, "ram_cache_held": self.held,
                 "ram_cache_hits": self.hits, "disk_reads": self.misses + self.read_ahead,
                 "ram_cache_hit_rate": self.hits / total if total else 0.0,
-                "read_ahead_used": self.ahead_used,
+                "read_ahead_used": self.ahead_used, "read_ahead_cancelled": self.cancelled,
                 "read_ahead_in_time": self.ahead_used / total if total else 0.0,
                 "bytes_read": self.reader.bytes_read, "device_bytes_read": self.reader.device_bytes,
                 "bytes_used": self.used_bytes,
