@@ -95,11 +95,16 @@ class _SlowPopulate:
         return madvise
 
 
-def test_while_populating_it_hands_out_populated_memory_first(monkeypatch):
+def _slow_arena(monkeypatch) -> tuple[Arena, _SlowPopulate]:
+    """A 16-page arena populated in 4-page chunks whose thread is held after its first chunk."""
     slow = _SlowPopulate(first=1)
     monkeypatch.setattr(arena_module, "_madvise", slow)
     monkeypatch.setattr(arena_module, "POPULATE_CHUNK", 4 * PAGE)
-    arena = Arena(16 * PAGE)
+    return Arena(16 * PAGE), slow
+
+
+def test_while_populating_it_hands_out_populated_memory_first(monkeypatch):
+    arena, slow = _slow_arena(monkeypatch)
     try:
         _wait_for(lambda: arena.populated == 4 * PAGE)
         assert arena.ready == 4 * PAGE
@@ -124,10 +129,7 @@ def _wait_for(cond, seconds: float = 10.0) -> None:
 
 
 def test_a_paused_arena_populates_nothing_until_it_goes_on(monkeypatch):
-    slow = _SlowPopulate(first=1)
-    monkeypatch.setattr(arena_module, "_madvise", slow)
-    monkeypatch.setattr(arena_module, "POPULATE_CHUNK", 4 * PAGE)
-    arena = Arena(16 * PAGE)
+    arena, slow = _slow_arena(monkeypatch)
     try:
         _wait_for(lambda: slow.calls == 2)  # the second chunk's call is under way
         arena.pause(True)  # a prompt's forward begins

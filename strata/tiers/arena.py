@@ -11,9 +11,9 @@ Here the cache's bytes are one mapping whose pages a thread populates from the s
 from its populated front, so the cache (`DiskHome`) holds what is populated so far and its reads
 reuse evicted experts' buffers meanwhile. The thread is paused through a prompt's forwards: beside
 them it doubled the full-size flagship's first prompt (32 tokens: 15.5-16.1 s against 8.3-9.4 s
-paused, 20.5 s of CPU against 11.5-12.6; populating at low priority, SCHED_IDLE, was as slow, 18 s
-to the first token), so it populates while decode waits on the disk (0.6-3.7 s a GiB there, by
-how long the host has had the memory back). A buffer comes back when its expert is evicted and is
+paused, 20.5-21.3 s of CPU against 11.5-12.6; populating at low priority, SCHED_IDLE, was as slow,
+18 s to the first token), so it populates while decode waits on the disk (alone 0.6-2.0 s a GiB,
+by how long the host has had the memory back; about 0.27 GiB a second beside the flagship's decode). A buffer comes back when its expert is evicted and is
 handed out again once nothing views it; nothing is returned to the OS, so the cache's memory is
 populated once per process.
 """

@@ -170,8 +170,10 @@ class CpuLane:
                 continue
             tokens, ws = rows[e]
             at = None if one_token else torch.tensor(tokens)
+            # the general path's product: x-shaped, of a prompt only its rows (zeros elsewhere)
+            fallback = lambda: general(e) if at is None else (at, general(e).index_select(0, at))  # noqa: E731
             if len(tokens) >= kernels.PROMPT_AMX_MIN_ROWS:
-                products[e] = general(e) if one_token else (at, general(e).index_select(0, at))
+                products[e] = fallback()
                 continue
             parts = home.parts(layer, e)  # held through the call: an evicted expert's buffer is read into again
             ptrs = tuple(p.data_ptr() for p in parts)
@@ -179,15 +181,13 @@ class CpuLane:
                 y = torch.zeros_like(x)
                 ok = kernels.moe_token_at(x, [ptrs], spec, ws, threads, y)
             else:  # its own rows only (the products are row-independent): a layer's products hold
-                # its routings' rows, not a copy of x per expert (78 MB zeroed a layer at 32 rows)
+                # its routings' rows, not an x-sized tensor zeroed per expert
                 y = torch.zeros(len(tokens), x.shape[-1])
                 ok = kernels.moe_tokens_at(x.index_select(0, at), ptrs, spec, list(range(len(tokens))), ws,
                                            threads, y)
                 y = (at, y)
             del parts
-            if not ok:  # declined: y is dropped
-                y = general(e) if one_token else (at, general(e).index_select(0, at))
-            products[e] = y
+            products[e] = y if ok else fallback()  # declined: y is dropped
         return products
 
     def close(self) -> None:
@@ -273,11 +273,27 @@ class HybridExecutor:
                  lane: CpuLane, stats: TierStats, n_experts: int, device: torch.device, tracer=None):
         self.homes, self.formats, self.cache, self.lane = homes, formats, cache, lane
         self.stats, self.n_experts, self.device, self.tracer = stats, n_experts, device, tracer
-        self.prefill = False  # set per forward: prefill misses go to the reserved slots
+        self._prefill = False
+        self._disk_homes = [h for h in {id(h): h for h in homes.values()}.values() if getattr(h, "kind", None) == "disk"]
         self.positions = None
         self.read_host = read_routing  # the seam every host read of a tiered step goes through
         self.host_reads = 0
         self.prefetcher = None  # its next-layer prediction, when on the device, rides on the read
+
+    @property
+    def prefill(self) -> bool:
+        """Whether this forward is a prompt's (wider than decode): its misses go to the reserved slots."""
+        return self._prefill
+
+    @prefill.setter
+    def prefill(self, wide: bool) -> None:
+        """Set per forward (every runtime and shard that drives this executor): a prompt's forward also
+        holds its disk homes' RAM-cache populating until decode (`DiskHome.wide_forward`)."""
+        wide = bool(wide)
+        if wide != self._prefill:
+            for home in self._disk_homes:
+                home.wide_forward(wide)
+        self._prefill = wide
 
     @boundary  # the routing read: compiled decode steps break their graph here (kernels/gpu/graphs.py)
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

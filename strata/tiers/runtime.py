@@ -39,7 +39,6 @@ class TierRuntime:
         self.prefetcher, self.cache, self.reader, self.trace_path = prefetcher, cache, reader, trace_path
         self.decode_width = decode_width  # the widest forward that is still decode (a verify pass)
         self.readahead = None  # DenseReadahead of a cold file's dense weights (install)
-        self._disk_homes = [h for h in _unique(homes.values()) if h.kind == "disk"]
         self.closed = False
 
     @boundary  # host bookkeeping: eager between compiled segments
@@ -47,8 +46,6 @@ class TierRuntime:
         """Before each block of a forward: step bookkeeping, then prefetch."""
         if block == 0:
             self.executor.prefill = step.width > self.decode_width
-            for home in self._disk_homes:
-                home.wide_forward(self.executor.prefill)
             self.executor.positions = step.positions[step.token_mask]
             if self.executor.tracer is not None:
                 self.executor.tracer.next_step(self.executor.prefill)

@@ -594,7 +594,7 @@ class DiskHome(Home):
 
     def wide_forward(self, wide: bool) -> None:
         """A prompt's forward (`wide`) or a decode step's starts: the arena's populating thread waits
-        through a prompt, whose compute wants both cores (5.8 s of CPU populating beside the
+        through a prompt, whose compute wants both cores (py-spy: 5.8 s of CPU populating beside the
         full-size flagship's first prompt, 32 tokens), and populates during decode, which waits on
         the disk. The cache meanwhile holds what is populated."""
         if self.arena is not None:
@@ -604,8 +604,8 @@ class DiskHome(Home):
         """The bytes the cache may hold now. While its arena is still being populated, only what is
         populated (less the reads in flight's share): a read then reuses an evicted expert's
         buffer instead of faulting fresh pages in, which on a virtual machine whose host backs
-        free memory again page by page cost 2.7 s a GiB inside the readers' O_DIRECT reads (the
-        full-size flagship's first prompt: 16 % of the run's CPU), so the cache grows at the
+        free memory again page by page took 16 % of the CPU samples (perf) of a full-size flagship
+        run with a 32-token prompt, inside the readers' O_DIRECT reads; so the cache grows at the
         populating thread's pace, off the readers' path."""
         if self.arena is None:
             return self._room
