@@ -550,24 +550,35 @@ def test_kernel_isa_env_forces_a_kernel_set(monkeypatch, caplog):
         lib.strata_set_fused_isa(-1)
 
 
-PREFER_256 = {"IQ2_XS", "IQ2_XXS", "IQ3_XXS", "Q4_0", "Q4_1", "IQ4_NL"}  # qmm.c's prefer_256
+def _cpuinfo() -> dict[str, str]:
+    """The first CPU's fields of /proc/cpuinfo ({} where there is none)."""
+    try:
+        first = open("/proc/cpuinfo").read().split("\n\n")[0]
+    except OSError:
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
 
 
 def _amd_avx512() -> bool:
     """AMD family 19h (Zen 4) or later with AVX-512 (qmm.c's split_avx512), from /proc/cpuinfo."""
-    try:
-        first = open("/proc/cpuinfo").read().split("\n\n")[0]
-    except OSError:
-        return False
-    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    fields = _cpuinfo()
     return (fields.get("vendor_id") == "AuthenticAMD" and int(fields.get("cpu family", "0")) >= 25
             and "avx512_vnni" in fields.get("flags", "").split())
 
 
+def _iq2xs_perm() -> bool:
+    """The AVX-512 set has its byte-permute IQ2_XS kernel (built with -march=native: VBMI and BITALG)."""
+    return {"avx512vbmi", "avx512_bitalg"} <= set(_cpuinfo().get("flags", "").split())
+
+
+# qmm.c's prefer_256
+PREFER_256 = {"IQ2_XXS", "IQ3_XXS", "Q4_0", "Q4_1", "IQ4_NL"} | (set() if _iq2xs_perm() else {"IQ2_XS"})
+
+
 @needs_kernels
 def test_mixed_kernel_set_takes_each_type_from_its_set():
-    """On AMD's AVX-512 CPUs (Zen 4, Zen 5) the chosen set takes IQ2_XS, IQ2_XXS, IQ3_XXS,
-    Q4_0, Q4_1 and IQ4_NL from the 256-bit kernels (faster there, and multi-row) and the rest from the
+    """On AMD's AVX-512 CPUs (Zen 4, Zen 5) the chosen set takes IQ2_XXS, IQ3_XXS, Q4_0, Q4_1,
+    IQ4_NL (and IQ2_XS without AVX-512 VBMI) from the 256-bit kernels (faster there, and multi-row) and the rest from the
     AVX-512 ones: each product bit for bit the one of the set it should come from. Forced mixing runs
     on any CPU with both sets; the automatic choice is checked against /proc/cpuinfo."""
     lib = _build.load()
