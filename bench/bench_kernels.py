@@ -345,7 +345,7 @@ def prompt_avx2(types, threads):
             if cross is None and a < k8:
                 cross = rows
             cells.append(f"{rows}: {a * 1e3:.2f}/{k8 * 1e3:.2f}/{f32 * 1e3:.2f}")
-        print(f"  {name:<8} crossover {cross} (in use: {kernels.PROMPT_AVX2_MIN_ROWS.get(name)}) | "
+        print(f"  {name:<8} crossover {cross} (in use: {kernels._prompt_min_rows(T[name])}) | "
               + "  ".join(cells), flush=True)
 
 

@@ -1353,28 +1353,58 @@ static void dot2x2_iq2_xs_perm(int64_t n, const uint8_t *w, int64_t wrow, const 
     y[1] = 0.125f * _mm512_reduce_add_ps(acc1);
 }
 
-/* nr <= DOT2M_ROWS prepared rows against one weight row: each pair unpacked once, every row's
- * arithmetic that of dot2_iq2_xs_perm, so each result is its one-row kernel's bit for bit. */
+/* nr <= DOT2M_ROWS prepared rows against one weight row: each pair unpacked once per 8 rows (8 rows'
+ * prepared x, 33 KB a 2048-value row, stay in L1; 16 took 1.3x as long a row), its magnitudes and
+ * sign masks once for them; every row's arithmetic that of dot2_iq2_xs_perm, so each result is its
+ * one-row kernel's bit for bit. */
 static void dot2m_iq2_xs_perm(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff,
                               int nr, float *y) {
     (void)xr;
+    enum { GROUP = 8 };
     const int64_t nb = n / 256;
-    __m512 acc[DOT2M_ROWS];
-    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < nb; i += 2) {
-        const uint8_t *b = w + i * 74, *b1 = i + 1 < nb ? b + 74 : NULL;
-        stream_prefetch(b, 148);
-        __m512i lv0, lv1, sgn, sc;
-        iq2xs_perm_unpack(b, b1, &lv0, &lv1, &sgn, &sc);
-        const float d0 = rd_f16(b), d1 = b1 ? rd_f16(b1) : 0.0f;
-        for (int r = 0; r < nr; r++) {
-            const uint8_t *o = xq + xoff[r] + i / 2 * IQ2XS_PAIR;
-            __m512i sq, sr;
-            iq2xs_perm_sums(o, lv0, lv1, sgn, sc, &sq, &sr);
-            acc[r] = iq2xs_perm_scale(acc[r], o, sq, sr, d0, d1);
+    const __m512i zero = _mm512_setzero_si512(), m15 = _mm512_set1_epi8(15);
+    const __m512i lut_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(8, 25, 43, 0, 8, 25, 43, 0, 8, 25, 43, 0, 8, 25, 43, 0));
+    const __m512i lut_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(8, 8, 8, 8, 25, 25, 25, 25, 43, 43, 43, 43, 0, 0, 0, 0));
+    for (int r0 = 0; r0 < nr; r0 += GROUP) {
+        const int g = nr - r0 < GROUP ? nr - r0 : GROUP;
+        __m512 acc[GROUP];
+        for (int r = 0; r < g; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < nb; i += 2) {
+            const uint8_t *b = w + i * 74, *b1 = i + 1 < nb ? b + 74 : NULL;
+            if (r0 == 0) stream_prefetch(b, 148);
+            __m512i lv0, lv1, sgn, sc, mag[8];
+            __mmask64 neg[8];
+            iq2xs_perm_unpack(b, b1, &lv0, &lv1, &sgn, &sc);
+            #pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) { /* as iq2xs_perm_sums */
+                const __m512i lv = k < 4 ? lv0 : lv1;
+                const __m512i nib = k & 2 ? _mm512_and_si512(_mm512_srli_epi16(lv, 4), m15) : _mm512_and_si512(lv, m15);
+                mag[k] = _mm512_shuffle_epi8(k & 1 ? lut_hi : lut_lo, nib);
+                neg[k] = _mm512_test_epi8_mask(sgn, _mm512_set1_epi8((char)(1 << k)));
+            }
+            const float d0 = rd_f16(b), d1 = b1 ? rd_f16(b1) : 0.0f;
+            for (int r = 0; r < g; r++) {
+                const uint8_t *o = xq + xoff[r0 + r] + i / 2 * IQ2XS_PAIR;
+                /* vpmaddubsw's pair sums are within 2 * 43 * 127 = 10922: values 0-2, 3-5 and 6-7 add up
+                 * within int16 before their vpdpwssd (fewer multiplies a row; the same integer sums) */
+                __m512i aq = zero, ar = zero, pq = zero, pr = zero;
+                #pragma GCC unroll 8
+                for (int k = 0; k < 8; k++) {
+                    const __m512i vq = _mm512_loadu_si512(o + 64 * k), vr = _mm512_loadu_si512(o + 512 + 64 * k);
+                    const __m512i tq = _mm512_maddubs_epi16(mag[k], _mm512_mask_sub_epi8(vq, neg[k], zero, vq));
+                    const __m512i tr = _mm512_maddubs_epi16(mag[k], _mm512_mask_sub_epi8(vr, neg[k], zero, vr));
+                    pq = k % 3 ? _mm512_add_epi16(pq, tq) : tq;
+                    pr = k % 3 ? _mm512_add_epi16(pr, tr) : tr;
+                    if (k % 3 == 2 || k == 7) {
+                        aq = _mm512_dpwssd_epi32(aq, pq, sc);
+                        ar = _mm512_dpwssd_epi32(ar, pr, sc);
+                    }
+                }
+                acc[r] = iq2xs_perm_scale(acc[r], o, aq, ar, d0, d1);
+            }
         }
+        for (int r = 0; r < g; r++) y[r0 + r] = 0.125f * _mm512_reduce_add_ps(acc[r]);
     }
-    for (int r = 0; r < nr; r++) y[r] = 0.125f * _mm512_reduce_add_ps(acc[r]);
 }
 #endif
 
@@ -2155,6 +2185,15 @@ static dot2_fn fused2_of_type(int type) {
 int strata_fused_types(int type) { return fused2_of_type(type) != NULL; }
 /* Whether the kernel set in use has a multi-row kernel for `type` (and they are on). */
 int strata_multirow_types(int type) { return fused2m_of(fused2_of_type(type), DOT2M_ROWS) != NULL; }
+
+/* 1 where "q8x2" IQ2_XS takes the byte-permute kernel (dot2_iq2_xs_perm): its prompt crossover differs. */
+int strata_iq2xs_perm(void) {
+#if defined(HAVE_IQ2XS_PERM)
+    return fused2_of_type(17) == dot2_iq2_xs_perm;
+#else
+    return 0;
+#endif
+}
 
 /* ggml's quantize_row_q8_K_ref in 16 lanes (ggml-cpu's q8_K from_float is the reference, a scalar
  * loop that took ~7 us per 2048 values, twice per x in "q8x2", on the calling thread while the
