@@ -25,7 +25,7 @@ def test_a_prompt_of_a_few_rows_takes_the_prefill_product_and_a_verify_pass_does
     if not prompt.has_type(w.qtype, own_only=True):
         pytest.skip("no AMX prefill product for IQ2_XS on this CPU")
     lin = Linear(w)
-    x = torch.randn(kernels.PROMPT_AMX_MIN_ROWS + 2, 512)
+    x = torch.randn(kernels._prompt_min_rows(w.qtype) + 2, 512)  # this CPU's crossover
     decode = kernels.try_qmatmul(x, w)
     assert kernels.try_qmatmul_prompt(x, w) is None  # not a prompt: every path keeps the decode kernels
     assert torch.equal(kernels.qmatmul(x, w), decode)
