@@ -306,18 +306,19 @@ PROMPT_AVX2_MIN_ROWS = {"Q4_0": 16, "Q4_1": 16, "Q5_0": 12, "Q5_1": 16, "Q8_0": 
                         "Q6_K": 10, "IQ2_XXS": 6, "IQ2_XS": 6, "IQ4_NL": 16, "IQ4_XS": 10}
 
 
-# IQ2_XS where its q8x2 kernel is the AVX-512 VBMI byte-permute one (qmm.c's dot2_iq2_xs_perm): the
-# 8-bit kernel wins to 12 rows (CPU ms, 768x2048, 1 thread, Zen 5, with the AVX-512 float32 tile:
-# 12 rows 0.34 against 0.40, 16 rows 0.47 against 0.40).
-PROMPT_AVX2_MIN_ROWS_IQ2XS_PERM = 14
+# IQ2_XS and IQ2_XXS where their q8x2 kernels are the AVX-512 VBMI byte-permute ones (qmm.c's
+# dot2_iq2_xs_perm): the 8-bit kernel wins to 12 rows (CPU ms, 768x2048, 1 thread, Zen 5, with the
+# AVX-512 float32 tile: IQ2_XS 12 rows 0.34 against 0.40, 16 rows 0.47 against 0.40; IQ2_XXS 0.32
+# against 0.35, 0.46 against 0.35).
+PROMPT_AVX2_MIN_ROWS_PERM = 14
 
 
 def _prompt_min_rows(qtype) -> int:
     """The fewest rows from which `qtype` takes the prompt product with its own decoder."""
     if prompt.backend() == "avx2":
         name = _type_name(qtype)
-        if name == "IQ2_XS" and _activations == "q8x2" and _build.load().strata_iq2xs_perm():
-            return PROMPT_AVX2_MIN_ROWS_IQ2XS_PERM
+        if name in ("IQ2_XS", "IQ2_XXS") and _activations == "q8x2" and _build.load().strata_perm_kernel(int(qtype)):
+            return PROMPT_AVX2_MIN_ROWS_PERM
         return PROMPT_AVX2_MIN_ROWS.get(name, 8)
     return PROMPT_AMX_MIN_ROWS
 

@@ -213,7 +213,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.strata_set_multirow.restype = None
     lib.strata_multirow_types.argtypes = [ctypes.c_int]
     lib.strata_multirow_types.restype = ctypes.c_int
-    lib.strata_iq2xs_perm.restype = ctypes.c_int
+    lib.strata_perm_kernel.argtypes = [ctypes.c_int]
+    lib.strata_perm_kernel.restype = ctypes.c_int
     lib.strata_fused_types.argtypes = [ctypes.c_int]
     lib.strata_fused_types.restype = ctypes.c_int
     lib.strata_set_to_float.argtypes = [ctypes.c_int, p]

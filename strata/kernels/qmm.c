@@ -32,11 +32,25 @@ uint8_t GRID_IQ3_XXS[256][4];
 float KSIGNS[128][8] __attribute__((aligned(32)));
 int16_t KSIGNS16[128][8] __attribute__((aligned(16))); /* +-1 as int16, for the int16 kernels */
 
-/* GRID_IQ2_XS as levels: byte i of half h holds entry i's values 4h..4h+3 as 2 bits each (0, 1, 2
- * for 8, 25, 43), so that 64 entries come out of 4 byte permutes per half (dot2_iq2_xs_perm);
- * iq2xs_levels_ok is 0 if the grid held anything else, and that kernel is then not used. */
+/* GRID_IQ2_XS and GRID_IQ2_XXS as levels: byte i of half h holds entry i's values 4h..4h+3 as 2 bits
+ * each (0, 1, 2 for 8, 25, 43), so that 64 entries come out of a few byte permutes per half (the
+ * permute kernels, dot2_iq2_xs_perm); levels_ok is 0 if a grid held anything else, and those
+ * kernels are then not used. */
 static uint8_t IQ2XS_LEVELS[2][512] __attribute__((aligned(64)));
-static int iq2xs_levels_ok;
+static uint8_t IQ2XXS_LEVELS[2][256] __attribute__((aligned(64)));
+static int levels_ok;
+
+static int grid_levels(const uint8_t *grid, int entries, uint8_t *levels) {
+    memset(levels, 0, (size_t)(2 * entries));
+    int ok = 1;
+    for (int i = 0; i < entries; i++)
+        for (int k = 0; k < 8; k++) {
+            const uint8_t g = grid[8 * i + k];
+            ok &= g == 8 || g == 25 || g == 43;
+            levels[(k / 4) * entries + i] |= (uint8_t)(((g > 8) + (g > 25)) << (2 * (k % 4)));
+        }
+    return ok;
+}
 
 /* The codebooks come from gguf-py at load time, so they are the reference decoder's own. */
 void strata_init_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8_t *iq3xxs,
@@ -44,14 +58,8 @@ void strata_init_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8
     memcpy(GRID_IQ2_XXS, iq2xxs, sizeof GRID_IQ2_XXS);
     memcpy(GRID_IQ2_XS, iq2xs, sizeof GRID_IQ2_XS);
     memcpy(GRID_IQ3_XXS, iq3xxs, sizeof GRID_IQ3_XXS);
-    iq2xs_levels_ok = 1;
-    memset(IQ2XS_LEVELS, 0, sizeof IQ2XS_LEVELS);
-    for (int i = 0; i < 512; i++)
-        for (int k = 0; k < 8; k++) {
-            const uint8_t g = GRID_IQ2_XS[i][k];
-            if (g != 8 && g != 25 && g != 43) iq2xs_levels_ok = 0;
-            IQ2XS_LEVELS[k / 4][i] |= (uint8_t)(((g > 8) + (g > 25)) << (2 * (k % 4)));
-        }
+    levels_ok = grid_levels(&GRID_IQ2_XS[0][0], 512, &IQ2XS_LEVELS[0][0]) &
+                grid_levels(&GRID_IQ2_XXS[0][0], 256, &IQ2XXS_LEVELS[0][0]);
     for (int i = 0; i < 128; i++)
         for (int j = 0; j < 8; j++) {
             KSIGNS[i][j] = (ksigns[i] >> j) & 1 ? -1.0f : 1.0f;
@@ -1197,34 +1205,35 @@ static float dot2_iq2_xs(int64_t n, const uint8_t *w, const uint8_t *xq, const u
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
 #define HAVE_IQ2XS_PERM 1
-/* IQ2_XS by byte permutes (AVX-512 VBMI): two blocks' 64 grid indices go through vpermi2b, 4 per
- * half of GRID_IQ2_XS as 2-bit levels (IQ2XS_LEVELS: 4 x 128 entries, bits 7 and 8 of the index
- * pick among them), and vpshufb turns each value's level into its magnitude. The k-th value of
- * every index comes out in one register, so x is laid out the same way once per product
- * (iq2xs_perm_prep): per pair of blocks, x's value k of each of the 64 indices, k = 0..7, for x's
- * 8-bit value and then its residual, then the 4 block scales. vpmaddubsw sums the two indices of a
- * 16-value sub-block (within 2 * 43 * 127), vpdpwssd scales each sub-block by 2s + 1; the integer
- * sums are those of dot2_iq2_xs and ggml. On Zen 5, bench_kernels ms per 768x2048 / 2048x768
- * product at one thread (x's quantization included): 0.044 / 0.053, against 0.080 / 0.085 for the
- * gather-free 256-bit kernel that was the faster one there (dot2x2_iq2_xs_perm takes the 768-value
- * rows: 0.065 without it). */
-enum { IQ2XS_PAIR = 1040 }; /* prepared bytes per pair of blocks: 2 x 8 x 64 values, 4 floats */
+/* IQ2_XS and IQ2_XXS by byte permutes (AVX-512 VBMI): two blocks' 64 grid indices go through
+ * vpermi2b over the grid as 2-bit levels (IQ2XS_LEVELS: 4 x 128 entries a half, bits 7 and 8 of
+ * the index pick among them; IQ2XXS_LEVELS: 2 x 128), and vpshufb turns each value's level into its
+ * magnitude. The k-th value of every index comes out in one register, so x is laid out the same
+ * way once per product (perm8_prep): per pair of blocks, x's value k of each of the 64 indices,
+ * k = 0..7, for x's 8-bit value and then its residual, then the 4 block scales. vpmaddubsw sums the
+ * two indices of a 16-value sub-block (within 2 * 43 * 127), vpdpwssd scales each sub-block by
+ * 2s + 1; the integer sums are those of dot2_iq2_xs / dot2_iq2_xxs and ggml. On Zen 5,
+ * bench_kernels ms per 768x2048 / 2048x768 product at one thread (x's quantization included):
+ * IQ2_XS 0.044 / 0.053, against 0.080 / 0.085 for the gather-free 256-bit kernel that was the
+ * faster one there (dot2x2_perm takes the 768-value rows: 0.065 without it); IQ2_XXS 0.041 /
+ * 0.050 against 0.119 / 0.128. */
+enum { PERM8_PAIR = 1040 }; /* prepared bytes per pair of blocks: 2 x 8 x 64 values, 4 floats */
 
-static int64_t iq2xs_perm_prep_bytes(int64_t n) { return (n / 256 + 1) / 2 * IQ2XS_PAIR; }
+static int64_t perm8_prep_bytes(int64_t n) { return (n / 256 + 1) / 2 * PERM8_PAIR; }
 
-static void iq2xs_perm_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) {
+static void perm8_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) {
     const int64_t nb = n / 256;
     /* within 64 bytes (8 indices x 8 values), value k of each index to bytes 8k..8k+7 */
     uint8_t perm[64];
     for (int k = 0; k < 8; k++)
         for (int j = 0; j < 8; j++) perm[8 * k + j] = (uint8_t)(8 * j + k);
     const __m512i p = _mm512_loadu_si512(perm);
-    memset(out, 0, (size_t)iq2xs_perm_prep_bytes(n));
-    /* an odd last block goes into both halves of its pair: dot2x2_iq2_xs_perm puts two weight rows'
-     * last blocks in one pair (the one-row kernel's second block is then all zero) */
+    memset(out, 0, (size_t)perm8_prep_bytes(n));
+    /* an odd last block goes into both halves of its pair: dot2x2_perm puts two weight rows' last
+     * blocks in one pair (the one-row kernel's second block is then all zero) */
     for (int64_t j = 0; j < nb + (nb & 1); j++) {
         const int64_t i = j < nb ? j : nb - 1;
-        uint8_t *o = out + j / 2 * IQ2XS_PAIR;
+        uint8_t *o = out + j / 2 * PERM8_PAIR;
         const int h = (int)(j & 1);
         for (int pass = 0; pass < 2; pass++) {
             const uint8_t *x = (pass ? xr : xq) + i * 292;
@@ -1238,16 +1247,23 @@ static void iq2xs_perm_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uin
     }
 }
 
-/* Entries idx of one half of IQ2XS_LEVELS (t: its 512 bytes as 8 registers); m7, m8: bits 7 and 8. */
-static inline __attribute__((always_inline)) __m512i iq2xs_levels(const __m512i *t, const __m512i idx, const __mmask64 m7,
-                                                                 const __mmask64 m8) {
-    const __m512i t0 = _mm512_permutex2var_epi8(t[0], idx, t[1]), t1 = _mm512_permutex2var_epi8(t[2], idx, t[3]);
-    const __m512i t2 = _mm512_permutex2var_epi8(t[4], idx, t[5]), t3 = _mm512_permutex2var_epi8(t[6], idx, t[7]);
-    return _mm512_mask_blend_epi8(m8, _mm512_mask_blend_epi8(m7, t0, t1), _mm512_mask_blend_epi8(m7, t2, t3));
+/* Each byte's 7 sign bits with their parity as bit 7 (ksigns_iq2xs). */
+static inline __attribute__((always_inline)) __m512i signs8(const __m512i s7) {
+    const __m512i par = _mm512_and_si512(_mm512_slli_epi16(_mm512_popcnt_epi8(s7), 7), _mm512_set1_epi8((char)0x80));
+    return _mm512_or_si512(s7, par);
 }
 
-/* The pair of blocks b, b1 (b alone if b1 is NULL): the levels of values 0-3 and 4-7 of each of the 64
- * indices (lv0, lv1), the 64 sign bytes (7 bits and their parity) and the 32 sub-block scales. */
+/* The 32 sub-block scales 2s + 1 as words from the 32 nibbles of two blocks' 8 scale bytes. */
+static inline __attribute__((always_inline)) __m512i nibble_scales(const long long c0, const long long c1) {
+    const __m128i sb = _mm_set_epi64x(c1, c0), m15x = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(sb, m15x), hi = _mm_and_si128(_mm_srli_epi16(sb, 4), m15x);
+    const __m512i s = _mm512_cvtepu8_epi16(_mm256_setr_m128i(_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)));
+    return _mm512_add_epi16(_mm512_add_epi16(s, s), _mm512_set1_epi16(1));
+}
+
+/* IQ2_XS ({f16 d; u16 qs[32]; u8 scales[8]}), the pair of blocks b, b1 (b alone if b1 is NULL):
+ * the levels of values 0-3 and 4-7 of each of the 64 indices (lv0, lv1), the 64 sign bytes and the
+ * 32 sub-block scales. */
 static inline __attribute__((always_inline)) void iq2xs_perm_unpack(const uint8_t *b, const uint8_t *b1, __m512i *lv0,
                                                                    __m512i *lv1, __m512i *sgn, __m512i *sc) {
     const __m512i zero = _mm512_setzero_si512(), bit8 = _mm512_set1_epi16(256);
@@ -1255,27 +1271,59 @@ static inline __attribute__((always_inline)) void iq2xs_perm_unpack(const uint8_
     const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(q0)), _mm512_cvtepi16_epi8(q1), 1);
     const __mmask64 m8 = _mm512_kunpackd(_mm512_test_epi16_mask(q1, bit8), _mm512_test_epi16_mask(q0, bit8));
     const __mmask64 m7 = _mm512_movepi8_mask(idx);
-    __m512i s0 = _mm512_srli_epi16(q0, 9), s1 = _mm512_srli_epi16(q1, 9);
-    s0 = _mm512_or_si512(s0, _mm512_slli_epi16(_mm512_popcnt_epi16(s0), 7));
-    s1 = _mm512_or_si512(s1, _mm512_slli_epi16(_mm512_popcnt_epi16(s1), 7));
-    *sgn = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(s0)), _mm512_cvtepi16_epi8(s1), 1);
+    const __m512i s0 = _mm512_srli_epi16(q0, 9), s1 = _mm512_srli_epi16(q1, 9);
+    *sgn = signs8(_mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(s0)), _mm512_cvtepi16_epi8(s1), 1));
     long long c0, c1 = 0;
     memcpy(&c0, b + 66, 8);
     if (b1) memcpy(&c1, b1 + 66, 8);
-    const __m128i sb = _mm_set_epi64x(c1, c0), m15x = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(sb, m15x), hi = _mm_and_si128(_mm_srli_epi16(sb, 4), m15x);
-    const __m512i s = _mm512_cvtepu8_epi16(_mm256_setr_m128i(_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)));
-    *sc = _mm512_add_epi16(_mm512_add_epi16(s, s), _mm512_set1_epi16(1));
+    *sc = nibble_scales(c0, c1);
     const __m512i *t = (const __m512i *)IQ2XS_LEVELS;
-    *lv0 = iq2xs_levels(t, idx, m7, m8);
-    *lv1 = iq2xs_levels(t + 8, idx, m7, m8);
+    for (int h = 0; h < 2; h++, t += 8) {
+        const __m512i t0 = _mm512_permutex2var_epi8(t[0], idx, t[1]), t1 = _mm512_permutex2var_epi8(t[2], idx, t[3]);
+        const __m512i t2 = _mm512_permutex2var_epi8(t[4], idx, t[5]), t3 = _mm512_permutex2var_epi8(t[6], idx, t[7]);
+        const __m512i lv = _mm512_mask_blend_epi8(m8, _mm512_mask_blend_epi8(m7, t0, t1), _mm512_mask_blend_epi8(m7, t2, t3));
+        if (h) *lv1 = lv;
+        else *lv0 = lv;
+    }
 }
 
-/* One prepared pair o against the unpacked pair: the integer sums of x's value (*sq) and residual
+/* Index i of a pair of IQ2_XXS blocks: byte i % 4 of group i / 4 (64 + : the second block's). */
+static const uint8_t IQ2XXS_PICK[64] __attribute__((aligned(64))) = {
+    0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27, 32, 33, 34, 35, 40, 41, 42, 43, 48, 49, 50, 51, 56, 57, 58, 59,
+    64, 65, 66, 67, 72, 73, 74, 75, 80, 81, 82, 83, 88, 89, 90, 91, 96, 97, 98, 99, 104, 105, 106, 107, 112, 113, 114, 115, 120, 121, 122, 123};
+/* Word m (indices 2m, 2m + 1) takes the scale byte of group m / 2 (of 16): byte 4 of its qword. */
+static const uint8_t IQ2XXS_SCALE_PICK[64] __attribute__((aligned(64))) = {
+    4, 0, 4, 0, 12, 0, 12, 0, 20, 0, 20, 0, 28, 0, 28, 0, 36, 0, 36, 0, 44, 0, 44, 0, 52, 0, 52, 0, 60, 0, 60, 0,
+    68, 0, 68, 0, 76, 0, 76, 0, 84, 0, 84, 0, 92, 0, 92, 0, 100, 0, 100, 0, 108, 0, 108, 0, 116, 0, 116, 0, 124, 0, 124, 0};
+
+/* IQ2_XXS ({f16 d; 8 x (u8 grid[4]; u32 signs 4 x 7 bits | scale << 28)}): as iq2xs_perm_unpack.
+ * One vpermt2b gathers both blocks' 64 index bytes; vpmultishiftqb cuts each group's u32 into its
+ * 4 sign fields and its scale, which the same gather puts in index order. */
+static inline __attribute__((always_inline)) void iq2xxs_perm_unpack(const uint8_t *b, const uint8_t *b1, __m512i *lv0,
+                                                                    __m512i *lv1, __m512i *sgn, __m512i *sc) {
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i pk = _mm512_load_si512(IQ2XXS_PICK), sp = _mm512_load_si512(IQ2XXS_SCALE_PICK);
+    const __m512i g0 = _mm512_loadu_si512(b + 2), g1 = b1 ? _mm512_loadu_si512(b1 + 2) : zero;
+    const __m512i idx = _mm512_permutex2var_epi8(g0, pk, g1);
+    /* bytes 0-3: the sign fields at bits 32 + 7j; byte 4: bits 60-67, the scale in its low nibble */
+    const __m512i ctl = _mm512_set1_epi64((long long)0x000000003C352E2720ull);
+    const __m512i f0 = _mm512_multishift_epi64_epi8(ctl, g0), f1 = _mm512_multishift_epi64_epi8(ctl, g1);
+    *sgn = signs8(_mm512_and_si512(_mm512_permutex2var_epi8(f0, pk, f1), _mm512_set1_epi8(127)));
+    const __m512i s = _mm512_and_si512(_mm512_permutex2var_epi8(f0, sp, f1), _mm512_set1_epi16(15));
+    *sc = _mm512_add_epi16(_mm512_add_epi16(s, s), _mm512_set1_epi16(1));
+    const __mmask64 m7 = _mm512_movepi8_mask(idx);
+    const __m512i *t = (const __m512i *)IQ2XXS_LEVELS;
+    *lv0 = _mm512_mask_blend_epi8(m7, _mm512_permutex2var_epi8(t[0], idx, t[1]), _mm512_permutex2var_epi8(t[2], idx, t[3]));
+    *lv1 = _mm512_mask_blend_epi8(m7, _mm512_permutex2var_epi8(t[4], idx, t[5]), _mm512_permutex2var_epi8(t[6], idx, t[7]));
+}
+
+typedef void (*perm_unpack_fn)(const uint8_t *b, const uint8_t *b1, __m512i *lv0, __m512i *lv1, __m512i *sgn,
+                               __m512i *sc);
+
+/* One prepared pair o against an unpacked pair: the integer sums of x's value (*sq) and residual
  * (*sr), 8 lanes per block. Value k's magnitudes: its 2 bits of lv0 (k < 4) or lv1, through vpshufb. */
-static inline __attribute__((always_inline)) void iq2xs_perm_sums(const uint8_t *o, const __m512i lv0, const __m512i lv1,
-                                                                 const __m512i sgn, const __m512i sc, __m512i *sq,
-                                                                 __m512i *sr) {
+static inline __attribute__((always_inline)) void perm_sums(const uint8_t *o, const __m512i lv0, const __m512i lv1,
+                                                           const __m512i sgn, const __m512i sc, __m512i *sq, __m512i *sr) {
     const __m512i zero = _mm512_setzero_si512(), m15 = _mm512_set1_epi8(15);
     const __m512i lut_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(8, 25, 43, 0, 8, 25, 43, 0, 8, 25, 43, 0, 8, 25, 43, 0));
     const __m512i lut_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(8, 8, 8, 8, 25, 25, 25, 25, 43, 43, 43, 43, 0, 0, 0, 0));
@@ -1296,8 +1344,8 @@ static inline __attribute__((always_inline)) void iq2xs_perm_sums(const uint8_t 
 
 /* acc += a pair's sums times d0 * dq, d0 * dr (lanes 0-7) and d1 * dq, d1 * dr (lanes 8-15), the
  * block scales of x at o + 1024. */
-static inline __attribute__((always_inline)) __m512 iq2xs_perm_scale(__m512 acc, const uint8_t *o, const __m512i sq,
-                                                                    const __m512i sr, const float d0, const float d1) {
+static inline __attribute__((always_inline)) __m512 perm_scale(__m512 acc, const uint8_t *o, const __m512i sq,
+                                                              const __m512i sr, const float d0, const float d1) {
     float dd[4];
     memcpy(dd, o + 1024, 16);
     const __m512 fq = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(d0 * dd[0])), _mm256_set1_ps(d1 * dd[1]), 1);
@@ -1306,60 +1354,60 @@ static inline __attribute__((always_inline)) __m512 iq2xs_perm_scale(__m512 acc,
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), fr, acc);
 }
 
-/* acc += the pair of blocks b, b1 (b alone if NULL) against prepared pair o. */
-static inline __attribute__((always_inline)) __m512 iq2xs_perm_pair(__m512 acc, const uint8_t *o, const uint8_t *b,
-                                                                   const uint8_t *b1) {
-    __m512i lv0, lv1, sgn, sc, sq, sr;
-    iq2xs_perm_unpack(b, b1, &lv0, &lv1, &sgn, &sc);
-    iq2xs_perm_sums(o, lv0, lv1, sgn, sc, &sq, &sr);
-    return iq2xs_perm_scale(acc, o, sq, sr, rd_f16(b), b1 ? rd_f16(b1) : 0.0f);
-}
-
-static float dot2_iq2_xs_perm(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
-    (void)unused;
+/* One weight row of ts-byte blocks against a perm8_prep row. */
+static inline __attribute__((always_inline)) float perm_dot(int64_t n, const uint8_t *w, const uint8_t *prep, const int ts,
+                                                           const perm_unpack_fn unpack) {
     const int64_t nb = n / 256;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < nb; i += 2) {
-        const uint8_t *b = w + i * 74;
-        stream_prefetch(b, 148);
-        acc = iq2xs_perm_pair(acc, prep + i / 2 * IQ2XS_PAIR, b, i + 1 < nb ? b + 74 : NULL);
+        const uint8_t *b = w + i * ts, *b1 = i + 1 < nb ? b + ts : NULL, *o = prep + i / 2 * PERM8_PAIR;
+        stream_prefetch(b, 2 * ts);
+        __m512i lv0, lv1, sgn, sc, sq, sr;
+        unpack(b, b1, &lv0, &lv1, &sgn, &sc);
+        perm_sums(o, lv0, lv1, sgn, sc, &sq, &sr);
+        acc = perm_scale(acc, o, sq, sr, rd_f16(b), b1 ? rd_f16(b1) : 0.0f);
     }
     return 0.125f * _mm512_reduce_add_ps(acc);
 }
 
-/* Weight rows w and w + wrow of a row length with an odd number of blocks: each row's whole pairs as
- * dot2_iq2_xs_perm takes them, and the two last blocks in one pair (the one-row kernel fills half
- * a pair with each), so a 768-value row (3 blocks) takes 3 pairs for two rows, not 4. Each result
- * is dot2_iq2_xs_perm's bit for bit: the other row's lanes are scaled by 0, and the second row's
- * sums move to lanes 0-7, where its one-row kernel has them. */
-static void dot2x2_iq2_xs_perm(int64_t n, const uint8_t *w, int64_t wrow, const uint8_t *prep, float y[2]) {
+/* Weight rows w and w + wrow of a row length with an odd number of blocks: each row's whole pairs
+ * as perm_dot takes them, and the two last blocks in one pair (the one-row kernel fills half a pair
+ * with each), so a 768-value row (3 blocks) takes 3 pairs for two rows, not 4. Each result is
+ * perm_dot's bit for bit: the other row's lanes are scaled by 0, and the second row's sums move to
+ * lanes 0-7, where its one-row kernel has them. */
+static inline __attribute__((always_inline)) void perm_dot_x2(int64_t n, const uint8_t *w, int64_t wrow,
+                                                             const uint8_t *prep, float y[2], const int ts,
+                                                             const perm_unpack_fn unpack) {
     const int64_t nb = n / 256, last = nb - 1;
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    for (int64_t i = 0; i < last; i += 2) {
-        const uint8_t *b = w + i * 74, *o = prep + i / 2 * IQ2XS_PAIR;
-        stream_prefetch(b, 148);
-        stream_prefetch(b + wrow, 148);
-        acc0 = iq2xs_perm_pair(acc0, o, b, b + 74);
-        acc1 = iq2xs_perm_pair(acc1, o, b + wrow, b + wrow + 74);
-    }
-    const uint8_t *b = w + last * 74, *o = prep + last / 2 * IQ2XS_PAIR;
     __m512i lv0, lv1, sgn, sc, sq, sr;
-    iq2xs_perm_unpack(b, b + wrow, &lv0, &lv1, &sgn, &sc);
-    iq2xs_perm_sums(o, lv0, lv1, sgn, sc, &sq, &sr);
-    acc0 = iq2xs_perm_scale(acc0, o, sq, sr, rd_f16(b), 0.0f);
-    acc1 = iq2xs_perm_scale(acc1, o, _mm512_shuffle_i64x2(sq, sq, 0x4E), _mm512_shuffle_i64x2(sr, sr, 0x4E),
-                            rd_f16(b + wrow), 0.0f);
+    for (int64_t i = 0; i < last; i += 2) {
+        const uint8_t *b = w + i * ts, *o = prep + i / 2 * PERM8_PAIR;
+        stream_prefetch(b, 2 * ts);
+        stream_prefetch(b + wrow, 2 * ts);
+        unpack(b, b + ts, &lv0, &lv1, &sgn, &sc);
+        perm_sums(o, lv0, lv1, sgn, sc, &sq, &sr);
+        acc0 = perm_scale(acc0, o, sq, sr, rd_f16(b), rd_f16(b + ts));
+        unpack(b + wrow, b + wrow + ts, &lv0, &lv1, &sgn, &sc);
+        perm_sums(o, lv0, lv1, sgn, sc, &sq, &sr);
+        acc1 = perm_scale(acc1, o, sq, sr, rd_f16(b + wrow), rd_f16(b + wrow + ts));
+    }
+    const uint8_t *b = w + last * ts, *o = prep + last / 2 * PERM8_PAIR;
+    unpack(b, b + wrow, &lv0, &lv1, &sgn, &sc);
+    perm_sums(o, lv0, lv1, sgn, sc, &sq, &sr);
+    acc0 = perm_scale(acc0, o, sq, sr, rd_f16(b), 0.0f);
+    acc1 = perm_scale(acc1, o, _mm512_shuffle_i64x2(sq, sq, 0x4E), _mm512_shuffle_i64x2(sr, sr, 0x4E), rd_f16(b + wrow), 0.0f);
     y[0] = 0.125f * _mm512_reduce_add_ps(acc0);
     y[1] = 0.125f * _mm512_reduce_add_ps(acc1);
 }
 
-/* nr <= DOT2M_ROWS prepared rows against one weight row: each pair unpacked once per 8 rows (8 rows'
- * prepared x, 33 KB a 2048-value row, stay in L1; 16 took 1.3x as long a row), its magnitudes and
- * sign masks once for them; every row's arithmetic that of dot2_iq2_xs_perm, so each result is its
- * one-row kernel's bit for bit. */
-static void dot2m_iq2_xs_perm(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff,
-                              int nr, float *y) {
-    (void)xr;
+/* nr <= DOT2M_ROWS prepared rows against one weight row: each pair unpacked once per 8 rows, its
+ * magnitudes and sign masks once for them; every row's arithmetic that of perm_dot, so each result
+ * is its one-row kernel's bit for bit. vpmaddubsw's pair sums are within 2 * 43 * 127 = 10922, so
+ * values 0-2, 3-5 and 6-7 add up within int16 before their vpdpwssd (B = 8: 0.216 -> 0.195 ms). */
+static inline __attribute__((always_inline)) void perm_dot_rows(int64_t n, const uint8_t *w, const uint8_t *xq,
+                                                               const int64_t *xoff, int nr, float *y, const int ts,
+                                                               const perm_unpack_fn unpack) {
     enum { GROUP = 8 };
     const int64_t nb = n / 256;
     const __m512i zero = _mm512_setzero_si512(), m15 = _mm512_set1_epi8(15);
@@ -1370,13 +1418,13 @@ static void dot2m_iq2_xs_perm(int64_t n, const uint8_t *w, const uint8_t *xq, co
         __m512 acc[GROUP];
         for (int r = 0; r < g; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t i = 0; i < nb; i += 2) {
-            const uint8_t *b = w + i * 74, *b1 = i + 1 < nb ? b + 74 : NULL;
-            if (r0 == 0) stream_prefetch(b, 148);
+            const uint8_t *b = w + i * ts, *b1 = i + 1 < nb ? b + ts : NULL;
+            if (r0 == 0) stream_prefetch(b, 2 * ts);
             __m512i lv0, lv1, sgn, sc, mag[8];
             __mmask64 neg[8];
-            iq2xs_perm_unpack(b, b1, &lv0, &lv1, &sgn, &sc);
+            unpack(b, b1, &lv0, &lv1, &sgn, &sc);
             #pragma GCC unroll 8
-            for (int k = 0; k < 8; k++) { /* as iq2xs_perm_sums */
+            for (int k = 0; k < 8; k++) { /* as perm_sums */
                 const __m512i lv = k < 4 ? lv0 : lv1;
                 const __m512i nib = k & 2 ? _mm512_and_si512(_mm512_srli_epi16(lv, 4), m15) : _mm512_and_si512(lv, m15);
                 mag[k] = _mm512_shuffle_epi8(k & 1 ? lut_hi : lut_lo, nib);
@@ -1384,9 +1432,7 @@ static void dot2m_iq2_xs_perm(int64_t n, const uint8_t *w, const uint8_t *xq, co
             }
             const float d0 = rd_f16(b), d1 = b1 ? rd_f16(b1) : 0.0f;
             for (int r = 0; r < g; r++) {
-                const uint8_t *o = xq + xoff[r0 + r] + i / 2 * IQ2XS_PAIR;
-                /* vpmaddubsw's pair sums are within 2 * 43 * 127 = 10922: values 0-2, 3-5 and 6-7 add up
-                 * within int16 before their vpdpwssd (fewer multiplies a row; the same integer sums) */
+                const uint8_t *o = xq + xoff[r0 + r] + i / 2 * PERM8_PAIR;
                 __m512i aq = zero, ar = zero, pq = zero, pr = zero;
                 #pragma GCC unroll 8
                 for (int k = 0; k < 8; k++) {
@@ -1400,11 +1446,43 @@ static void dot2m_iq2_xs_perm(int64_t n, const uint8_t *w, const uint8_t *xq, co
                         ar = _mm512_dpwssd_epi32(ar, pr, sc);
                     }
                 }
-                acc[r] = iq2xs_perm_scale(acc[r], o, aq, ar, d0, d1);
+                acc[r] = perm_scale(acc[r], o, aq, ar, d0, d1);
             }
         }
         for (int r = 0; r < g; r++) y[r0 + r] = 0.125f * _mm512_reduce_add_ps(acc[r]);
     }
+}
+
+static float dot2_iq2_xs_perm(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
+    (void)unused;
+    return perm_dot(n, w, prep, 74, iq2xs_perm_unpack);
+}
+static float dot2_iq2_xxs_perm(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
+    (void)unused;
+    return perm_dot(n, w, prep, 66, iq2xxs_perm_unpack);
+}
+static void dot2m_iq2_xs_perm(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff,
+                              int nr, float *y) {
+    (void)xr;
+    perm_dot_rows(n, w, xq, xoff, nr, y, 74, iq2xs_perm_unpack);
+}
+static void dot2m_iq2_xxs_perm(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff,
+                               int nr, float *y) {
+    (void)xr;
+    perm_dot_rows(n, w, xq, xoff, nr, y, 66, iq2xxs_perm_unpack);
+}
+
+/* The permute kernels' two-row form for a row length with an odd number of blocks, or NULL. */
+typedef void (*dot2x2_fn)(int64_t n, const uint8_t *w, int64_t wrow, const uint8_t *prep, float y[2]);
+static void dot2x2_iq2_xs_perm(int64_t n, const uint8_t *w, int64_t wrow, const uint8_t *prep, float y[2]) {
+    perm_dot_x2(n, w, wrow, prep, y, 74, iq2xs_perm_unpack);
+}
+static void dot2x2_iq2_xxs_perm(int64_t n, const uint8_t *w, int64_t wrow, const uint8_t *prep, float y[2]) {
+    perm_dot_x2(n, w, wrow, prep, y, 66, iq2xxs_perm_unpack);
+}
+static dot2x2_fn dot2x2_of(dot2_fn dot2, int64_t cols) {
+    if (!((cols / 256) & 1)) return NULL;
+    return dot2 == dot2_iq2_xs_perm ? dot2x2_iq2_xs_perm : dot2 == dot2_iq2_xxs_perm ? dot2x2_iq2_xxs_perm : NULL;
 }
 #endif
 
@@ -1846,11 +1924,14 @@ static dot2_fn fused2_512(int type, int64_t qblk, int64_t qsize) {
     if (type == 14 && qblk == 256 && qsize == 292) return dot2_q6_k;
     if (type == 3 && qblk == 32 && qsize == 36) return dot2_q4_1;
     if (type == 7 && qblk == 32 && qsize == 36) return dot2_q5_1;
+#if defined(HAVE_IQ2XS_PERM)
+    if (type == 16 && qblk == 256 && qsize == 292 && levels_ok) return dot2_iq2_xxs_perm;
+#endif
     if (type == 16 && qblk == 256 && qsize == 292) return dot2_iq2_xxs;
     if (type == 18 && qblk == 256 && qsize == 292) return dot2_iq3_xxs;
     if (type == 23 && qblk == 256 && qsize == 292) return dot2_iq4_xs;
 #if defined(HAVE_IQ2XS_PERM)
-    if (type == 17 && qblk == 256 && qsize == 292 && iq2xs_levels_ok) return dot2_iq2_xs_perm;
+    if (type == 17 && qblk == 256 && qsize == 292 && levels_ok) return dot2_iq2_xs_perm;
 #endif
     if (type == 17 && qblk == 256 && qsize == 292) return dot2_iq2_xs;
     if (type == 8 && qblk == 32 && qsize == 34) return dot2_q8_0;
@@ -1980,11 +2061,11 @@ static int narrow_isa(void) {
     return mask & 4 ? 2 : mask & 2 ? 1 : 0;
 }
 
-/* ggml type ids: IQ2_XS 17, IQ2_XXS 16, IQ3_XXS 18, Q4_0 2, Q4_1 3, IQ4_NL 20; IQ2_XS not where
- * the AVX-512 set has its permute kernel (dot2_iq2_xs_perm: faster than both 256-bit sets). */
+/* ggml type ids: IQ2_XS 17, IQ2_XXS 16, IQ3_XXS 18, Q4_0 2, Q4_1 3, IQ4_NL 20; IQ2_XS and IQ2_XXS not
+ * where the AVX-512 set has their permute kernels (dot2_iq2_xs_perm: faster than both 256-bit sets). */
 static int prefer_256(int type) {
 #if defined(HAVE_IQ2XS_PERM)
-    if (type == 17 && iq2xs_levels_ok) return 0;
+    if ((type == 17 || type == 16) && levels_ok) return 0;
 #endif
     return type == 17 || type == 16 || type == 18 || type == 2 || type == 3 || type == 20;
 }
@@ -2048,6 +2129,7 @@ static dot2m_fn fused2m_of(dot2_fn dot2, int64_t B) {
     if (!dot2 || !multirow_on || B < 2) return NULL;
 #if defined(HAVE_IQ2XS_PERM)
     if (dot2 == dot2_iq2_xs_perm) return dot2m_iq2_xs_perm;
+    if (dot2 == dot2_iq2_xxs_perm) return dot2m_iq2_xxs_perm;
 #endif
 #if defined(HAVE_FUSED_256)
     int min_rows = 2;
@@ -2145,11 +2227,11 @@ static dot2_fn q8c_for(int type) {
 /* How kernel `dot2` (fused2_for's choice for `type`) wants its activations: 0 ggml's blocks as
  * they are, 1 q8_0_prep, 2 q4_1_prep (the AVX-512 kernels of q8_0 and q8_1 types), 3 prep16 (the
  * 256-bit kernels of the 32-value types, from x itself),
- * 4 q8k_prep (the AVX-512 Q4_K, Q5_K and Q6_K kernels), 6 iq2xs_perm_prep (dot2_iq2_xs_perm). Decided from the kernel itself, so a set
+ * 4 q8k_prep (the AVX-512 Q4_K, Q5_K and Q6_K kernels), 6 perm8_prep (the permute kernels). Decided from the kernel itself, so a set
  * switched meanwhile cannot pair one with another's layout. */
 static int fused2_prep(int type, int64_t qblk, int64_t qsize, dot2_fn dot2) {
 #if defined(HAVE_IQ2XS_PERM)
-    if (dot2 && dot2 == dot2_iq2_xs_perm) return 6;
+    if (dot2 && (dot2 == dot2_iq2_xs_perm || dot2 == dot2_iq2_xxs_perm)) return 6;
 #endif
     if (dot2 && (type == 12 || type == 13 || type == 14) && dot2 == fused2_512(type, qblk, qsize)) return 4;
     if (!dot2 || !(type == 3 || type == 7 || qsize == 34)) return 0;
@@ -2160,7 +2242,7 @@ static int64_t fused2_prep_bytes(int kind, int64_t cols) {
     return kind == 1 ? q8_0_prep_bytes(cols) : kind == 2 ? q4_1_prep_bytes(cols) : kind == 3 ? prep16_bytes(cols)
          : kind == 4 ? q8k_prep_bytes(cols) : kind == 5 ? q8c_prep_bytes(cols)
 #if defined(HAVE_IQ2XS_PERM)
-         : kind == 6 ? iq2xs_perm_prep_bytes(cols)
+         : kind == 6 ? perm8_prep_bytes(cols)
 #endif
          : 0;
 }
@@ -2170,7 +2252,7 @@ static void fused2_prep_row(int kind, int64_t cols, const uint8_t *xq, const uin
     else if (kind == 2) q4_1_prep(cols, xq, xr, out);
     else if (kind == 4) q8k_prep(cols, xq, xr, out);
 #if defined(HAVE_IQ2XS_PERM)
-    else if (kind == 6) iq2xs_perm_prep(cols, xq, xr, out);
+    else if (kind == 6) perm8_prep(cols, xq, xr, out);
 #endif
 }
 
@@ -2186,11 +2268,13 @@ int strata_fused_types(int type) { return fused2_of_type(type) != NULL; }
 /* Whether the kernel set in use has a multi-row kernel for `type` (and they are on). */
 int strata_multirow_types(int type) { return fused2m_of(fused2_of_type(type), DOT2M_ROWS) != NULL; }
 
-/* 1 where "q8x2" IQ2_XS takes the byte-permute kernel (dot2_iq2_xs_perm): its prompt crossover differs. */
-int strata_iq2xs_perm(void) {
+/* 1 where "q8x2" takes a byte-permute kernel for `type` (IQ2_XS, IQ2_XXS): its prompt crossover differs. */
+int strata_perm_kernel(int type) {
 #if defined(HAVE_IQ2XS_PERM)
-    return fused2_of_type(17) == dot2_iq2_xs_perm;
+    const dot2_fn f = fused2_of_type(type);
+    return f && (f == dot2_iq2_xs_perm || f == dot2_iq2_xxs_perm);
 #else
+    (void)type;
     return 0;
 #endif
 }
@@ -2415,10 +2499,11 @@ static void many_rows(const many_item *m, int64_t t0, int64_t t1) {
         const int64_t xb = (m->pick ? m->pick[b] : b) * m->xrow;
         int64_t r = t0;
 #if defined(HAVE_IQ2XS_PERM)
-        if (m->dot2 == dot2_iq2_xs_perm && (m->cols / 256) & 1) /* row pairs from an even row: as any tiling */
+        const dot2x2_fn x2 = dot2x2_of(m->dot2, m->cols);
+        if (x2) /* row pairs from an even row: as any tiling */
             for (; r + 1 < t1; r += 2) {
                 float y2[2];
-                dot2x2_iq2_xs_perm(m->cols, m->W + r * m->wrow, m->wrow, m->XQ + xb, y2);
+                x2(m->cols, m->W + r * m->wrow, m->wrow, m->XQ + xb, y2);
                 m->Y[b * m->rows + r] = y2[0];
                 m->Y[b * m->rows + r + 1] = y2[1];
             }
@@ -2448,7 +2533,7 @@ typedef struct {
     int64_t cols, B;
     ggml_from_float_fn quant;
     int prep; /* fused2_prep's kinds: 0 blocks as they are, 1 q8_0_prep, 2 q4_1_prep, 3 prep16, 4 q8k_prep, 5 q8c_prep,
-               * 6 iq2xs_perm_prep */
+               * 6 perm8_prep */
     uint8_t *buf, *xq, *xr;
     int64_t xrow;
     float *unscale; /* per row, 1 / small_row_scale where ggml's two passes take f16-scaled blocks (else NULL) */
