@@ -29,7 +29,8 @@ batch is at most FAST_BATCH_MAX rows, else the reference runs. Activations (`set
   step per 32 values (qmm.c's q8c_prep: the chunk's largest |x| sets it, where ggml's q8_K takes the
   block's), from the best 256-bit kernel set on every CPU: llama.cpp's accuracy class (RMS error
   0.54-0.62x of its single pass on x with uneven channels) at ~0.8x "q8x2"'s kernel time (decode
-  +18-20 % on the Q4_K_M and IQ2_XS bench files, 1 thread, AVX2 Zen 3). Other types as "q8x2".
+  +18-20 % on the Q4_K_M and IQ2_XS bench files, 1 thread, AVX2 Zen 3). Other types as "q8x2", and
+  IQ2_XS and IQ2_XXS too where the CPU has AVX-512 VBMI (their "q8x2" permute kernels are faster).
 - "q8": one pass, as llama.cpp computes (relative error ~1e-2), 10-60 % less kernel time than
   "q8x2" (IQ2 types gain most); prompt batches take one bfloat16 product (AMX).
 - "int16": for Q4_K, Q5_K, Q6_K, Q8_0, IQ2_XXS, IQ2_XS, IQ4_NL, IQ4_XS and MXFP4 (AVX2 builds)
@@ -317,7 +318,7 @@ def _prompt_min_rows(qtype) -> int:
     """The fewest rows from which `qtype` takes the prompt product with its own decoder."""
     if prompt.backend() == "avx2":
         name = _type_name(qtype)
-        if name in ("IQ2_XS", "IQ2_XXS") and _activations == "q8x2" and _build.load().strata_perm_kernel(int(qtype)):
+        if name in ("IQ2_XS", "IQ2_XXS") and _activations in ("q8x2", "q8c") and _build.load().strata_perm_kernel(int(qtype)):
             return PROMPT_AVX2_MIN_ROWS_PERM
         return PROMPT_AVX2_MIN_ROWS.get(name, 8)
     return PROMPT_AMX_MIN_ROWS
