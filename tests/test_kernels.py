@@ -567,18 +567,18 @@ def _amd_avx512() -> bool:
 
 
 def _iq2xs_perm() -> bool:
-    """The AVX-512 set has its byte-permute IQ2_XS and IQ2_XXS kernels (-march=native: VBMI and BITALG)."""
+    """The AVX-512 set has its byte-permute IQ2_XS, IQ2_XXS and IQ3_XXS kernels (-march=native: VBMI, BITALG)."""
     return {"avx512vbmi", "avx512_bitalg"} <= set(_cpuinfo().get("flags", "").split())
 
 
 # qmm.c's prefer_256
-PREFER_256 = {"IQ3_XXS", "Q4_0", "Q4_1", "IQ4_NL"} | (set() if _iq2xs_perm() else {"IQ2_XS", "IQ2_XXS"})
+PREFER_256 = {"Q4_0", "Q4_1", "IQ4_NL"} | (set() if _iq2xs_perm() else {"IQ2_XS", "IQ2_XXS", "IQ3_XXS"})
 
 
 @needs_kernels
 def test_mixed_kernel_set_takes_each_type_from_its_set():
-    """On AMD's AVX-512 CPUs (Zen 4, Zen 5) the chosen set takes IQ3_XXS, Q4_0, Q4_1, IQ4_NL
-    (and IQ2_XS, IQ2_XXS without AVX-512 VBMI) from the 256-bit kernels (faster there, and multi-row) and the rest from the
+    """On AMD's AVX-512 CPUs (Zen 4, Zen 5) the chosen set takes Q4_0, Q4_1, IQ4_NL (and IQ2_XS,
+    IQ2_XXS, IQ3_XXS without AVX-512 VBMI) from the 256-bit kernels (faster there, and multi-row) and the rest from the
     AVX-512 ones: each product bit for bit the one of the set it should come from. Forced mixing runs
     on any CPU with both sets; the automatic choice is checked against /proc/cpuinfo."""
     lib = _build.load()

@@ -40,6 +40,25 @@ static uint8_t IQ2XS_LEVELS[2][512] __attribute__((aligned(64)));
 static uint8_t IQ2XXS_LEVELS[2][256] __attribute__((aligned(64)));
 static int levels_ok;
 
+/* GRID_IQ3_XXS (256 x 4 of 4, 12, .., 52, 62) as 3-bit levels: byte i of half h holds entry i's
+ * values 2h (bits 0-2) and 2h + 1 (bits 3-5); iq3_levels_ok as levels_ok. */
+static uint8_t IQ3XXS_LEVELS[2][256] __attribute__((aligned(64)));
+static int iq3_levels_ok;
+
+static int grid_levels3(const uint8_t *grid, uint8_t *levels) {
+    static const uint8_t mag[8] = {4, 12, 20, 28, 36, 44, 52, 62};
+    memset(levels, 0, 512);
+    int ok = 1;
+    for (int i = 0; i < 256; i++)
+        for (int k = 0; k < 4; k++) {
+            int l = 0;
+            while (l < 8 && mag[l] != grid[4 * i + k]) l++;
+            ok &= l < 8;
+            levels[(k / 2) * 256 + i] |= (uint8_t)((l & 7) << (3 * (k % 2)));
+        }
+    return ok;
+}
+
 static int grid_levels(const uint8_t *grid, int entries, uint8_t *levels) {
     memset(levels, 0, (size_t)(2 * entries));
     int ok = 1;
@@ -60,6 +79,7 @@ void strata_init_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8
     memcpy(GRID_IQ3_XXS, iq3xxs, sizeof GRID_IQ3_XXS);
     levels_ok = grid_levels(&GRID_IQ2_XS[0][0], 512, &IQ2XS_LEVELS[0][0]) &
                 grid_levels(&GRID_IQ2_XXS[0][0], 256, &IQ2XXS_LEVELS[0][0]);
+    iq3_levels_ok = grid_levels3(&GRID_IQ3_XXS[0][0], &IQ3XXS_LEVELS[0][0]);
     for (int i = 0; i < 128; i++)
         for (int j = 0; j < 8; j++) {
             KSIGNS[i][j] = (ksigns[i] >> j) & 1 ? -1.0f : 1.0f;
@@ -1472,6 +1492,124 @@ static void dot2m_iq2_xxs_perm(int64_t n, const uint8_t *w, const uint8_t *xq, c
     perm_dot_rows(n, w, xq, xoff, nr, y, 66, iq2xxs_perm_unpack);
 }
 
+/* IQ3_XXS ({f16 d; u8 grid[64]; 8 x u32: 4 x 7 sign bits | scale << 28}, 4-value entries of
+ * GRID_IQ3_XXS) by the same byte permutes: a block's 64 indices fill one register, the grid as
+ * 3-bit levels in two 256-entry halves (values 0-1, 2-3: IQ3XXS_LEVELS), vpshufb to the magnitudes
+ * (4 .. 62), x laid out by value position once per product (perm4_prep: per block x's value k of
+ * each index, k = 0..3, value then residual, then the 2 scales). A 7-bit sign field covers two
+ * indices (8 values; its parity the 8th), a scale 2s + 1 eight. vpmaddubsw's pair sums (one field's
+ * 8 values) are within 2 * 62 * 127. On Zen 5, bench_kernels, 768x2048 / 2048x768 at one thread:
+ * 0.052 / 0.057 ms, against 0.151 / 0.161 for the 256-bit kernel that was the faster one there. */
+enum { PERM4_BLOCK = 520 }; /* prepared bytes per block: 2 x 4 x 64 values, 2 floats */
+
+static int64_t perm4_prep_bytes(int64_t n) { return n / 256 * PERM4_BLOCK; }
+
+static void perm4_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) {
+    uint8_t perm[64]; /* within 64 bytes (16 indices x 4 values), value k of each index to bytes 16k.. */
+    for (int k = 0; k < 4; k++)
+        for (int j = 0; j < 16; j++) perm[16 * k + j] = (uint8_t)(4 * j + k);
+    const __m512i p = _mm512_loadu_si512(perm);
+    for (int64_t i = 0; i < n / 256; i++) {
+        uint8_t *o = out + i * PERM4_BLOCK;
+        for (int pass = 0; pass < 2; pass++) {
+            const uint8_t *x = (pass ? xr : xq) + i * 292;
+            memcpy(o + 512 + 4 * pass, x, 4);
+            for (int c = 0; c < 4; c++) { /* indices 16c..16c+15 */
+                uint8_t t[64];
+                _mm512_storeu_si512(t, _mm512_permutexvar_epi8(p, _mm512_loadu_si512(x + 4 + 64 * c)));
+                for (int k = 0; k < 4; k++) memcpy(o + 256 * pass + 64 * k + 16 * c, t + 16 * k, 16);
+            }
+        }
+    }
+}
+
+/* Block b: the levels of values 0-1 (lv0) and 2-3 (lv1) of its 64 indices, each index's 4 sign bits
+ * (bits 0-3 of its byte), the 32 word scales (a word: indices 2m, 2m + 1). */
+static inline __attribute__((always_inline)) void iq3xxs_perm_unpack(const uint8_t *b, __m512i *lv0, __m512i *lv1,
+                                                                    __m512i *sgn, __m512i *sc) {
+    const __m512i idx = _mm512_loadu_si512(b + 2);
+    const __mmask64 m7 = _mm512_movepi8_mask(idx);
+    const __m512i *t = (const __m512i *)IQ3XXS_LEVELS;
+    *lv0 = _mm512_mask_blend_epi8(m7, _mm512_permutex2var_epi8(t[0], idx, t[1]), _mm512_permutex2var_epi8(t[2], idx, t[3]));
+    *lv1 = _mm512_mask_blend_epi8(m7, _mm512_permutex2var_epi8(t[4], idx, t[5]), _mm512_permutex2var_epi8(t[6], idx, t[7]));
+    /* u32 j (indices 8j..8j+7) into qword j: lanes 8j + t take its field t / 2 (bits 7 (t / 2)), the
+     * words its scale (bits 28-31) */
+    const __m512i u = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(b + 66)));
+    const __m512i f = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x15150E0E07070000ll), u);
+    const __m512i s8 = signs8(_mm512_and_si512(f, _mm512_set1_epi8(127)));
+    /* an odd index takes its field's signs 4-7 (the 8th the parity) */
+    *sgn = _mm512_mask_blend_epi8((__mmask64)0xAAAAAAAAAAAAAAAAull, s8, _mm512_srli_epi16(s8, 4));
+    const __m512i s = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x381C381C381C381Cll), u);
+    *sc = _mm512_add_epi16(_mm512_add_epi16(s, s), _mm512_set1_epi16(1));
+}
+
+/* One prepared block o against an unpacked block: the integer sums of x's value and residual. */
+static inline __attribute__((always_inline)) void perm4_sums(const uint8_t *o, const __m512i lv0, const __m512i lv1,
+                                                            const __m512i sgn, const __m512i sc, __m512i *sq, __m512i *sr) {
+    const __m512i zero = _mm512_setzero_si512(), m7 = _mm512_set1_epi8(7);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(4, 12, 20, 28, 36, 44, 52, 62, 0, 0, 0, 0, 0, 0, 0, 0));
+    __m512i aq[2] = {zero, zero}, ar[2] = {zero, zero};
+    #pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const __m512i lv = k < 2 ? lv0 : lv1;
+        const __m512i mag = _mm512_shuffle_epi8(lut, _mm512_and_si512(k & 1 ? _mm512_srli_epi16(lv, 3) : lv, m7));
+        const __mmask64 neg = _mm512_test_epi8_mask(sgn, _mm512_set1_epi8((char)(1 << k)));
+        const __m512i vq = _mm512_loadu_si512(o + 64 * k), vr = _mm512_loadu_si512(o + 256 + 64 * k);
+        aq[k & 1] = _mm512_dpwssd_epi32(aq[k & 1], _mm512_maddubs_epi16(mag, _mm512_mask_sub_epi8(vq, neg, zero, vq)), sc);
+        ar[k & 1] = _mm512_dpwssd_epi32(ar[k & 1], _mm512_maddubs_epi16(mag, _mm512_mask_sub_epi8(vr, neg, zero, vr)), sc);
+    }
+    *sq = _mm512_add_epi32(aq[0], aq[1]);
+    *sr = _mm512_add_epi32(ar[0], ar[1]);
+}
+
+static float dot2_iq3_xxs_perm(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
+    (void)unused;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n / 256; i++) {
+        const uint8_t *b = w + i * 98, *o = prep + i * PERM4_BLOCK;
+        stream_prefetch(b, 98);
+        __m512i lv0, lv1, sgn, sc, sq, sr;
+        iq3xxs_perm_unpack(b, &lv0, &lv1, &sgn, &sc);
+        perm4_sums(o, lv0, lv1, sgn, sc, &sq, &sr);
+        float dd[2];
+        memcpy(dd, o + 512, 8);
+        const float d = rd_f16(b);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dd[0]), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dd[1]), acc);
+    }
+    return 0.25f * _mm512_reduce_add_ps(acc);
+}
+
+/* nr <= DOT2M_ROWS prepared rows against one weight row: each block unpacked once per 8 rows, every
+ * row's arithmetic that of dot2_iq3_xxs_perm (bit for bit). */
+static void dot2m_iq3_xxs_perm(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff,
+                               int nr, float *y) {
+    (void)xr;
+    enum { GROUP = 8 };
+    for (int r0 = 0; r0 < nr; r0 += GROUP) {
+        const int g = nr - r0 < GROUP ? nr - r0 : GROUP;
+        __m512 acc[GROUP];
+        for (int r = 0; r < g; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n / 256; i++) {
+            const uint8_t *b = w + i * 98;
+            if (r0 == 0) stream_prefetch(b, 98);
+            __m512i lv0, lv1, sgn, sc;
+            iq3xxs_perm_unpack(b, &lv0, &lv1, &sgn, &sc);
+            const float d = rd_f16(b);
+            for (int r = 0; r < g; r++) {
+                const uint8_t *o = xq + xoff[r0 + r] + i * PERM4_BLOCK;
+                __m512i sq, sr;
+                perm4_sums(o, lv0, lv1, sgn, sc, &sq, &sr);
+                float dd[2];
+                memcpy(dd, o + 512, 8);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dd[0]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dd[1]), acc[r]);
+            }
+        }
+        for (int r = 0; r < g; r++) y[r0 + r] = 0.25f * _mm512_reduce_add_ps(acc[r]);
+    }
+}
+
 /* The permute kernels' two-row form for a row length with an odd number of blocks, or NULL. */
 typedef void (*dot2x2_fn)(int64_t n, const uint8_t *w, int64_t wrow, const uint8_t *prep, float y[2]);
 static void dot2x2_iq2_xs_perm(int64_t n, const uint8_t *w, int64_t wrow, const uint8_t *prep, float y[2]) {
@@ -1928,6 +2066,9 @@ static dot2_fn fused2_512(int type, int64_t qblk, int64_t qsize) {
     if (type == 16 && qblk == 256 && qsize == 292 && levels_ok) return dot2_iq2_xxs_perm;
 #endif
     if (type == 16 && qblk == 256 && qsize == 292) return dot2_iq2_xxs;
+#if defined(HAVE_IQ2XS_PERM)
+    if (type == 18 && qblk == 256 && qsize == 292 && iq3_levels_ok) return dot2_iq3_xxs_perm;
+#endif
     if (type == 18 && qblk == 256 && qsize == 292) return dot2_iq3_xxs;
     if (type == 23 && qblk == 256 && qsize == 292) return dot2_iq4_xs;
 #if defined(HAVE_IQ2XS_PERM)
@@ -2061,11 +2202,13 @@ static int narrow_isa(void) {
     return mask & 4 ? 2 : mask & 2 ? 1 : 0;
 }
 
-/* ggml type ids: IQ2_XS 17, IQ2_XXS 16, IQ3_XXS 18, Q4_0 2, Q4_1 3, IQ4_NL 20; IQ2_XS and IQ2_XXS not
- * where the AVX-512 set has their permute kernels (dot2_iq2_xs_perm: faster than both 256-bit sets). */
+/* ggml type ids: IQ2_XS 17, IQ2_XXS 16, IQ3_XXS 18, Q4_0 2, Q4_1 3, IQ4_NL 20; IQ2_XS, IQ2_XXS and
+ * IQ3_XXS not where the AVX-512 set has their permute kernels (dot2_iq2_xs_perm, dot2_iq3_xxs_perm:
+ * faster than both 256-bit sets). */
 static int prefer_256(int type) {
 #if defined(HAVE_IQ2XS_PERM)
     if ((type == 17 || type == 16) && levels_ok) return 0;
+    if (type == 18 && iq3_levels_ok) return 0;
 #endif
     return type == 17 || type == 16 || type == 18 || type == 2 || type == 3 || type == 20;
 }
@@ -2130,6 +2273,7 @@ static dot2m_fn fused2m_of(dot2_fn dot2, int64_t B) {
 #if defined(HAVE_IQ2XS_PERM)
     if (dot2 == dot2_iq2_xs_perm) return dot2m_iq2_xs_perm;
     if (dot2 == dot2_iq2_xxs_perm) return dot2m_iq2_xxs_perm;
+    if (dot2 == dot2_iq3_xxs_perm) return dot2m_iq3_xxs_perm;
 #endif
 #if defined(HAVE_FUSED_256)
     int min_rows = 2;
@@ -2214,13 +2358,13 @@ static void q8c_prep(int64_t n, const float *x, uint8_t *out) {
 
 /* The "q8c" kernel for `type`, from the best 256-bit set this CPU runs (on every CPU: the AVX-512
  * set has none), or NULL: a type without one (the 32-value types) stays as in "q8x2", and so do
- * IQ2_XS and IQ2_XXS where the q8x2 set takes their permute kernels, which beat the one-pass
+ * IQ2_XS, IQ2_XXS and IQ3_XXS where the q8x2 set takes their permute kernels, which beat the one-pass
  * 256-bit ones (qwen3-30b-a3b 4L IQ2_XS decode at 2 threads on Zen 5: 201 against 177 tok/s). */
 static dot2_fn q8c_for(int type) {
 #if defined(HAVE_IQ2XS_PERM)
-    if (type == 17 || type == 16) {
+    if (type == 17 || type == 16 || type == 18) {
         const dot2_fn f = fused2_for(type, 256, 292);
-        if (f == dot2_iq2_xs_perm || f == dot2_iq2_xxs_perm) return NULL;
+        if (f == dot2_iq2_xs_perm || f == dot2_iq2_xxs_perm || f == dot2_iq3_xxs_perm) return NULL;
     }
 #endif
 #if defined(HAVE_FUSED_256)
@@ -2235,11 +2379,12 @@ static dot2_fn q8c_for(int type) {
 /* How kernel `dot2` (fused2_for's choice for `type`) wants its activations: 0 ggml's blocks as
  * they are, 1 q8_0_prep, 2 q4_1_prep (the AVX-512 kernels of q8_0 and q8_1 types), 3 prep16 (the
  * 256-bit kernels of the 32-value types, from x itself),
- * 4 q8k_prep (the AVX-512 Q4_K, Q5_K and Q6_K kernels), 6 perm8_prep (the permute kernels). Decided from the kernel itself, so a set
+ * 4 q8k_prep (the AVX-512 Q4_K, Q5_K and Q6_K kernels), 6 perm8_prep (the permute kernels), 7 perm4_prep (IQ3_XXS's). Decided from the kernel itself, so a set
  * switched meanwhile cannot pair one with another's layout. */
 static int fused2_prep(int type, int64_t qblk, int64_t qsize, dot2_fn dot2) {
 #if defined(HAVE_IQ2XS_PERM)
     if (dot2 && (dot2 == dot2_iq2_xs_perm || dot2 == dot2_iq2_xxs_perm)) return 6;
+    if (dot2 && dot2 == dot2_iq3_xxs_perm) return 7;
 #endif
     if (dot2 && (type == 12 || type == 13 || type == 14) && dot2 == fused2_512(type, qblk, qsize)) return 4;
     if (!dot2 || !(type == 3 || type == 7 || qsize == 34)) return 0;
@@ -2250,7 +2395,7 @@ static int64_t fused2_prep_bytes(int kind, int64_t cols) {
     return kind == 1 ? q8_0_prep_bytes(cols) : kind == 2 ? q4_1_prep_bytes(cols) : kind == 3 ? prep16_bytes(cols)
          : kind == 4 ? q8k_prep_bytes(cols) : kind == 5 ? q8c_prep_bytes(cols)
 #if defined(HAVE_IQ2XS_PERM)
-         : kind == 6 ? perm8_prep_bytes(cols)
+         : kind == 6 ? perm8_prep_bytes(cols) : kind == 7 ? perm4_prep_bytes(cols)
 #endif
          : 0;
 }
@@ -2261,6 +2406,7 @@ static void fused2_prep_row(int kind, int64_t cols, const uint8_t *xq, const uin
     else if (kind == 4) q8k_prep(cols, xq, xr, out);
 #if defined(HAVE_IQ2XS_PERM)
     else if (kind == 6) perm8_prep(cols, xq, xr, out);
+    else if (kind == 7) perm4_prep(cols, xq, xr, out);
 #endif
 }
 
@@ -2276,11 +2422,11 @@ int strata_fused_types(int type) { return fused2_of_type(type) != NULL; }
 /* Whether the kernel set in use has a multi-row kernel for `type` (and they are on). */
 int strata_multirow_types(int type) { return fused2m_of(fused2_of_type(type), DOT2M_ROWS) != NULL; }
 
-/* 1 where "q8x2" takes a byte-permute kernel for `type` (IQ2_XS, IQ2_XXS): its prompt crossover differs. */
+/* 1 where "q8x2" takes a byte-permute kernel for `type` (IQ2_XS, IQ2_XXS, IQ3_XXS): its prompt crossover differs. */
 int strata_perm_kernel(int type) {
 #if defined(HAVE_IQ2XS_PERM)
     const dot2_fn f = fused2_of_type(type);
-    return f && (f == dot2_iq2_xs_perm || f == dot2_iq2_xxs_perm);
+    return f && (f == dot2_iq2_xs_perm || f == dot2_iq2_xxs_perm || f == dot2_iq3_xxs_perm);
 #else
     (void)type;
     return 0;
@@ -2541,7 +2687,7 @@ typedef struct {
     int64_t cols, B;
     ggml_from_float_fn quant;
     int prep; /* fused2_prep's kinds: 0 blocks as they are, 1 q8_0_prep, 2 q4_1_prep, 3 prep16, 4 q8k_prep, 5 q8c_prep,
-               * 6 perm8_prep */
+               * 6 perm8_prep, 7 perm4_prep */
     uint8_t *buf, *xq, *xr;
     int64_t xrow;
     float *unscale; /* per row, 1 / small_row_scale where ggml's two passes take f16-scaled blocks (else NULL) */
