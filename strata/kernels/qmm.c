@@ -38,7 +38,8 @@ int16_t KSIGNS16[128][8] __attribute__((aligned(16))); /* +-1 as int16, for the 
  * kernels are then not used. */
 static uint8_t IQ2XS_LEVELS[2][512] __attribute__((aligned(64)));
 static uint8_t IQ2XXS_LEVELS[2][256] __attribute__((aligned(64)));
-static int levels_ok;
+static uint8_t IQ2S_LEVELS[2][1024] __attribute__((aligned(64))); /* GRID_IQ2_S's, iq2s_levels_ok */
+static int levels_ok, iq2s_levels_ok;
 
 /* GRID_IQ3_XXS (256 x 4 of 4, 12, .., 52, 62) as 3-bit levels: byte i of half h holds entry i's
  * values 2h (bits 0-2) and 2h + 1 (bits 3-5); iq3_levels_ok as levels_ok. */
@@ -100,6 +101,7 @@ void strata_init_tables_iq(const int8_t *iq1s, const uint8_t *iq2s, const uint8_
     memcpy(GRID_IQ2_S, iq2s, sizeof GRID_IQ2_S);
     memcpy(GRID_IQ3_S, iq3s, sizeof GRID_IQ3_S);
     for (int i = 0; i < 128; i++) KSIGNS8[i] = (uint8_t)(i | (__builtin_parity((unsigned)i) << 7));
+    iq2s_levels_ok = grid_levels(&GRID_IQ2_S[0][0], 1024, &IQ2S_LEVELS[0][0]);
 }
 
 /* ------------------------------------------------------------------ vectors
@@ -1337,6 +1339,41 @@ static inline __attribute__((always_inline)) void iq2xxs_perm_unpack(const uint8
     *lv1 = _mm512_mask_blend_epi8(m7, _mm512_permutex2var_epi8(t[4], idx, t[5]), _mm512_permutex2var_epi8(t[6], idx, t[7]));
 }
 
+/* IQ2_S ({f16 d; u8 qs[32]; u8 signs[32]; u8 qh[8]; u8 scales[8]}, 10-bit indices into the
+ * 1024-entry grid): as iq2xs_perm_unpack, 8 permutes a half (bits 7, 8 and 9 of the index pick among
+ * them; vpmultishiftqb cuts the 2 high bits of each from qh) and the sign bytes as they are. */
+static inline __attribute__((always_inline)) void iq2s_perm_unpack(const uint8_t *b, const uint8_t *b1, __m512i *lv0,
+                                                                  __m512i *lv1, __m512i *sgn, __m512i *sc) {
+    const __m256i z = _mm256_setzero_si256();
+    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))),
+                                           b1 ? _mm256_loadu_si256((const __m256i *)(b1 + 2)) : z, 1);
+    *sgn = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 34))),
+                              b1 ? _mm256_loadu_si256((const __m256i *)(b1 + 34)) : z, 1);
+    long long h0, h1 = 0, c0, c1 = 0;
+    memcpy(&h0, b + 66, 8);
+    memcpy(&c0, b + 74, 8);
+    if (b1) {
+        memcpy(&h1, b1 + 66, 8);
+        memcpy(&c1, b1 + 74, 8);
+    }
+    *sc = nibble_scales(c0, c1);
+    /* qh byte g holds indices 4g..4g+3's bits 8-9 (2 bits each): qword q gets bytes 2q, 2q + 1 */
+    const __m512i u = _mm512_cvtepu16_epi64(_mm_set_epi64x(h1, h0));
+    const __m512i hb = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x0E0C0A0806040200ll), u);
+    const __mmask64 m7 = _mm512_movepi8_mask(idx), m8 = _mm512_test_epi8_mask(hb, _mm512_set1_epi8(1)),
+                    m9 = _mm512_test_epi8_mask(hb, _mm512_set1_epi8(2));
+    const __m512i *t = (const __m512i *)IQ2S_LEVELS;
+    for (int h = 0; h < 2; h++, t += 16) {
+        __m512i p[8];
+        for (int j = 0; j < 8; j++) p[j] = _mm512_permutex2var_epi8(t[2 * j], idx, t[2 * j + 1]);
+        const __m512i a0 = _mm512_mask_blend_epi8(m8, _mm512_mask_blend_epi8(m7, p[0], p[1]), _mm512_mask_blend_epi8(m7, p[2], p[3]));
+        const __m512i a1 = _mm512_mask_blend_epi8(m8, _mm512_mask_blend_epi8(m7, p[4], p[5]), _mm512_mask_blend_epi8(m7, p[6], p[7]));
+        const __m512i lv = _mm512_mask_blend_epi8(m9, a0, a1);
+        if (h) *lv1 = lv;
+        else *lv0 = lv;
+    }
+}
+
 typedef void (*perm_unpack_fn)(const uint8_t *b, const uint8_t *b1, __m512i *lv0, __m512i *lv1, __m512i *sgn,
                                __m512i *sc);
 
@@ -1491,6 +1528,15 @@ static void dot2m_iq2_xxs_perm(int64_t n, const uint8_t *w, const uint8_t *xq, c
     (void)xr;
     perm_dot_rows(n, w, xq, xoff, nr, y, 66, iq2xxs_perm_unpack);
 }
+static float dot2_iq2_s_perm(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
+    (void)unused;
+    return perm_dot(n, w, prep, 82, iq2s_perm_unpack);
+}
+static void dot2m_iq2_s_perm(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff,
+                             int nr, float *y) {
+    (void)xr;
+    perm_dot_rows(n, w, xq, xoff, nr, y, 82, iq2s_perm_unpack);
+}
 
 /* IQ3_XXS ({f16 d; u8 grid[64]; 8 x u32: 4 x 7 sign bits | scale << 28}, 4-value entries of
  * GRID_IQ3_XXS) by the same byte permutes: a block's 64 indices fill one register, the grid as
@@ -1618,9 +1664,13 @@ static void dot2x2_iq2_xs_perm(int64_t n, const uint8_t *w, int64_t wrow, const 
 static void dot2x2_iq2_xxs_perm(int64_t n, const uint8_t *w, int64_t wrow, const uint8_t *prep, float y[2]) {
     perm_dot_x2(n, w, wrow, prep, y, 66, iq2xxs_perm_unpack);
 }
+static void dot2x2_iq2_s_perm(int64_t n, const uint8_t *w, int64_t wrow, const uint8_t *prep, float y[2]) {
+    perm_dot_x2(n, w, wrow, prep, y, 82, iq2s_perm_unpack);
+}
 static dot2x2_fn dot2x2_of(dot2_fn dot2, int64_t cols) {
     if (!((cols / 256) & 1)) return NULL;
-    return dot2 == dot2_iq2_xs_perm ? dot2x2_iq2_xs_perm : dot2 == dot2_iq2_xxs_perm ? dot2x2_iq2_xxs_perm : NULL;
+    return dot2 == dot2_iq2_xs_perm ? dot2x2_iq2_xs_perm : dot2 == dot2_iq2_xxs_perm ? dot2x2_iq2_xxs_perm
+         : dot2 == dot2_iq2_s_perm ? dot2x2_iq2_s_perm : NULL;
 }
 #endif
 
@@ -2082,6 +2132,9 @@ static dot2_fn fused2_512(int type, int64_t qblk, int64_t qsize) {
     if (type == 6 && qblk == 32 && qsize == 34) return dot2_q5_0;
     if (type == 19 && qblk == 256 && qsize == 292) return dot2_iq1_s;
     if (type == 29 && qblk == 256 && qsize == 292) return dot2_iq1_m;
+#if defined(HAVE_IQ2XS_PERM)
+    if (type == 22 && qblk == 256 && qsize == 292 && iq2s_levels_ok) return dot2_iq2_s_perm;
+#endif
     if (type == 22 && qblk == 256 && qsize == 292) return dot2_iq2_s;
     if (type == 21 && qblk == 256 && qsize == 292) return dot2_iq3_s;
     return NULL;
@@ -2274,6 +2327,7 @@ static dot2m_fn fused2m_of(dot2_fn dot2, int64_t B) {
     if (dot2 == dot2_iq2_xs_perm) return dot2m_iq2_xs_perm;
     if (dot2 == dot2_iq2_xxs_perm) return dot2m_iq2_xxs_perm;
     if (dot2 == dot2_iq3_xxs_perm) return dot2m_iq3_xxs_perm;
+    if (dot2 == dot2_iq2_s_perm) return dot2m_iq2_s_perm;
 #endif
 #if defined(HAVE_FUSED_256)
     int min_rows = 2;
@@ -2360,12 +2414,10 @@ static void q8c_prep(int64_t n, const float *x, uint8_t *out) {
  * set has none), or NULL: a type without one (the 32-value types) stays as in "q8x2", and so do
  * IQ2_XS, IQ2_XXS and IQ3_XXS where the q8x2 set takes their permute kernels, which beat the one-pass
  * 256-bit ones (qwen3-30b-a3b 4L IQ2_XS decode at 2 threads on Zen 5: 201 against 177 tok/s). */
+int strata_perm_kernel(int type);
 static dot2_fn q8c_for(int type) {
 #if defined(HAVE_IQ2XS_PERM)
-    if (type == 17 || type == 16 || type == 18) {
-        const dot2_fn f = fused2_for(type, 256, 292);
-        if (f == dot2_iq2_xs_perm || f == dot2_iq2_xxs_perm || f == dot2_iq3_xxs_perm) return NULL;
-    }
+    if (strata_perm_kernel(type)) return NULL;
 #endif
 #if defined(HAVE_FUSED_256)
     const int isa = narrow_isa();
@@ -2383,7 +2435,7 @@ static dot2_fn q8c_for(int type) {
  * switched meanwhile cannot pair one with another's layout. */
 static int fused2_prep(int type, int64_t qblk, int64_t qsize, dot2_fn dot2) {
 #if defined(HAVE_IQ2XS_PERM)
-    if (dot2 && (dot2 == dot2_iq2_xs_perm || dot2 == dot2_iq2_xxs_perm)) return 6;
+    if (dot2 && (dot2 == dot2_iq2_xs_perm || dot2 == dot2_iq2_xxs_perm || dot2 == dot2_iq2_s_perm)) return 6;
     if (dot2 && dot2 == dot2_iq3_xxs_perm) return 7;
 #endif
     if (dot2 && (type == 12 || type == 13 || type == 14) && dot2 == fused2_512(type, qblk, qsize)) return 4;
@@ -2426,7 +2478,7 @@ int strata_multirow_types(int type) { return fused2m_of(fused2_of_type(type), DO
 int strata_perm_kernel(int type) {
 #if defined(HAVE_IQ2XS_PERM)
     const dot2_fn f = fused2_of_type(type);
-    return f && (f == dot2_iq2_xs_perm || f == dot2_iq2_xxs_perm || f == dot2_iq3_xxs_perm);
+    return f && (f == dot2_iq2_xs_perm || f == dot2_iq2_xxs_perm || f == dot2_iq3_xxs_perm || f == dot2_iq2_s_perm);
 #else
     (void)type;
     return 0;
