@@ -44,18 +44,18 @@ static int levels_ok, iq2s_levels_ok;
 /* GRID_IQ3_XXS (256 x 4 of 4, 12, .., 52, 62) as 3-bit levels: byte i of half h holds entry i's
  * values 2h (bits 0-2) and 2h + 1 (bits 3-5); iq3_levels_ok as levels_ok. */
 static uint8_t IQ3XXS_LEVELS[2][256] __attribute__((aligned(64)));
-static int iq3_levels_ok;
+static uint8_t IQ3S_LEVELS[2][512] __attribute__((aligned(64))); /* GRID_IQ3_S's (1, 3, .., 15) */
+static int iq3_levels_ok, iq3s_levels_ok;
 
-static int grid_levels3(const uint8_t *grid, uint8_t *levels) {
-    static const uint8_t mag[8] = {4, 12, 20, 28, 36, 44, 52, 62};
-    memset(levels, 0, 512);
+static int grid_levels3(const uint8_t *grid, int entries, const uint8_t mag[8], uint8_t *levels) {
+    memset(levels, 0, (size_t)(2 * entries));
     int ok = 1;
-    for (int i = 0; i < 256; i++)
+    for (int i = 0; i < entries; i++)
         for (int k = 0; k < 4; k++) {
             int l = 0;
             while (l < 8 && mag[l] != grid[4 * i + k]) l++;
             ok &= l < 8;
-            levels[(k / 2) * 256 + i] |= (uint8_t)((l & 7) << (3 * (k % 2)));
+            levels[(k / 2) * entries + i] |= (uint8_t)((l & 7) << (3 * (k % 2)));
         }
     return ok;
 }
@@ -80,7 +80,8 @@ void strata_init_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8
     memcpy(GRID_IQ3_XXS, iq3xxs, sizeof GRID_IQ3_XXS);
     levels_ok = grid_levels(&GRID_IQ2_XS[0][0], 512, &IQ2XS_LEVELS[0][0]) &
                 grid_levels(&GRID_IQ2_XXS[0][0], 256, &IQ2XXS_LEVELS[0][0]);
-    iq3_levels_ok = grid_levels3(&GRID_IQ3_XXS[0][0], &IQ3XXS_LEVELS[0][0]);
+    static const uint8_t iq3xxs_mag[8] = {4, 12, 20, 28, 36, 44, 52, 62};
+    iq3_levels_ok = grid_levels3(&GRID_IQ3_XXS[0][0], 256, iq3xxs_mag, &IQ3XXS_LEVELS[0][0]);
     for (int i = 0; i < 128; i++)
         for (int j = 0; j < 8; j++) {
             KSIGNS[i][j] = (ksigns[i] >> j) & 1 ? -1.0f : 1.0f;
@@ -102,6 +103,8 @@ void strata_init_tables_iq(const int8_t *iq1s, const uint8_t *iq2s, const uint8_
     memcpy(GRID_IQ3_S, iq3s, sizeof GRID_IQ3_S);
     for (int i = 0; i < 128; i++) KSIGNS8[i] = (uint8_t)(i | (__builtin_parity((unsigned)i) << 7));
     iq2s_levels_ok = grid_levels(&GRID_IQ2_S[0][0], 1024, &IQ2S_LEVELS[0][0]);
+    static const uint8_t iq3s_mag[8] = {1, 3, 5, 7, 9, 11, 13, 15};
+    iq3s_levels_ok = grid_levels3(&GRID_IQ3_S[0][0], 512, iq3s_mag, &IQ3S_LEVELS[0][0]);
 }
 
 /* ------------------------------------------------------------------ vectors
@@ -1589,11 +1592,14 @@ static inline __attribute__((always_inline)) void iq3xxs_perm_unpack(const uint8
     *sc = _mm512_add_epi16(_mm512_add_epi16(s, s), _mm512_set1_epi16(1));
 }
 
-/* One prepared block o against an unpacked block: the integer sums of x's value and residual. */
+/* One prepared block o against an unpacked block: the integer sums of x's value and residual; lut:
+ * the 8 levels' magnitudes. */
+#define IQ3XXS_LUT _mm512_broadcast_i32x4(_mm_setr_epi8(4, 12, 20, 28, 36, 44, 52, 62, 0, 0, 0, 0, 0, 0, 0, 0))
+#define IQ3S_LUT _mm512_broadcast_i32x4(_mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0))
 static inline __attribute__((always_inline)) void perm4_sums(const uint8_t *o, const __m512i lv0, const __m512i lv1,
-                                                            const __m512i sgn, const __m512i sc, __m512i *sq, __m512i *sr) {
+                                                            const __m512i sgn, const __m512i sc, const __m512i lut,
+                                                            __m512i *sq, __m512i *sr) {
     const __m512i zero = _mm512_setzero_si512(), m7 = _mm512_set1_epi8(7);
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(4, 12, 20, 28, 36, 44, 52, 62, 0, 0, 0, 0, 0, 0, 0, 0));
     __m512i aq[2] = {zero, zero}, ar[2] = {zero, zero};
     #pragma GCC unroll 4
     for (int k = 0; k < 4; k++) {
@@ -1616,7 +1622,7 @@ static float dot2_iq3_xxs_perm(int64_t n, const uint8_t *w, const uint8_t *prep,
         stream_prefetch(b, 98);
         __m512i lv0, lv1, sgn, sc, sq, sr;
         iq3xxs_perm_unpack(b, &lv0, &lv1, &sgn, &sc);
-        perm4_sums(o, lv0, lv1, sgn, sc, &sq, &sr);
+        perm4_sums(o, lv0, lv1, sgn, sc, IQ3XXS_LUT, &sq, &sr);
         float dd[2];
         memcpy(dd, o + 512, 8);
         const float d = rd_f16(b);
@@ -1645,7 +1651,7 @@ static void dot2m_iq3_xxs_perm(int64_t n, const uint8_t *w, const uint8_t *xq, c
             for (int r = 0; r < g; r++) {
                 const uint8_t *o = xq + xoff[r0 + r] + i * PERM4_BLOCK;
                 __m512i sq, sr;
-                perm4_sums(o, lv0, lv1, sgn, sc, &sq, &sr);
+                perm4_sums(o, lv0, lv1, sgn, sc, IQ3XXS_LUT, &sq, &sr);
                 float dd[2];
                 memcpy(dd, o + 512, 8);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dd[0]), acc[r]);
@@ -1653,6 +1659,88 @@ static void dot2m_iq3_xxs_perm(int64_t n, const uint8_t *w, const uint8_t *xq, c
             }
         }
         for (int r = 0; r < g; r++) y[r0 + r] = 0.25f * _mm512_reduce_add_ps(acc[r]);
+    }
+}
+
+/* Lane i takes sign byte i / 2; word m the scale of group m / 4 (as 16-bit lanes). */
+static const uint8_t IQ3S_DUP[64] __attribute__((aligned(64))) = {
+    0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15,
+    16, 16, 17, 17, 18, 18, 19, 19, 20, 20, 21, 21, 22, 22, 23, 23, 24, 24, 25, 25, 26, 26, 27, 27, 28, 28, 29, 29, 30, 30, 31, 31};
+static const uint16_t IQ3S_SCALE_WORDS[32] __attribute__((aligned(64))) = {
+    0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7};
+
+/* IQ3_S ({f16 d; u8 qs[64]; u8 qh[8]; u8 signs[32]; u8 scales[4]}, 9-bit indices into the 512 x 4
+ * grid of 1, 3, .., 15): as IQ3_XXS, 4 permutes a half (bit 8 of index i is bit i of qh), the sign
+ * bytes as they are (a byte: two indices), scales 2s + 1 per 32 values and no common factor. */
+static inline __attribute__((always_inline)) void iq3s_perm_unpack(const uint8_t *b, __m512i *lv0, __m512i *lv1,
+                                                                  __m512i *sgn, __m512i *sc) {
+    const __m512i idx = _mm512_loadu_si512(b + 2);
+    uint64_t qh;
+    memcpy(&qh, b + 66, 8);
+    const __mmask64 m7 = _mm512_movepi8_mask(idx), m8 = (__mmask64)qh;
+    const __m512i *t = (const __m512i *)IQ3S_LEVELS;
+    for (int h = 0; h < 2; h++, t += 8) {
+        const __m512i t0 = _mm512_permutex2var_epi8(t[0], idx, t[1]), t1 = _mm512_permutex2var_epi8(t[2], idx, t[3]);
+        const __m512i t2 = _mm512_permutex2var_epi8(t[4], idx, t[5]), t3 = _mm512_permutex2var_epi8(t[6], idx, t[7]);
+        const __m512i lv = _mm512_mask_blend_epi8(m8, _mm512_mask_blend_epi8(m7, t0, t1), _mm512_mask_blend_epi8(m7, t2, t3));
+        if (h) *lv1 = lv;
+        else *lv0 = lv;
+    }
+    /* sign byte m to lanes 2m, 2m + 1; the odd one takes its high nibble */
+    const __m512i dup = _mm512_permutexvar_epi8(_mm512_load_si512(IQ3S_DUP), _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 74))));
+    *sgn = _mm512_mask_blend_epi8((__mmask64)0xAAAAAAAAAAAAAAAAull, dup, _mm512_srli_epi16(dup, 4));
+    /* group g's scale (nibble g of scales) to words 4g..4g+3 */
+    uint32_t c;
+    memcpy(&c, b + 106, 4);
+    const __m128i sb = _mm_cvtsi32_si128((int)c), m15 = _mm_set1_epi8(15);
+    const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sb, m15), _mm_and_si128(_mm_srli_epi16(sb, 4), m15));
+    const __m512i w = _mm512_permutexvar_epi16(_mm512_load_si512(IQ3S_SCALE_WORDS), _mm512_cvtepu8_epi16(_mm256_castsi128_si256(nib)));
+    *sc = _mm512_add_epi16(_mm512_add_epi16(w, w), _mm512_set1_epi16(1));
+}
+
+static float dot2_iq3_s_perm(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
+    (void)unused;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n / 256; i++) {
+        const uint8_t *b = w + i * 110, *o = prep + i * PERM4_BLOCK;
+        stream_prefetch(b, 110);
+        __m512i lv0, lv1, sgn, sc, sq, sr;
+        iq3s_perm_unpack(b, &lv0, &lv1, &sgn, &sc);
+        perm4_sums(o, lv0, lv1, sgn, sc, IQ3S_LUT, &sq, &sr);
+        float dd[2];
+        memcpy(dd, o + 512, 8);
+        const float d = rd_f16(b);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dd[0]), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dd[1]), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+static void dot2m_iq3_s_perm(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff,
+                             int nr, float *y) {
+    (void)xr;
+    enum { GROUP = 8 };
+    for (int r0 = 0; r0 < nr; r0 += GROUP) {
+        const int g = nr - r0 < GROUP ? nr - r0 : GROUP;
+        __m512 acc[GROUP];
+        for (int r = 0; r < g; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n / 256; i++) {
+            const uint8_t *b = w + i * 110;
+            if (r0 == 0) stream_prefetch(b, 110);
+            __m512i lv0, lv1, sgn, sc;
+            iq3s_perm_unpack(b, &lv0, &lv1, &sgn, &sc);
+            const float d = rd_f16(b);
+            for (int r = 0; r < g; r++) {
+                const uint8_t *o = xq + xoff[r0 + r] + i * PERM4_BLOCK;
+                __m512i sq, sr;
+                perm4_sums(o, lv0, lv1, sgn, sc, IQ3S_LUT, &sq, &sr);
+                float dd[2];
+                memcpy(dd, o + 512, 8);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dd[0]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dd[1]), acc[r]);
+            }
+        }
+        for (int r = 0; r < g; r++) y[r0 + r] = _mm512_reduce_add_ps(acc[r]);
     }
 }
 
@@ -2136,6 +2224,9 @@ static dot2_fn fused2_512(int type, int64_t qblk, int64_t qsize) {
     if (type == 22 && qblk == 256 && qsize == 292 && iq2s_levels_ok) return dot2_iq2_s_perm;
 #endif
     if (type == 22 && qblk == 256 && qsize == 292) return dot2_iq2_s;
+#if defined(HAVE_IQ2XS_PERM)
+    if (type == 21 && qblk == 256 && qsize == 292 && iq3s_levels_ok) return dot2_iq3_s_perm;
+#endif
     if (type == 21 && qblk == 256 && qsize == 292) return dot2_iq3_s;
     return NULL;
 }
@@ -2328,6 +2419,7 @@ static dot2m_fn fused2m_of(dot2_fn dot2, int64_t B) {
     if (dot2 == dot2_iq2_xxs_perm) return dot2m_iq2_xxs_perm;
     if (dot2 == dot2_iq3_xxs_perm) return dot2m_iq3_xxs_perm;
     if (dot2 == dot2_iq2_s_perm) return dot2m_iq2_s_perm;
+    if (dot2 == dot2_iq3_s_perm) return dot2m_iq3_s_perm;
 #endif
 #if defined(HAVE_FUSED_256)
     int min_rows = 2;
@@ -2412,7 +2504,7 @@ static void q8c_prep(int64_t n, const float *x, uint8_t *out) {
 
 /* The "q8c" kernel for `type`, from the best 256-bit set this CPU runs (on every CPU: the AVX-512
  * set has none), or NULL: a type without one (the 32-value types) stays as in "q8x2", and so do
- * IQ2_XS, IQ2_XXS and IQ3_XXS where the q8x2 set takes their permute kernels, which beat the one-pass
+ * the grid types where the q8x2 set takes their permute kernels (strata_perm_kernel), which beat the one-pass
  * 256-bit ones (qwen3-30b-a3b 4L IQ2_XS decode at 2 threads on Zen 5: 201 against 177 tok/s). */
 int strata_perm_kernel(int type);
 static dot2_fn q8c_for(int type) {
@@ -2436,7 +2528,7 @@ static dot2_fn q8c_for(int type) {
 static int fused2_prep(int type, int64_t qblk, int64_t qsize, dot2_fn dot2) {
 #if defined(HAVE_IQ2XS_PERM)
     if (dot2 && (dot2 == dot2_iq2_xs_perm || dot2 == dot2_iq2_xxs_perm || dot2 == dot2_iq2_s_perm)) return 6;
-    if (dot2 && dot2 == dot2_iq3_xxs_perm) return 7;
+    if (dot2 && (dot2 == dot2_iq3_xxs_perm || dot2 == dot2_iq3_s_perm)) return 7;
 #endif
     if (dot2 && (type == 12 || type == 13 || type == 14) && dot2 == fused2_512(type, qblk, qsize)) return 4;
     if (!dot2 || !(type == 3 || type == 7 || qsize == 34)) return 0;
@@ -2474,11 +2566,13 @@ int strata_fused_types(int type) { return fused2_of_type(type) != NULL; }
 /* Whether the kernel set in use has a multi-row kernel for `type` (and they are on). */
 int strata_multirow_types(int type) { return fused2m_of(fused2_of_type(type), DOT2M_ROWS) != NULL; }
 
-/* 1 where "q8x2" takes a byte-permute kernel for `type` (IQ2_XS, IQ2_XXS, IQ3_XXS): its prompt crossover differs. */
+/* 1 where "q8x2" takes a byte-permute kernel for `type` (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): its
+ * prompt crossover differs, and "q8c" keeps it. */
 int strata_perm_kernel(int type) {
 #if defined(HAVE_IQ2XS_PERM)
     const dot2_fn f = fused2_of_type(type);
-    return f && (f == dot2_iq2_xs_perm || f == dot2_iq2_xxs_perm || f == dot2_iq3_xxs_perm || f == dot2_iq2_s_perm);
+    return f && (f == dot2_iq2_xs_perm || f == dot2_iq2_xxs_perm || f == dot2_iq3_xxs_perm || f == dot2_iq2_s_perm ||
+                 f == dot2_iq3_s_perm);
 #else
     (void)type;
     return 0;
