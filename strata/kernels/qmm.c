@@ -1286,10 +1286,19 @@ static inline __attribute__((always_inline)) __m512i nibble_scales(const long lo
     return _mm512_add_epi16(_mm512_add_epi16(s, s), _mm512_set1_epi16(1));
 }
 
+/* Entries idx (bits 0-6, and bits 7, 8 as m7, m8) of a 512-entry half of a levels table. */
+static inline __attribute__((always_inline)) __m512i levels512(const uint8_t *levels, const __m512i idx, const __mmask64 m7,
+                                                              const __mmask64 m8) {
+    const __m512i *t = (const __m512i *)levels;
+    const __m512i t0 = _mm512_permutex2var_epi8(t[0], idx, t[1]), t1 = _mm512_permutex2var_epi8(t[2], idx, t[3]);
+    const __m512i t2 = _mm512_permutex2var_epi8(t[4], idx, t[5]), t3 = _mm512_permutex2var_epi8(t[6], idx, t[7]);
+    return _mm512_mask_blend_epi8(m8, _mm512_mask_blend_epi8(m7, t0, t1), _mm512_mask_blend_epi8(m7, t2, t3));
+}
+
 /* IQ2_XS ({f16 d; u16 qs[32]; u8 scales[8]}), the pair of blocks b, b1 (b alone if b1 is NULL):
  * the levels of values 0-3 and 4-7 of each of the 64 indices (lv0, lv1), the 64 sign bytes and the
  * 32 sub-block scales. */
-static inline __attribute__((always_inline)) void iq2xs_perm_unpack(const uint8_t *b, const uint8_t *b1, __m512i *lv0,
+static inline __attribute__((always_inline)) void iq2_xs_perm_unpack(const uint8_t *b, const uint8_t *b1, __m512i *lv0,
                                                                    __m512i *lv1, __m512i *sgn, __m512i *sc) {
     const __m512i zero = _mm512_setzero_si512(), bit8 = _mm512_set1_epi16(256);
     const __m512i q0 = _mm512_loadu_si512(b + 2), q1 = b1 ? _mm512_loadu_si512(b1 + 2) : zero;
@@ -1302,14 +1311,8 @@ static inline __attribute__((always_inline)) void iq2xs_perm_unpack(const uint8_
     memcpy(&c0, b + 66, 8);
     if (b1) memcpy(&c1, b1 + 66, 8);
     *sc = nibble_scales(c0, c1);
-    const __m512i *t = (const __m512i *)IQ2XS_LEVELS;
-    for (int h = 0; h < 2; h++, t += 8) {
-        const __m512i t0 = _mm512_permutex2var_epi8(t[0], idx, t[1]), t1 = _mm512_permutex2var_epi8(t[2], idx, t[3]);
-        const __m512i t2 = _mm512_permutex2var_epi8(t[4], idx, t[5]), t3 = _mm512_permutex2var_epi8(t[6], idx, t[7]);
-        const __m512i lv = _mm512_mask_blend_epi8(m8, _mm512_mask_blend_epi8(m7, t0, t1), _mm512_mask_blend_epi8(m7, t2, t3));
-        if (h) *lv1 = lv;
-        else *lv0 = lv;
-    }
+    *lv0 = levels512(IQ2XS_LEVELS[0], idx, m7, m8);
+    *lv1 = levels512(IQ2XS_LEVELS[1], idx, m7, m8);
 }
 
 /* Index i of a pair of IQ2_XXS blocks: byte i % 4 of group i / 4 (64 + : the second block's). */
@@ -1321,10 +1324,10 @@ static const uint8_t IQ2XXS_SCALE_PICK[64] __attribute__((aligned(64))) = {
     4, 0, 4, 0, 12, 0, 12, 0, 20, 0, 20, 0, 28, 0, 28, 0, 36, 0, 36, 0, 44, 0, 44, 0, 52, 0, 52, 0, 60, 0, 60, 0,
     68, 0, 68, 0, 76, 0, 76, 0, 84, 0, 84, 0, 92, 0, 92, 0, 100, 0, 100, 0, 108, 0, 108, 0, 116, 0, 116, 0, 124, 0, 124, 0};
 
-/* IQ2_XXS ({f16 d; 8 x (u8 grid[4]; u32 signs 4 x 7 bits | scale << 28)}): as iq2xs_perm_unpack.
+/* IQ2_XXS ({f16 d; 8 x (u8 grid[4]; u32 signs 4 x 7 bits | scale << 28)}): as iq2_xs_perm_unpack.
  * One vpermt2b gathers both blocks' 64 index bytes; vpmultishiftqb cuts each group's u32 into its
  * 4 sign fields and its scale, which the same gather puts in index order. */
-static inline __attribute__((always_inline)) void iq2xxs_perm_unpack(const uint8_t *b, const uint8_t *b1, __m512i *lv0,
+static inline __attribute__((always_inline)) void iq2_xxs_perm_unpack(const uint8_t *b, const uint8_t *b1, __m512i *lv0,
                                                                     __m512i *lv1, __m512i *sgn, __m512i *sc) {
     const __m512i zero = _mm512_setzero_si512();
     const __m512i pk = _mm512_load_si512(IQ2XXS_PICK), sp = _mm512_load_si512(IQ2XXS_SCALE_PICK);
@@ -1343,9 +1346,9 @@ static inline __attribute__((always_inline)) void iq2xxs_perm_unpack(const uint8
 }
 
 /* IQ2_S ({f16 d; u8 qs[32]; u8 signs[32]; u8 qh[8]; u8 scales[8]}, 10-bit indices into the
- * 1024-entry grid): as iq2xs_perm_unpack, 8 permutes a half (bits 7, 8 and 9 of the index pick among
+ * 1024-entry grid): as iq2_xs_perm_unpack, 8 permutes a half (bits 7, 8 and 9 of the index pick among
  * them; vpmultishiftqb cuts the 2 high bits of each from qh) and the sign bytes as they are. */
-static inline __attribute__((always_inline)) void iq2s_perm_unpack(const uint8_t *b, const uint8_t *b1, __m512i *lv0,
+static inline __attribute__((always_inline)) void iq2_s_perm_unpack(const uint8_t *b, const uint8_t *b1, __m512i *lv0,
                                                                   __m512i *lv1, __m512i *sgn, __m512i *sc) {
     const __m256i z = _mm256_setzero_si256();
     const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))),
@@ -1513,33 +1516,24 @@ static inline __attribute__((always_inline)) void perm_dot_rows(int64_t n, const
     }
 }
 
-static float dot2_iq2_xs_perm(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
-    (void)unused;
-    return perm_dot(n, w, prep, 74, iq2xs_perm_unpack);
-}
-static float dot2_iq2_xxs_perm(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
-    (void)unused;
-    return perm_dot(n, w, prep, 66, iq2xxs_perm_unpack);
-}
-static void dot2m_iq2_xs_perm(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff,
-                              int nr, float *y) {
-    (void)xr;
-    perm_dot_rows(n, w, xq, xoff, nr, y, 74, iq2xs_perm_unpack);
-}
-static void dot2m_iq2_xxs_perm(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff,
-                               int nr, float *y) {
-    (void)xr;
-    perm_dot_rows(n, w, xq, xoff, nr, y, 66, iq2xxs_perm_unpack);
-}
-static float dot2_iq2_s_perm(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
-    (void)unused;
-    return perm_dot(n, w, prep, 82, iq2s_perm_unpack);
-}
-static void dot2m_iq2_s_perm(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff,
-                             int nr, float *y) {
-    (void)xr;
-    perm_dot_rows(n, w, xq, xoff, nr, y, 82, iq2s_perm_unpack);
-}
+/* One type's permute kernels: one row (dot2_T_perm), several rows of x (dot2m_T_perm), and two weight
+ * rows of a row length with an odd number of blocks (dot2x2_T_perm). */
+#define PERM8_KERNELS(NAME, TS)                                                                               \
+    static float dot2_##NAME##_perm(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) { \
+        (void)unused;                                                                                         \
+        return perm_dot(n, w, prep, TS, NAME##_perm_unpack);                                                  \
+    }                                                                                                         \
+    static void dot2m_##NAME##_perm(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr,        \
+                                    const int64_t *xoff, int nr, float *y) {                                  \
+        (void)xr;                                                                                             \
+        perm_dot_rows(n, w, xq, xoff, nr, y, TS, NAME##_perm_unpack);                                         \
+    }                                                                                                         \
+    static void dot2x2_##NAME##_perm(int64_t n, const uint8_t *w, int64_t wrow, const uint8_t *prep, float y[2]) { \
+        perm_dot_x2(n, w, wrow, prep, y, TS, NAME##_perm_unpack);                                             \
+    }
+PERM8_KERNELS(iq2_xs, 74)
+PERM8_KERNELS(iq2_xxs, 66)
+PERM8_KERNELS(iq2_s, 82)
 
 /* IQ3_XXS ({f16 d; u8 grid[64]; 8 x u32: 4 x 7 sign bits | scale << 28}, 4-value entries of
  * GRID_IQ3_XXS) by the same byte permutes: a block's 64 indices fill one register, the grid as
@@ -1574,7 +1568,7 @@ static void perm4_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t 
 
 /* Block b: the levels of values 0-1 (lv0) and 2-3 (lv1) of its 64 indices, each index's 4 sign bits
  * (bits 0-3 of its byte), the 32 word scales (a word: indices 2m, 2m + 1). */
-static inline __attribute__((always_inline)) void iq3xxs_perm_unpack(const uint8_t *b, __m512i *lv0, __m512i *lv1,
+static inline __attribute__((always_inline)) void iq3_xxs_perm_unpack(const uint8_t *b, __m512i *lv0, __m512i *lv1,
                                                                     __m512i *sgn, __m512i *sc) {
     const __m512i idx = _mm512_loadu_si512(b + 2);
     const __mmask64 m7 = _mm512_movepi8_mask(idx);
@@ -1614,53 +1608,72 @@ static inline __attribute__((always_inline)) void perm4_sums(const uint8_t *o, c
     *sr = _mm512_add_epi32(ar[0], ar[1]);
 }
 
-static float dot2_iq3_xxs_perm(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
-    (void)unused;
+typedef void (*perm4_unpack_fn)(const uint8_t *b, __m512i *lv0, __m512i *lv1, __m512i *sgn, __m512i *sc);
+
+/* acc += block b's sums against prepared block o times d * dq, d * dr. */
+static inline __attribute__((always_inline)) __m512 perm4_block(__m512 acc, const uint8_t *o, const uint8_t *b,
+                                                               const __m512i lv0, const __m512i lv1, const __m512i sgn,
+                                                               const __m512i sc, const __m512i lut) {
+    __m512i sq, sr;
+    perm4_sums(o, lv0, lv1, sgn, sc, lut, &sq, &sr);
+    float dd[2];
+    memcpy(dd, o + 512, 8);
+    const float d = rd_f16(b);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dd[0]), acc);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dd[1]), acc);
+}
+
+/* One weight row of ts-byte blocks against a perm4_prep row, times the type's common factor. */
+static inline __attribute__((always_inline)) float perm4_dot(int64_t n, const uint8_t *w, const uint8_t *prep, const int ts,
+                                                            const perm4_unpack_fn unpack, const __m512i lut,
+                                                            const float factor) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n / 256; i++) {
-        const uint8_t *b = w + i * 98, *o = prep + i * PERM4_BLOCK;
-        stream_prefetch(b, 98);
-        __m512i lv0, lv1, sgn, sc, sq, sr;
-        iq3xxs_perm_unpack(b, &lv0, &lv1, &sgn, &sc);
-        perm4_sums(o, lv0, lv1, sgn, sc, IQ3XXS_LUT, &sq, &sr);
-        float dd[2];
-        memcpy(dd, o + 512, 8);
-        const float d = rd_f16(b);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dd[0]), acc);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dd[1]), acc);
+        const uint8_t *b = w + i * ts;
+        stream_prefetch(b, ts);
+        __m512i lv0, lv1, sgn, sc;
+        unpack(b, &lv0, &lv1, &sgn, &sc);
+        acc = perm4_block(acc, prep + i * PERM4_BLOCK, b, lv0, lv1, sgn, sc, lut);
     }
-    return 0.25f * _mm512_reduce_add_ps(acc);
+    return factor * _mm512_reduce_add_ps(acc);
 }
 
 /* nr <= DOT2M_ROWS prepared rows against one weight row: each block unpacked once per 8 rows, every
- * row's arithmetic that of dot2_iq3_xxs_perm (bit for bit). */
-static void dot2m_iq3_xxs_perm(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff,
-                               int nr, float *y) {
-    (void)xr;
+ * row's arithmetic that of perm4_dot (bit for bit). */
+static inline __attribute__((always_inline)) void perm4_dot_rows(int64_t n, const uint8_t *w, const uint8_t *xq,
+                                                                const int64_t *xoff, int nr, float *y, const int ts,
+                                                                const perm4_unpack_fn unpack, const __m512i lut,
+                                                                const float factor) {
     enum { GROUP = 8 };
     for (int r0 = 0; r0 < nr; r0 += GROUP) {
         const int g = nr - r0 < GROUP ? nr - r0 : GROUP;
         __m512 acc[GROUP];
         for (int r = 0; r < g; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t i = 0; i < n / 256; i++) {
-            const uint8_t *b = w + i * 98;
-            if (r0 == 0) stream_prefetch(b, 98);
+            const uint8_t *b = w + i * ts;
+            if (r0 == 0) stream_prefetch(b, ts);
             __m512i lv0, lv1, sgn, sc;
-            iq3xxs_perm_unpack(b, &lv0, &lv1, &sgn, &sc);
-            const float d = rd_f16(b);
-            for (int r = 0; r < g; r++) {
-                const uint8_t *o = xq + xoff[r0 + r] + i * PERM4_BLOCK;
-                __m512i sq, sr;
-                perm4_sums(o, lv0, lv1, sgn, sc, IQ3XXS_LUT, &sq, &sr);
-                float dd[2];
-                memcpy(dd, o + 512, 8);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dd[0]), acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dd[1]), acc[r]);
-            }
+            unpack(b, &lv0, &lv1, &sgn, &sc);
+            for (int r = 0; r < g; r++)
+                acc[r] = perm4_block(acc[r], xq + xoff[r0 + r] + i * PERM4_BLOCK, b, lv0, lv1, sgn, sc, lut);
         }
-        for (int r = 0; r < g; r++) y[r0 + r] = 0.25f * _mm512_reduce_add_ps(acc[r]);
+        for (int r = 0; r < g; r++) y[r0 + r] = factor * _mm512_reduce_add_ps(acc[r]);
     }
 }
+
+/* One 4-value grid type's permute kernels (one row, several rows of x); lut: its magnitudes, factor:
+ * its common scale. */
+#define PERM4_KERNELS(NAME, TS, LUT, FACTOR)                                                                  \
+    static float dot2_##NAME##_perm(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) { \
+        (void)unused;                                                                                         \
+        return perm4_dot(n, w, prep, TS, NAME##_perm_unpack, LUT, FACTOR);                                    \
+    }                                                                                                         \
+    static void dot2m_##NAME##_perm(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr,        \
+                                    const int64_t *xoff, int nr, float *y) {                                  \
+        (void)xr;                                                                                             \
+        perm4_dot_rows(n, w, xq, xoff, nr, y, TS, NAME##_perm_unpack, LUT, FACTOR);                           \
+    }
+PERM4_KERNELS(iq3_xxs, 98, IQ3XXS_LUT, 0.25f)
 
 /* Lane i takes sign byte i / 2; word m the scale of group m / 4 (as 16-bit lanes). */
 static const uint8_t IQ3S_DUP[64] __attribute__((aligned(64))) = {
@@ -1673,20 +1686,14 @@ static const uint16_t IQ3S_SCALE_WORDS[32] __attribute__((aligned(64))) = {
  * grid of 1, 3, .., 15): as IQ3_XXS, 4 permutes a half (bit 8 of index i is bit i of qh), the sign
  * bytes as they are (a byte: two indices), scales 2s + 1 per 32 values and no common factor. Zen 5,
  * 768x2048 / 2048x768 at one thread: 0.053 / 0.057 ms against 0.146 / 0.148 (the gather kernel). */
-static inline __attribute__((always_inline)) void iq3s_perm_unpack(const uint8_t *b, __m512i *lv0, __m512i *lv1,
+static inline __attribute__((always_inline)) void iq3_s_perm_unpack(const uint8_t *b, __m512i *lv0, __m512i *lv1,
                                                                   __m512i *sgn, __m512i *sc) {
     const __m512i idx = _mm512_loadu_si512(b + 2);
     uint64_t qh;
     memcpy(&qh, b + 66, 8);
     const __mmask64 m7 = _mm512_movepi8_mask(idx), m8 = (__mmask64)qh;
-    const __m512i *t = (const __m512i *)IQ3S_LEVELS;
-    for (int h = 0; h < 2; h++, t += 8) {
-        const __m512i t0 = _mm512_permutex2var_epi8(t[0], idx, t[1]), t1 = _mm512_permutex2var_epi8(t[2], idx, t[3]);
-        const __m512i t2 = _mm512_permutex2var_epi8(t[4], idx, t[5]), t3 = _mm512_permutex2var_epi8(t[6], idx, t[7]);
-        const __m512i lv = _mm512_mask_blend_epi8(m8, _mm512_mask_blend_epi8(m7, t0, t1), _mm512_mask_blend_epi8(m7, t2, t3));
-        if (h) *lv1 = lv;
-        else *lv0 = lv;
-    }
+    *lv0 = levels512(IQ3S_LEVELS[0], idx, m7, m8);
+    *lv1 = levels512(IQ3S_LEVELS[1], idx, m7, m8);
     /* sign byte m to lanes 2m, 2m + 1; the odd one takes its high nibble */
     const __m512i dup = _mm512_permutexvar_epi8(_mm512_load_si512(IQ3S_DUP), _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 74))));
     *sgn = _mm512_mask_blend_epi8((__mmask64)0xAAAAAAAAAAAAAAAAull, dup, _mm512_srli_epi16(dup, 4));
@@ -1699,63 +1706,10 @@ static inline __attribute__((always_inline)) void iq3s_perm_unpack(const uint8_t
     *sc = _mm512_add_epi16(_mm512_add_epi16(w, w), _mm512_set1_epi16(1));
 }
 
-static float dot2_iq3_s_perm(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
-    (void)unused;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n / 256; i++) {
-        const uint8_t *b = w + i * 110, *o = prep + i * PERM4_BLOCK;
-        stream_prefetch(b, 110);
-        __m512i lv0, lv1, sgn, sc, sq, sr;
-        iq3s_perm_unpack(b, &lv0, &lv1, &sgn, &sc);
-        perm4_sums(o, lv0, lv1, sgn, sc, IQ3S_LUT, &sq, &sr);
-        float dd[2];
-        memcpy(dd, o + 512, 8);
-        const float d = rd_f16(b);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dd[0]), acc);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dd[1]), acc);
-    }
-    return _mm512_reduce_add_ps(acc);
-}
-
-static void dot2m_iq3_s_perm(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff,
-                             int nr, float *y) {
-    (void)xr;
-    enum { GROUP = 8 };
-    for (int r0 = 0; r0 < nr; r0 += GROUP) {
-        const int g = nr - r0 < GROUP ? nr - r0 : GROUP;
-        __m512 acc[GROUP];
-        for (int r = 0; r < g; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < n / 256; i++) {
-            const uint8_t *b = w + i * 110;
-            if (r0 == 0) stream_prefetch(b, 110);
-            __m512i lv0, lv1, sgn, sc;
-            iq3s_perm_unpack(b, &lv0, &lv1, &sgn, &sc);
-            const float d = rd_f16(b);
-            for (int r = 0; r < g; r++) {
-                const uint8_t *o = xq + xoff[r0 + r] + i * PERM4_BLOCK;
-                __m512i sq, sr;
-                perm4_sums(o, lv0, lv1, sgn, sc, IQ3S_LUT, &sq, &sr);
-                float dd[2];
-                memcpy(dd, o + 512, 8);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sq), _mm512_set1_ps(d * dd[0]), acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sr), _mm512_set1_ps(d * dd[1]), acc[r]);
-            }
-        }
-        for (int r = 0; r < g; r++) y[r0 + r] = _mm512_reduce_add_ps(acc[r]);
-    }
-}
+PERM4_KERNELS(iq3_s, 110, IQ3S_LUT, 1.0f)
 
 /* The permute kernels' two-row form for a row length with an odd number of blocks, or NULL. */
 typedef void (*dot2x2_fn)(int64_t n, const uint8_t *w, int64_t wrow, const uint8_t *prep, float y[2]);
-static void dot2x2_iq2_xs_perm(int64_t n, const uint8_t *w, int64_t wrow, const uint8_t *prep, float y[2]) {
-    perm_dot_x2(n, w, wrow, prep, y, 74, iq2xs_perm_unpack);
-}
-static void dot2x2_iq2_xxs_perm(int64_t n, const uint8_t *w, int64_t wrow, const uint8_t *prep, float y[2]) {
-    perm_dot_x2(n, w, wrow, prep, y, 66, iq2xxs_perm_unpack);
-}
-static void dot2x2_iq2_s_perm(int64_t n, const uint8_t *w, int64_t wrow, const uint8_t *prep, float y[2]) {
-    perm_dot_x2(n, w, wrow, prep, y, 82, iq2s_perm_unpack);
-}
 static dot2x2_fn dot2x2_of(dot2_fn dot2, int64_t cols) {
     if (!((cols / 256) & 1)) return NULL;
     return dot2 == dot2_iq2_xs_perm ? dot2x2_iq2_xs_perm : dot2 == dot2_iq2_xxs_perm ? dot2x2_iq2_xxs_perm
