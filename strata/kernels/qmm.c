@@ -39,7 +39,8 @@ int16_t KSIGNS16[128][8] __attribute__((aligned(16))); /* +-1 as int16, for the 
 static uint8_t IQ2XS_LEVELS[2][512] __attribute__((aligned(64)));
 static uint8_t IQ2XXS_LEVELS[2][256] __attribute__((aligned(64)));
 static uint8_t IQ2S_LEVELS[2][1024] __attribute__((aligned(64))); /* GRID_IQ2_S's, iq2s_levels_ok */
-static int levels_ok, iq2s_levels_ok;
+static uint8_t IQ1S_LEVELS[2][2048] __attribute__((aligned(64))); /* GRID_IQ1_S's grid + 1, iq1s_levels_ok */
+static int levels_ok, iq2s_levels_ok, iq1s_levels_ok;
 
 /* GRID_IQ3_XXS (256 x 4 of 4, 12, .., 52, 62) as 3-bit levels: byte i of half h holds entry i's
  * values 2h (bits 0-2) and 2h + 1 (bits 3-5); iq3_levels_ok as levels_ok. */
@@ -103,6 +104,14 @@ void strata_init_tables_iq(const int8_t *iq1s, const uint8_t *iq2s, const uint8_
     memcpy(GRID_IQ3_S, iq3s, sizeof GRID_IQ3_S);
     for (int i = 0; i < 128; i++) KSIGNS8[i] = (uint8_t)(i | (__builtin_parity((unsigned)i) << 7));
     iq2s_levels_ok = grid_levels(&GRID_IQ2_S[0][0], 1024, &IQ2S_LEVELS[0][0]);
+    iq1s_levels_ok = 1;
+    memset(IQ1S_LEVELS, 0, sizeof IQ1S_LEVELS);
+    for (int i = 0; i < 2048; i++)
+        for (int k = 0; k < 8; k++) {
+            const int g = iq1s[8 * i + k];
+            iq1s_levels_ok &= g >= -1 && g <= 1;
+            IQ1S_LEVELS[k / 4][i] |= (uint8_t)(((g + 1) & 3) << (2 * (k % 4)));
+        }
     static const uint8_t iq3s_mag[8] = {1, 3, 5, 7, 9, 11, 13, 15};
     iq3s_levels_ok = grid_levels3(&GRID_IQ3_S[0][0], 512, iq3s_mag, &IQ3S_LEVELS[0][0]);
 }
@@ -1433,6 +1442,16 @@ static inline __attribute__((always_inline)) float perm_dot(int64_t n, const uin
     return 0.125f * _mm512_reduce_add_ps(acc);
 }
 
+/* The two-row kernels' end: the shared last pair's sums, row 0's in lanes 0-7 and row 1's in 8-15,
+ * each scaled onto its row (row 1's moved to lanes 0-7, where its one-row kernel has them), then y. */
+static inline __attribute__((always_inline)) void x2_finish(__m512 acc0, __m512 acc1, const uint8_t *o, const __m512i sq,
+                                                           const __m512i sr, const float d0, const float d1, float y[2]) {
+    acc0 = perm_scale(acc0, o, sq, sr, d0, 0.0f);
+    acc1 = perm_scale(acc1, o, _mm512_shuffle_i64x2(sq, sq, 0x4E), _mm512_shuffle_i64x2(sr, sr, 0x4E), d1, 0.0f);
+    y[0] = 0.125f * _mm512_reduce_add_ps(acc0);
+    y[1] = 0.125f * _mm512_reduce_add_ps(acc1);
+}
+
 /* Weight rows w and w + wrow of a row length with an odd number of blocks: each row's whole pairs
  * as perm_dot takes them, and the two last blocks in one pair (the one-row kernel fills half a pair
  * with each), so a 768-value row (3 blocks) takes 3 pairs for two rows, not 4. Each result is
@@ -1458,10 +1477,7 @@ static inline __attribute__((always_inline)) void perm_dot_x2(int64_t n, const u
     const uint8_t *b = w + last * ts, *o = prep + last / 2 * PERM8_PAIR;
     unpack(b, b + wrow, &lv0, &lv1, &sgn, &sc);
     perm_sums(o, lv0, lv1, sgn, sc, &sq, &sr);
-    acc0 = perm_scale(acc0, o, sq, sr, rd_f16(b), 0.0f);
-    acc1 = perm_scale(acc1, o, _mm512_shuffle_i64x2(sq, sq, 0x4E), _mm512_shuffle_i64x2(sr, sr, 0x4E), rd_f16(b + wrow), 0.0f);
-    y[0] = 0.125f * _mm512_reduce_add_ps(acc0);
-    y[1] = 0.125f * _mm512_reduce_add_ps(acc1);
+    x2_finish(acc0, acc1, o, sq, sr, rd_f16(b), rd_f16(b + wrow), y);
 }
 
 /* nr <= DOT2M_ROWS prepared rows against one weight row: each pair unpacked once per 8 rows, its
@@ -1708,12 +1724,155 @@ static inline __attribute__((always_inline)) void iq3_s_perm_unpack(const uint8_
 
 PERM4_KERNELS(iq3_s, 110, IQ3S_LUT, 1.0f)
 
+/* IQ1_S ({f16 d; u8 qs[32]; u16 qh[8]}: 11-bit indices into the 2048 x 8 grid of -1, 0, 1, a scale
+ * 2s + 1 and a shift of +-1/8 per 32 values) by the same byte permutes: 16 a half (bits 7-10 pick
+ * among them), the grid as g + 1 in 2 bits. Each weight times 8 is 8g + shift (as dot2_iq1_s), taken
+ * as the unsigned 8 (g + 1) + (shift + 1) in 0..18 against x, less 9 times x's sum over each 16 values
+ * (q8_K's bsums, 9 * 16 * 127 within int16: perm8s_prep keeps them after the values). Zen 5,
+ * 768x2048 / 2048x768 at one thread: 0.073 / 0.090 ms against 0.118 / 0.122 (the gather kernel). */
+enum { PERM8S_PAIR = PERM8_PAIR + 128 }; /* perm8_prep's pair, then 9 x the 16-value sums: 32 words a pass */
+
+static int64_t perm8s_prep_bytes(int64_t n) { return (n / 256 + 1) / 2 * PERM8S_PAIR; }
+
+static void perm8s_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) {
+    const int64_t nb = n / 256, np = (nb + 1) / 2;
+    uint8_t *tmp = out + np * (PERM8S_PAIR - PERM8_PAIR); /* perm8_prep's rows, then moved to their pairs */
+    perm8_prep(n, xq, xr, tmp);
+    for (int64_t p = 0; p < np; p++) {
+        memmove(out + p * PERM8S_PAIR, tmp + p * PERM8_PAIR, PERM8_PAIR);
+        int16_t sums[64];
+        for (int pass = 0; pass < 2; pass++)
+            for (int m = 0; m < 32; m++) {
+                int64_t blk = 2 * p + m / 16;
+                if (blk >= nb) blk = nb - 1; /* the odd last block's copy, as perm8_prep */
+                int16_t bs;
+                memcpy(&bs, (pass ? xr : xq) + blk * 292 + 260 + 2 * (m % 16), 2);
+                sums[32 * pass + m] = (int16_t)(9 * bs);
+            }
+        memcpy(out + p * PERM8S_PAIR + PERM8_PAIR, sums, sizeof sums);
+    }
+}
+
+/* The pair of IQ1_S blocks b, b1 (b alone if NULL): levels (lv0, lv1), each lane's shift + 1 (0 or
+ * 2), the 32 word scales. */
+static inline __attribute__((always_inline)) void iq1_s_perm_unpack(const uint8_t *b, const uint8_t *b1, __m512i *lv0,
+                                                                   __m512i *lv1, __m512i *dplus, __m512i *sc) {
+    const __m256i z = _mm256_setzero_si256();
+    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))),
+                                           b1 ? _mm256_loadu_si256((const __m256i *)(b1 + 2)) : z, 1);
+    /* qh[g] for groups 2q, 2q + 1 into qword q (lanes 8q..8q+7) */
+    const __m512i u = _mm512_cvtepu32_epi64(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 34))),
+                                                                     b1 ? _mm_loadu_si128((const __m128i *)(b1 + 34)) : _mm_setzero_si128(), 1));
+    const __m512i hb = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x1916131009060300ll), u); /* bits 3l of qh[g] */
+    const __mmask64 m7 = _mm512_movepi8_mask(idx), m8 = _mm512_test_epi8_mask(hb, _mm512_set1_epi8(1)),
+                    m9 = _mm512_test_epi8_mask(hb, _mm512_set1_epi8(2)), m10 = _mm512_test_epi8_mask(hb, _mm512_set1_epi8(4));
+    const __m512i sh = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x1F1F1F1F0F0F0F0Fll), u); /* bit 15 */
+    *dplus = _mm512_maskz_mov_epi8(~_mm512_test_epi8_mask(sh, _mm512_set1_epi8(1)), _mm512_set1_epi8(2));
+    const __m512i s = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x281C281C280C280Cll), u),
+                                       _mm512_set1_epi16(7)); /* bits 12-14 */
+    *sc = _mm512_add_epi16(_mm512_add_epi16(s, s), _mm512_set1_epi16(1));
+    for (int h = 0; h < 2; h++) {
+        const __m512i *t = (const __m512i *)IQ1S_LEVELS[h];
+        __m512i p[16];
+        for (int j = 0; j < 16; j++) p[j] = _mm512_permutex2var_epi8(t[2 * j], idx, t[2 * j + 1]);
+        for (int j = 0; j < 8; j++) p[j] = _mm512_mask_blend_epi8(m7, p[2 * j], p[2 * j + 1]);
+        for (int j = 0; j < 4; j++) p[j] = _mm512_mask_blend_epi8(m8, p[2 * j], p[2 * j + 1]);
+        for (int j = 0; j < 2; j++) p[j] = _mm512_mask_blend_epi8(m9, p[2 * j], p[2 * j + 1]);
+        const __m512i lv = _mm512_mask_blend_epi8(m10, p[0], p[1]);
+        if (h) *lv1 = lv;
+        else *lv0 = lv;
+    }
+}
+
+/* The pair's integer sums against prepared pair o (PERM8S_PAIR bytes), as perm_sums. */
+static inline __attribute__((always_inline)) void iq1_s_perm_sums(const uint8_t *o, const __m512i lv0, const __m512i lv1,
+                                                                 const __m512i dplus, const __m512i sc, __m512i *sq,
+                                                                 __m512i *sr) {
+    const __m512i zero = _mm512_setzero_si512(), m15 = _mm512_set1_epi8(15);
+    const __m512i lut_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 8, 16, 0, 0, 8, 16, 0, 0, 8, 16, 0, 0, 8, 16, 0));
+    const __m512i lut_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 0, 0, 0, 0));
+    __m512i aq[2] = {zero, zero}, ar[2] = {zero, zero};
+    #pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) {
+        const __m512i lv = k < 4 ? lv0 : lv1;
+        const __m512i nib = k & 2 ? _mm512_and_si512(_mm512_srli_epi16(lv, 4), m15) : _mm512_and_si512(lv, m15);
+        const __m512i mag = _mm512_or_si512(_mm512_shuffle_epi8(k & 1 ? lut_hi : lut_lo, nib), dplus);
+        aq[k & 1] = _mm512_dpwssd_epi32(aq[k & 1], _mm512_maddubs_epi16(mag, _mm512_loadu_si512(o + 64 * k)), sc);
+        ar[k & 1] = _mm512_dpwssd_epi32(ar[k & 1], _mm512_maddubs_epi16(mag, _mm512_loadu_si512(o + 512 + 64 * k)), sc);
+    }
+    *sq = _mm512_sub_epi32(_mm512_add_epi32(aq[0], aq[1]), _mm512_madd_epi16(_mm512_loadu_si512(o + PERM8_PAIR), sc));
+    *sr = _mm512_sub_epi32(_mm512_add_epi32(ar[0], ar[1]), _mm512_madd_epi16(_mm512_loadu_si512(o + PERM8_PAIR + 64), sc));
+}
+
+/* acc += the pair of blocks b, b1 (b alone if NULL) against prepared pair o. */
+static inline __attribute__((always_inline)) __m512 iq1_s_perm_pair(__m512 acc, const uint8_t *o, const uint8_t *b,
+                                                                   const uint8_t *b1) {
+    __m512i lv0, lv1, dplus, sc, sq, sr;
+    iq1_s_perm_unpack(b, b1, &lv0, &lv1, &dplus, &sc);
+    iq1_s_perm_sums(o, lv0, lv1, dplus, sc, &sq, &sr);
+    return perm_scale(acc, o, sq, sr, rd_f16(b), b1 ? rd_f16(b1) : 0.0f);
+}
+
+static float dot2_iq1_s_perm(int64_t n, const uint8_t *w, const uint8_t *prep, const uint8_t *unused) {
+    (void)unused;
+    const int64_t nb = n / 256;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i += 2) {
+        const uint8_t *b = w + i * 50;
+        stream_prefetch(b, 100);
+        acc = iq1_s_perm_pair(acc, prep + i / 2 * PERM8S_PAIR, b, i + 1 < nb ? b + 50 : NULL);
+    }
+    return 0.125f * _mm512_reduce_add_ps(acc);
+}
+
+/* Two weight rows of an odd number of blocks, their last blocks in one pair: perm_dot_x2's scheme. */
+static void dot2x2_iq1_s_perm(int64_t n, const uint8_t *w, int64_t wrow, const uint8_t *prep, float y[2]) {
+    const int64_t nb = n / 256, last = nb - 1;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < last; i += 2) {
+        const uint8_t *b = w + i * 50, *o = prep + i / 2 * PERM8S_PAIR;
+        stream_prefetch(b, 100);
+        stream_prefetch(b + wrow, 100);
+        acc0 = iq1_s_perm_pair(acc0, o, b, b + 50);
+        acc1 = iq1_s_perm_pair(acc1, o, b + wrow, b + wrow + 50);
+    }
+    const uint8_t *b = w + last * 50, *o = prep + last / 2 * PERM8S_PAIR;
+    __m512i lv0, lv1, dplus, sc, sq, sr;
+    iq1_s_perm_unpack(b, b + wrow, &lv0, &lv1, &dplus, &sc);
+    iq1_s_perm_sums(o, lv0, lv1, dplus, sc, &sq, &sr);
+    x2_finish(acc0, acc1, o, sq, sr, rd_f16(b), rd_f16(b + wrow), y);
+}
+
+/* nr <= DOT2M_ROWS prepared rows against one weight row: each pair unpacked once for all rows, every
+ * row's arithmetic that of dot2_iq1_s_perm (bit for bit). */
+static void dot2m_iq1_s_perm(int64_t n, const uint8_t *w, const uint8_t *xq, const uint8_t *xr, const int64_t *xoff,
+                             int nr, float *y) {
+    (void)xr;
+    const int64_t nb = n / 256;
+    __m512 acc[DOT2M_ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nb; i += 2) {
+        const uint8_t *b = w + i * 50, *b1 = i + 1 < nb ? b + 50 : NULL;
+        stream_prefetch(b, 100);
+        __m512i lv0, lv1, dplus, sc;
+        iq1_s_perm_unpack(b, b1, &lv0, &lv1, &dplus, &sc);
+        const float d0 = rd_f16(b), d1 = b1 ? rd_f16(b1) : 0.0f;
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *o = xq + xoff[r] + i / 2 * PERM8S_PAIR;
+            __m512i sq, sr;
+            iq1_s_perm_sums(o, lv0, lv1, dplus, sc, &sq, &sr);
+            acc[r] = perm_scale(acc[r], o, sq, sr, d0, d1);
+        }
+    }
+    for (int r = 0; r < nr; r++) y[r] = 0.125f * _mm512_reduce_add_ps(acc[r]);
+}
+
 /* The permute kernels' two-row form for a row length with an odd number of blocks, or NULL. */
 typedef void (*dot2x2_fn)(int64_t n, const uint8_t *w, int64_t wrow, const uint8_t *prep, float y[2]);
 static dot2x2_fn dot2x2_of(dot2_fn dot2, int64_t cols) {
     if (!((cols / 256) & 1)) return NULL;
     return dot2 == dot2_iq2_xs_perm ? dot2x2_iq2_xs_perm : dot2 == dot2_iq2_xxs_perm ? dot2x2_iq2_xxs_perm
-         : dot2 == dot2_iq2_s_perm ? dot2x2_iq2_s_perm : NULL;
+         : dot2 == dot2_iq2_s_perm ? dot2x2_iq2_s_perm : dot2 == dot2_iq1_s_perm ? dot2x2_iq1_s_perm : NULL;
 }
 #endif
 
@@ -2173,6 +2332,9 @@ static dot2_fn fused2_512(int type, int64_t qblk, int64_t qsize) {
     if (type == 20 && qblk == 32 && qsize == 34) return dot2_iq4_nl;
     if (type == 2 && qblk == 32 && qsize == 34) return dot2_q4_0;
     if (type == 6 && qblk == 32 && qsize == 34) return dot2_q5_0;
+#if defined(HAVE_IQ2XS_PERM)
+    if (type == 19 && qblk == 256 && qsize == 292 && iq1s_levels_ok) return dot2_iq1_s_perm;
+#endif
     if (type == 19 && qblk == 256 && qsize == 292) return dot2_iq1_s;
     if (type == 29 && qblk == 256 && qsize == 292) return dot2_iq1_m;
 #if defined(HAVE_IQ2XS_PERM)
@@ -2375,6 +2537,7 @@ static dot2m_fn fused2m_of(dot2_fn dot2, int64_t B) {
     if (dot2 == dot2_iq3_xxs_perm) return dot2m_iq3_xxs_perm;
     if (dot2 == dot2_iq2_s_perm) return dot2m_iq2_s_perm;
     if (dot2 == dot2_iq3_s_perm) return dot2m_iq3_s_perm;
+    if (dot2 == dot2_iq1_s_perm) return dot2m_iq1_s_perm;
 #endif
 #if defined(HAVE_FUSED_256)
     int min_rows = 2;
@@ -2478,12 +2641,13 @@ static dot2_fn q8c_for(int type) {
 /* How kernel `dot2` (fused2_for's choice for `type`) wants its activations: 0 ggml's blocks as
  * they are, 1 q8_0_prep, 2 q4_1_prep (the AVX-512 kernels of q8_0 and q8_1 types), 3 prep16 (the
  * 256-bit kernels of the 32-value types, from x itself),
- * 4 q8k_prep (the AVX-512 Q4_K, Q5_K and Q6_K kernels), 6 perm8_prep (the permute kernels), 7 perm4_prep (IQ3_XXS's). Decided from the kernel itself, so a set
+ * 4 q8k_prep (the AVX-512 Q4_K, Q5_K and Q6_K kernels), 6 perm8_prep (the permute kernels), 7 perm4_prep (IQ3_XXS's), 8 perm8s_prep (IQ1_S's). Decided from the kernel itself, so a set
  * switched meanwhile cannot pair one with another's layout. */
 static int fused2_prep(int type, int64_t qblk, int64_t qsize, dot2_fn dot2) {
 #if defined(HAVE_IQ2XS_PERM)
     if (dot2 && (dot2 == dot2_iq2_xs_perm || dot2 == dot2_iq2_xxs_perm || dot2 == dot2_iq2_s_perm)) return 6;
     if (dot2 && (dot2 == dot2_iq3_xxs_perm || dot2 == dot2_iq3_s_perm)) return 7;
+    if (dot2 && dot2 == dot2_iq1_s_perm) return 8;
 #endif
     if (dot2 && (type == 12 || type == 13 || type == 14) && dot2 == fused2_512(type, qblk, qsize)) return 4;
     if (!dot2 || !(type == 3 || type == 7 || qsize == 34)) return 0;
@@ -2494,7 +2658,7 @@ static int64_t fused2_prep_bytes(int kind, int64_t cols) {
     return kind == 1 ? q8_0_prep_bytes(cols) : kind == 2 ? q4_1_prep_bytes(cols) : kind == 3 ? prep16_bytes(cols)
          : kind == 4 ? q8k_prep_bytes(cols) : kind == 5 ? q8c_prep_bytes(cols)
 #if defined(HAVE_IQ2XS_PERM)
-         : kind == 6 ? perm8_prep_bytes(cols) : kind == 7 ? perm4_prep_bytes(cols)
+         : kind == 6 ? perm8_prep_bytes(cols) : kind == 7 ? perm4_prep_bytes(cols) : kind == 8 ? perm8s_prep_bytes(cols)
 #endif
          : 0;
 }
@@ -2506,6 +2670,7 @@ static void fused2_prep_row(int kind, int64_t cols, const uint8_t *xq, const uin
 #if defined(HAVE_IQ2XS_PERM)
     else if (kind == 6) perm8_prep(cols, xq, xr, out);
     else if (kind == 7) perm4_prep(cols, xq, xr, out);
+    else if (kind == 8) perm8s_prep(cols, xq, xr, out);
 #endif
 }
 
@@ -2521,13 +2686,13 @@ int strata_fused_types(int type) { return fused2_of_type(type) != NULL; }
 /* Whether the kernel set in use has a multi-row kernel for `type` (and they are on). */
 int strata_multirow_types(int type) { return fused2m_of(fused2_of_type(type), DOT2M_ROWS) != NULL; }
 
-/* 1 where "q8x2" takes a byte-permute kernel for `type` (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): its
+/* 1 where "q8x2" takes a byte-permute kernel for `type` (IQ1_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): its
  * prompt crossover differs, and "q8c" keeps it. */
 int strata_perm_kernel(int type) {
 #if defined(HAVE_IQ2XS_PERM)
     const dot2_fn f = fused2_of_type(type);
     return f && (f == dot2_iq2_xs_perm || f == dot2_iq2_xxs_perm || f == dot2_iq3_xxs_perm || f == dot2_iq2_s_perm ||
-                 f == dot2_iq3_s_perm);
+                 f == dot2_iq3_s_perm || f == dot2_iq1_s_perm);
 #else
     (void)type;
     return 0;
@@ -2788,7 +2953,7 @@ typedef struct {
     int64_t cols, B;
     ggml_from_float_fn quant;
     int prep; /* fused2_prep's kinds: 0 blocks as they are, 1 q8_0_prep, 2 q4_1_prep, 3 prep16, 4 q8k_prep, 5 q8c_prep,
-               * 6 perm8_prep, 7 perm4_prep */
+               * 6 perm8_prep, 7 perm4_prep, 8 perm8s_prep */
     uint8_t *buf, *xq, *xr;
     int64_t xrow;
     float *unscale; /* per row, 1 / small_row_scale where ggml's two passes take f16-scaled blocks (else NULL) */
