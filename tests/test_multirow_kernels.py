@@ -18,7 +18,7 @@ needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels una
 
 # the types of the MoE releases and the bench files, then the rest of the one-pass kernels
 RELEASE_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ2_XS")
-OTHER_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ2_XXS", "IQ3_XXS", "IQ2_S", "IQ3_S", "IQ1_S", "IQ4_NL", "IQ4_XS", "MXFP4")
+OTHER_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ2_XXS", "IQ3_XXS", "IQ2_S", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS", "MXFP4")
 
 
 @pytest.fixture

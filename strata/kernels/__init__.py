@@ -30,7 +30,7 @@ batch is at most FAST_BATCH_MAX rows, else the reference runs. Activations (`set
   block's), from the best 256-bit kernel set on every CPU: llama.cpp's accuracy class (RMS error
   0.54-0.62x of its single pass on x with uneven channels) at ~0.8x "q8x2"'s kernel time (decode
   +18-20 % on the Q4_K_M and IQ2_XS bench files, 1 thread, AVX2 Zen 3). Other types as "q8x2", and
-  IQ1_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S too where the CPU has AVX-512 VBMI (their "q8x2"
+  IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S too where the CPU has AVX-512 VBMI (their "q8x2"
   permute kernels are faster).
 - "q8": one pass, as llama.cpp computes (relative error ~1e-2), 10-60 % less kernel time than
   "q8x2" (IQ2 types gain most); prompt batches take one bfloat16 product (AMX).
