@@ -2745,8 +2745,7 @@ int strata_fused_types(int type) { return fused2_of_type(type) != NULL; }
 int strata_multirow_types(int type) { return fused2m_of(fused2_of_type(type), DOT2M_ROWS) != NULL; }
 
 /* 1 where "q8x2" takes a byte-permute kernel for `type` (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
- * IQ3_S): its
- * prompt crossover differs, and "q8c" keeps it. */
+ * IQ3_S): its prompt crossover differs, and "q8c" keeps it. */
 int strata_perm_kernel(int type) {
 #if defined(HAVE_IQ2XS_PERM)
     const dot2_fn f = fused2_of_type(type);
