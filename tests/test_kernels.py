@@ -566,13 +566,13 @@ def _amd_avx512() -> bool:
             and "avx512_vnni" in fields.get("flags", "").split())
 
 
-def _iq2xs_perm() -> bool:
+def _permute_kernels() -> bool:
     """The AVX-512 set has its byte-permute IQ2_XS, IQ2_XXS and IQ3_XXS kernels (-march=native: VBMI, BITALG)."""
     return {"avx512vbmi", "avx512_bitalg"} <= set(_cpuinfo().get("flags", "").split())
 
 
 # qmm.c's prefer_256
-PREFER_256 = {"Q4_0", "Q4_1", "IQ4_NL"} | (set() if _iq2xs_perm() else {"IQ2_XS", "IQ2_XXS", "IQ3_XXS"})
+PREFER_256 = {"Q4_0", "Q4_1", "IQ4_NL"} | (set() if _permute_kernels() else {"IQ2_XS", "IQ2_XXS", "IQ3_XXS"})
 
 
 @needs_kernels

@@ -1,5 +1,5 @@
 /* The ggml block fields that qmm.c (decode products) and prefill.c (prompt products) both decode,
- * written once: f16 and e8m0 scales, the packed 6-bit scales of Q3_K and of Q4_K / Q5_K, IQ4_XS's
+ * written once: f16, e8m0 and IQ1_M's block scales, the packed 6-bit scales of Q3_K and of Q4_K / Q5_K, IQ4_XS's
  * sub-block scales, the 16-value tables of IQ4_NL and MXFP4, and the IQ codebooks.
  *
  * The codebooks are filled at load time from gguf-py (strata_init_tables / strata_init_tables_iq in
@@ -45,6 +45,13 @@ static inline float f16_to_f32(uint16_t h) {
 static inline float rd_f16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return f16_to_f32(h); }
 static inline uint16_t rd_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t rd_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+/* IQ1_M's block scale: an f16 in the top nibbles of its 4 scale words (b + 48). */
+static inline float iq1m_d(const uint8_t *b) {
+    uint16_t s[4];
+    memcpy(s, b + 48, 8);
+    return f16_to_f32((uint16_t)((s[0] >> 12) | ((s[1] >> 8) & 0x00F0) | ((s[2] >> 4) & 0x0F00) | (s[3] & 0xF000)));
+}
 
 /* MXFP4's e8m0 scale 2^(e - 127), halved (the E2M1 table below holds the values doubled). */
 static inline float e8m0_half(uint8_t e) {

@@ -516,7 +516,7 @@ PP_BODY(iq1_m) {
         const uint8_t *qs = b, *qh = b + 32;
         uint16_t sc[4];
         memcpy(sc, b + 48, 8);
-        const float d = f16_to_f32((uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000)));
+        const float d = iq1m_d(b);
         for (int j = 0; j < 16; j++) { /* 16 values: entries 2 j and 2 j + 1, nibbles of qh[j] */
             const float dl = d * (float)(2 * ((sc[j / 4] >> (3 * (j % 4))) & 7) + 1);
             const int lo = qh[j] & 0xF, hi = qh[j] >> 4;

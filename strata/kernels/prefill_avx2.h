@@ -356,7 +356,7 @@ PV_INLINE void ker12x8(const float *w, int64_t ws, const float *xt, int64_t kn, 
 /* ker6x16's tile in 512-bit registers, 12 weight rows x 16 lanes (each weight an embedded broadcast
  * into its FMA): each lane's FMAs in ker6x16's order, so the same bits. Twice the FMA width where
  * the cores have full 512-bit units (Zen 5: bench_kernels --prompt-avx2, 512 rows of 768x2048 at one
- * thread 13.4 -> 7.4 ms). */
+ * thread 13.4 -> 8.1 ms). */
 PV_INLINE void ker12x16(const float *w, int64_t ws, const float *xt, int64_t kn, float *c, int first) {
     __m512 a[12];
     for (int i = 0; i < 12; i++) a[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + 16 * i);

@@ -32,46 +32,35 @@ uint8_t GRID_IQ3_XXS[256][4];
 float KSIGNS[128][8] __attribute__((aligned(32)));
 int16_t KSIGNS16[128][8] __attribute__((aligned(16))); /* +-1 as int16, for the int16 kernels */
 
-/* GRID_IQ2_XS and GRID_IQ2_XXS as levels: byte i of half h holds entry i's values 4h..4h+3 as 2 bits
- * each (0, 1, 2 for 8, 25, 43), so that 64 entries come out of a few byte permutes per half (the
- * permute kernels, dot2_iq2_xs_perm); levels_ok is 0 if a grid held anything else, and those
- * kernels are then not used. */
+/* The grids of the IQ types as levels for the permute kernels (dot2_iq2_xs_perm): each value is its
+ * index in the type's few magnitudes (2 bits: IQ2's 8, 25, 43 and IQ1's -1, 0, 1; 3 bits: IQ3's
+ * eight), and byte i of half h holds entry i's values of that half (4 of 8, or 2 of 4), so that 64
+ * entries come out of a few byte permutes per half. A *_ok flag is 0 if a grid held any other value,
+ * and that type's permute kernel is then not used. */
 static uint8_t IQ2XS_LEVELS[2][512] __attribute__((aligned(64)));
 static uint8_t IQ2XXS_LEVELS[2][256] __attribute__((aligned(64)));
-static uint8_t IQ2S_LEVELS[2][1024] __attribute__((aligned(64))); /* GRID_IQ2_S's, iq2s_levels_ok */
-static uint8_t IQ1S_LEVELS[2][2048] __attribute__((aligned(64))); /* GRID_IQ1_S's grid + 1, iq1s_levels_ok */
-static int levels_ok, iq2s_levels_ok, iq1s_levels_ok;
-
-/* GRID_IQ3_XXS (256 x 4 of 4, 12, .., 52, 62) as 3-bit levels: byte i of half h holds entry i's
- * values 2h (bits 0-2) and 2h + 1 (bits 3-5); iq3_levels_ok as levels_ok. */
+static uint8_t IQ2S_LEVELS[2][1024] __attribute__((aligned(64)));
+static uint8_t IQ1S_LEVELS[2][2048] __attribute__((aligned(64))); /* IQ1_S's grid, also IQ1_M's */
 static uint8_t IQ3XXS_LEVELS[2][256] __attribute__((aligned(64)));
-static uint8_t IQ3S_LEVELS[2][512] __attribute__((aligned(64))); /* GRID_IQ3_S's (1, 3, .., 15) */
-static int iq3_levels_ok, iq3s_levels_ok;
+static uint8_t IQ3S_LEVELS[2][512] __attribute__((aligned(64)));
+static int iq2xs_ok, iq2xxs_ok, iq2s_ok, iq1s_ok, iq3xxs_ok, iq3s_ok;
 
-static int grid_levels3(const uint8_t *grid, int entries, const uint8_t mag[8], uint8_t *levels) {
+/* grid: `entries` x `per` values (per 8: 2-bit levels, per 4: 3-bit), each one of mag[0..nmag). */
+static int grid_levels(const uint8_t *grid, int entries, int per, const uint8_t *mag, int nmag, uint8_t *levels) {
+    const int bits = per == 8 ? 2 : 3, half = per / 2;
     memset(levels, 0, (size_t)(2 * entries));
     int ok = 1;
     for (int i = 0; i < entries; i++)
-        for (int k = 0; k < 4; k++) {
+        for (int k = 0; k < per; k++) {
             int l = 0;
-            while (l < 8 && mag[l] != grid[4 * i + k]) l++;
-            ok &= l < 8;
-            levels[(k / 2) * entries + i] |= (uint8_t)((l & 7) << (3 * (k % 2)));
+            while (l < nmag && mag[l] != grid[per * i + k]) l++;
+            ok &= l < nmag;
+            levels[(k / half) * entries + i] |= (uint8_t)(l << (bits * (k % half)));
         }
     return ok;
 }
 
-static int grid_levels(const uint8_t *grid, int entries, uint8_t *levels) {
-    memset(levels, 0, (size_t)(2 * entries));
-    int ok = 1;
-    for (int i = 0; i < entries; i++)
-        for (int k = 0; k < 8; k++) {
-            const uint8_t g = grid[8 * i + k];
-            ok &= g == 8 || g == 25 || g == 43;
-            levels[(k / 4) * entries + i] |= (uint8_t)(((g > 8) + (g > 25)) << (2 * (k % 4)));
-        }
-    return ok;
-}
+static const uint8_t IQ2_MAG[3] = {8, 25, 43};
 
 /* The codebooks come from gguf-py at load time, so they are the reference decoder's own. */
 void strata_init_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8_t *iq3xxs,
@@ -79,10 +68,10 @@ void strata_init_tables(const uint8_t *iq2xxs, const uint8_t *iq2xs, const uint8
     memcpy(GRID_IQ2_XXS, iq2xxs, sizeof GRID_IQ2_XXS);
     memcpy(GRID_IQ2_XS, iq2xs, sizeof GRID_IQ2_XS);
     memcpy(GRID_IQ3_XXS, iq3xxs, sizeof GRID_IQ3_XXS);
-    levels_ok = grid_levels(&GRID_IQ2_XS[0][0], 512, &IQ2XS_LEVELS[0][0]) &
-                grid_levels(&GRID_IQ2_XXS[0][0], 256, &IQ2XXS_LEVELS[0][0]);
     static const uint8_t iq3xxs_mag[8] = {4, 12, 20, 28, 36, 44, 52, 62};
-    iq3_levels_ok = grid_levels3(&GRID_IQ3_XXS[0][0], 256, iq3xxs_mag, &IQ3XXS_LEVELS[0][0]);
+    iq2xs_ok = grid_levels(&GRID_IQ2_XS[0][0], 512, 8, IQ2_MAG, 3, &IQ2XS_LEVELS[0][0]);
+    iq2xxs_ok = grid_levels(&GRID_IQ2_XXS[0][0], 256, 8, IQ2_MAG, 3, &IQ2XXS_LEVELS[0][0]);
+    iq3xxs_ok = grid_levels(&GRID_IQ3_XXS[0][0], 256, 4, iq3xxs_mag, 8, &IQ3XXS_LEVELS[0][0]);
     for (int i = 0; i < 128; i++)
         for (int j = 0; j < 8; j++) {
             KSIGNS[i][j] = (ksigns[i] >> j) & 1 ? -1.0f : 1.0f;
@@ -103,17 +92,11 @@ void strata_init_tables_iq(const int8_t *iq1s, const uint8_t *iq2s, const uint8_
     memcpy(GRID_IQ2_S, iq2s, sizeof GRID_IQ2_S);
     memcpy(GRID_IQ3_S, iq3s, sizeof GRID_IQ3_S);
     for (int i = 0; i < 128; i++) KSIGNS8[i] = (uint8_t)(i | (__builtin_parity((unsigned)i) << 7));
-    iq2s_levels_ok = grid_levels(&GRID_IQ2_S[0][0], 1024, &IQ2S_LEVELS[0][0]);
-    iq1s_levels_ok = 1;
-    memset(IQ1S_LEVELS, 0, sizeof IQ1S_LEVELS);
-    for (int i = 0; i < 2048; i++)
-        for (int k = 0; k < 8; k++) {
-            const int g = iq1s[8 * i + k];
-            iq1s_levels_ok &= g >= -1 && g <= 1;
-            IQ1S_LEVELS[k / 4][i] |= (uint8_t)(((g + 1) & 3) << (2 * (k % 4)));
-        }
+    static const uint8_t iq1s_mag[3] = {0xFF, 0, 1}; /* -1, 0, 1 as bytes: level g + 1 */
     static const uint8_t iq3s_mag[8] = {1, 3, 5, 7, 9, 11, 13, 15};
-    iq3s_levels_ok = grid_levels3(&GRID_IQ3_S[0][0], 512, iq3s_mag, &IQ3S_LEVELS[0][0]);
+    iq2s_ok = grid_levels(&GRID_IQ2_S[0][0], 1024, 8, IQ2_MAG, 3, &IQ2S_LEVELS[0][0]);
+    iq1s_ok = grid_levels((const uint8_t *)iq1s, 2048, 8, iq1s_mag, 3, &IQ1S_LEVELS[0][0]);
+    iq3s_ok = grid_levels(&GRID_IQ3_S[0][0], 512, 4, iq3s_mag, 8, &IQ3S_LEVELS[0][0]);
 }
 
 /* ------------------------------------------------------------------ vectors
@@ -1238,8 +1221,8 @@ static float dot2_iq2_xs(int64_t n, const uint8_t *w, const uint8_t *xq, const u
 }
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
-#define HAVE_IQ2XS_PERM 1
-/* IQ2_XS and IQ2_XXS by byte permutes (AVX-512 VBMI): two blocks' 64 grid indices go through
+#define HAVE_PERM 1
+/* The grid types by byte permutes (AVX-512 VBMI; the table PERM below lists them). IQ2_XS and IQ2_XXS: two blocks' 64 grid indices go through
  * vpermi2b over the grid as 2-bit levels (IQ2XS_LEVELS: 4 x 128 entries a half, bits 7 and 8 of
  * the index pick among them; IQ2XXS_LEVELS: 2 x 128), and vpshufb turns each value's level into its
  * magnitude. The k-th value of every index comes out in one register, so x is laid out the same
@@ -1247,27 +1230,30 @@ static float dot2_iq2_xs(int64_t n, const uint8_t *w, const uint8_t *xq, const u
  * k = 0..7, for x's 8-bit value and then its residual, then the 4 block scales. vpmaddubsw sums the
  * two indices of a 16-value sub-block (within 2 * 43 * 127), vpdpwssd scales each sub-block by
  * 2s + 1; the integer sums are those of dot2_iq2_xs / dot2_iq2_xxs and ggml. On Zen 5,
- * bench_kernels ms per 768x2048 / 2048x768 product at one thread (x's quantization included):
- * IQ2_XS 0.044 / 0.053, against 0.080 / 0.085 for the gather-free 256-bit kernel that was the
- * faster one there (dot2x2_perm takes the 768-value rows: 0.065 without it); IQ2_XXS 0.045 /
- * 0.049 against 0.119 / 0.128; IQ2_S 0.048 / 0.062 against 0.107 / 0.110 (the AVX-512 gather kernel). */
+ * `bench_kernels --threads 1 --batch 1`, ms per 768x2048 / 2048x768 product (x's quantization
+ * included), against the kernels this CPU took before (the 256-bit ones for IQ2_XS and IQ2_XXS, the
+ * AVX-512 gather one for IQ2_S): IQ2_XS 0.046 / 0.057 against 0.081 / 0.081 (perm_dot_x2 takes
+ * the 768-value rows: 0.065 without it), IQ2_XXS 0.045 / 0.049 against 0.110 / 0.120, IQ2_S
+ * 0.049 / 0.063 against 0.105 / 0.110. */
 enum { PERM8_PAIR = 1040 }; /* prepared bytes per pair of blocks: 2 x 8 x 64 values, 4 floats */
 
 static int64_t perm8_prep_bytes(int64_t n) { return (n / 256 + 1) / 2 * PERM8_PAIR; }
 
-static void perm8_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) {
+/* Within 64 bytes (8 indices x 8 values), value k of each index to bytes 8k..8k+7. */
+static const uint8_t BY_VALUE8[64] __attribute__((aligned(64))) = {
+    0, 8, 16, 24, 32, 40, 48, 56, 1, 9, 17, 25, 33, 41, 49, 57, 2, 10, 18, 26, 34, 42, 50, 58, 3, 11, 19, 27, 35, 43, 51, 59,
+    4, 12, 20, 28, 36, 44, 52, 60, 5, 13, 21, 29, 37, 45, 53, 61, 6, 14, 22, 30, 38, 46, 54, 62, 7, 15, 23, 31, 39, 47, 55, 63};
+
+/* The pairs `stride` bytes apart (PERM8_PAIR, or more where a kernel keeps more after them). */
+static void perm8_prep_strided(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out, const int64_t stride) {
     const int64_t nb = n / 256;
-    /* within 64 bytes (8 indices x 8 values), value k of each index to bytes 8k..8k+7 */
-    uint8_t perm[64];
-    for (int k = 0; k < 8; k++)
-        for (int j = 0; j < 8; j++) perm[8 * k + j] = (uint8_t)(8 * j + k);
-    const __m512i p = _mm512_loadu_si512(perm);
-    memset(out, 0, (size_t)perm8_prep_bytes(n));
+    const __m512i p = _mm512_load_si512(BY_VALUE8);
+    memset(out, 0, (size_t)((nb + 1) / 2 * stride));
     /* an odd last block goes into both halves of its pair: dot2x2_perm puts two weight rows' last
      * blocks in one pair (the one-row kernel's second block is then all zero) */
     for (int64_t j = 0; j < nb + (nb & 1); j++) {
         const int64_t i = j < nb ? j : nb - 1;
-        uint8_t *o = out + j / 2 * PERM8_PAIR;
+        uint8_t *o = out + j / 2 * stride;
         const int h = (int)(j & 1);
         for (int pass = 0; pass < 2; pass++) {
             const uint8_t *x = (pass ? xr : xq) + i * 292;
@@ -1279,6 +1265,10 @@ static void perm8_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t 
             }
         }
     }
+}
+
+static void perm8_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) {
+    perm8_prep_strided(n, xq, xr, out, PERM8_PAIR);
 }
 
 /* Each byte's 7 sign bits with their parity as bit 7 (ksigns_iq2xs). */
@@ -1295,13 +1285,18 @@ static inline __attribute__((always_inline)) __m512i nibble_scales(const long lo
     return _mm512_add_epi16(_mm512_add_epi16(s, s), _mm512_set1_epi16(1));
 }
 
-/* Entries idx (bits 0-6, and bits 7, 8 as m7, m8) of a 512-entry half of a levels table. */
-static inline __attribute__((always_inline)) __m512i levels512(const uint8_t *levels, const __m512i idx, const __mmask64 m7,
-                                                              const __mmask64 m8) {
+/* Entries of one half of a levels table (128 << (1 + nhigh) of them) for 64 indices: idx holds
+ * their bits 0-7 (vpermi2b takes bits 0-6, bit 7 picks between table pairs), high[j] their bit 8 + j. */
+static inline __attribute__((always_inline)) __m512i levels_lookup(const uint8_t *levels, const __m512i idx,
+                                                                  const __mmask64 *high, const int nhigh) {
     const __m512i *t = (const __m512i *)levels;
-    const __m512i t0 = _mm512_permutex2var_epi8(t[0], idx, t[1]), t1 = _mm512_permutex2var_epi8(t[2], idx, t[3]);
-    const __m512i t2 = _mm512_permutex2var_epi8(t[4], idx, t[5]), t3 = _mm512_permutex2var_epi8(t[6], idx, t[7]);
-    return _mm512_mask_blend_epi8(m8, _mm512_mask_blend_epi8(m7, t0, t1), _mm512_mask_blend_epi8(m7, t2, t3));
+    __m512i p[16];
+    for (int j = 0; j < 2 << nhigh; j++) p[j] = _mm512_permutex2var_epi8(t[2 * j], idx, t[2 * j + 1]);
+    const __mmask64 m7 = _mm512_movepi8_mask(idx);
+    for (int j = 0; j < 1 << nhigh; j++) p[j] = _mm512_mask_blend_epi8(m7, p[2 * j], p[2 * j + 1]);
+    for (int b = 0; b < nhigh; b++)
+        for (int j = 0; j < 1 << (nhigh - 1 - b); j++) p[j] = _mm512_mask_blend_epi8(high[b], p[2 * j], p[2 * j + 1]);
+    return p[0];
 }
 
 /* IQ2_XS ({f16 d; u16 qs[32]; u8 scales[8]}), the pair of blocks b, b1 (b alone if b1 is NULL):
@@ -1313,15 +1308,14 @@ static inline __attribute__((always_inline)) void iq2_xs_perm_unpack(const uint8
     const __m512i q0 = _mm512_loadu_si512(b + 2), q1 = b1 ? _mm512_loadu_si512(b1 + 2) : zero;
     const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(q0)), _mm512_cvtepi16_epi8(q1), 1);
     const __mmask64 m8 = _mm512_kunpackd(_mm512_test_epi16_mask(q1, bit8), _mm512_test_epi16_mask(q0, bit8));
-    const __mmask64 m7 = _mm512_movepi8_mask(idx);
     const __m512i s0 = _mm512_srli_epi16(q0, 9), s1 = _mm512_srli_epi16(q1, 9);
     *sgn = signs8(_mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(s0)), _mm512_cvtepi16_epi8(s1), 1));
     long long c0, c1 = 0;
     memcpy(&c0, b + 66, 8);
     if (b1) memcpy(&c1, b1 + 66, 8);
     *sc = nibble_scales(c0, c1);
-    *lv0 = levels512(IQ2XS_LEVELS[0], idx, m7, m8);
-    *lv1 = levels512(IQ2XS_LEVELS[1], idx, m7, m8);
+    *lv0 = levels_lookup(IQ2XS_LEVELS[0], idx, &m8, 1);
+    *lv1 = levels_lookup(IQ2XS_LEVELS[1], idx, &m8, 1);
 }
 
 /* Index i of a pair of IQ2_XXS blocks: byte i % 4 of group i / 4 (64 + : the second block's). */
@@ -1348,10 +1342,8 @@ static inline __attribute__((always_inline)) void iq2_xxs_perm_unpack(const uint
     *sgn = signs8(_mm512_and_si512(_mm512_permutex2var_epi8(f0, pk, f1), _mm512_set1_epi8(127)));
     const __m512i s = _mm512_and_si512(_mm512_permutex2var_epi8(f0, sp, f1), _mm512_set1_epi16(15));
     *sc = _mm512_add_epi16(_mm512_add_epi16(s, s), _mm512_set1_epi16(1));
-    const __mmask64 m7 = _mm512_movepi8_mask(idx);
-    const __m512i *t = (const __m512i *)IQ2XXS_LEVELS;
-    *lv0 = _mm512_mask_blend_epi8(m7, _mm512_permutex2var_epi8(t[0], idx, t[1]), _mm512_permutex2var_epi8(t[2], idx, t[3]));
-    *lv1 = _mm512_mask_blend_epi8(m7, _mm512_permutex2var_epi8(t[4], idx, t[5]), _mm512_permutex2var_epi8(t[6], idx, t[7]));
+    *lv0 = levels_lookup(IQ2XXS_LEVELS[0], idx, NULL, 0);
+    *lv1 = levels_lookup(IQ2XXS_LEVELS[1], idx, NULL, 0);
 }
 
 /* IQ2_S ({f16 d; u8 qs[32]; u8 signs[32]; u8 qh[8]; u8 scales[8]}, 10-bit indices into the
@@ -1375,36 +1367,34 @@ static inline __attribute__((always_inline)) void iq2_s_perm_unpack(const uint8_
     /* qh byte g holds indices 4g..4g+3's bits 8-9 (2 bits each): qword q gets bytes 2q, 2q + 1 */
     const __m512i u = _mm512_cvtepu16_epi64(_mm_set_epi64x(h1, h0));
     const __m512i hb = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x0E0C0A0806040200ll), u);
-    const __mmask64 m7 = _mm512_movepi8_mask(idx), m8 = _mm512_test_epi8_mask(hb, _mm512_set1_epi8(1)),
-                    m9 = _mm512_test_epi8_mask(hb, _mm512_set1_epi8(2));
-    const __m512i *t = (const __m512i *)IQ2S_LEVELS;
-    for (int h = 0; h < 2; h++, t += 16) {
-        __m512i p[8];
-        for (int j = 0; j < 8; j++) p[j] = _mm512_permutex2var_epi8(t[2 * j], idx, t[2 * j + 1]);
-        const __m512i a0 = _mm512_mask_blend_epi8(m8, _mm512_mask_blend_epi8(m7, p[0], p[1]), _mm512_mask_blend_epi8(m7, p[2], p[3]));
-        const __m512i a1 = _mm512_mask_blend_epi8(m8, _mm512_mask_blend_epi8(m7, p[4], p[5]), _mm512_mask_blend_epi8(m7, p[6], p[7]));
-        const __m512i lv = _mm512_mask_blend_epi8(m9, a0, a1);
-        if (h) *lv1 = lv;
-        else *lv0 = lv;
-    }
+    const __mmask64 high[2] = {_mm512_test_epi8_mask(hb, _mm512_set1_epi8(1)), _mm512_test_epi8_mask(hb, _mm512_set1_epi8(2))};
+    *lv0 = levels_lookup(IQ2S_LEVELS[0], idx, high, 2);
+    *lv1 = levels_lookup(IQ2S_LEVELS[1], idx, high, 2);
 }
 
 typedef void (*perm_unpack_fn)(const uint8_t *b, const uint8_t *b1, __m512i *lv0, __m512i *lv1, __m512i *sgn,
                                __m512i *sc);
 
+/* Value k's magnitudes from 2-bit levels: its 2 bits of lv0 (k < 4) or lv1, through vpshufb of the
+ * nibble that holds them (lut_lo: the low 2 bits' magnitude, lut_hi: the high 2 bits'). */
+static inline __attribute__((always_inline)) __m512i level2_mag(const __m512i lv0, const __m512i lv1, const int k,
+                                                               const __m512i lut_lo, const __m512i lut_hi) {
+    const __m512i m15 = _mm512_set1_epi8(15), lv = k < 4 ? lv0 : lv1;
+    const __m512i nib = k & 2 ? _mm512_and_si512(_mm512_srli_epi16(lv, 4), m15) : _mm512_and_si512(lv, m15);
+    return _mm512_shuffle_epi8(k & 1 ? lut_hi : lut_lo, nib);
+}
+#define IQ2_LUT_LO _mm512_broadcast_i32x4(_mm_setr_epi8(8, 25, 43, 0, 8, 25, 43, 0, 8, 25, 43, 0, 8, 25, 43, 0))
+#define IQ2_LUT_HI _mm512_broadcast_i32x4(_mm_setr_epi8(8, 8, 8, 8, 25, 25, 25, 25, 43, 43, 43, 43, 0, 0, 0, 0))
+
 /* One prepared pair o against an unpacked pair: the integer sums of x's value (*sq) and residual
- * (*sr), 8 lanes per block. Value k's magnitudes: its 2 bits of lv0 (k < 4) or lv1, through vpshufb. */
+ * (*sr), 8 lanes per block. */
 static inline __attribute__((always_inline)) void perm_sums(const uint8_t *o, const __m512i lv0, const __m512i lv1,
                                                            const __m512i sgn, const __m512i sc, __m512i *sq, __m512i *sr) {
-    const __m512i zero = _mm512_setzero_si512(), m15 = _mm512_set1_epi8(15);
-    const __m512i lut_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(8, 25, 43, 0, 8, 25, 43, 0, 8, 25, 43, 0, 8, 25, 43, 0));
-    const __m512i lut_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(8, 8, 8, 8, 25, 25, 25, 25, 43, 43, 43, 43, 0, 0, 0, 0));
+    const __m512i zero = _mm512_setzero_si512(), lut_lo = IQ2_LUT_LO, lut_hi = IQ2_LUT_HI;
     __m512i aq[2] = {zero, zero}, ar[2] = {zero, zero}; /* two chains each: vpdpwssd's latency */
     #pragma GCC unroll 8
     for (int k = 0; k < 8; k++) {
-        const __m512i lv = k < 4 ? lv0 : lv1;
-        const __m512i nib = k & 2 ? _mm512_and_si512(_mm512_srli_epi16(lv, 4), m15) : _mm512_and_si512(lv, m15);
-        const __m512i mag = _mm512_shuffle_epi8(k & 1 ? lut_hi : lut_lo, nib);
+        const __m512i mag = level2_mag(lv0, lv1, k, lut_lo, lut_hi);
         const __mmask64 neg = _mm512_test_epi8_mask(sgn, _mm512_set1_epi8((char)(1 << k)));
         const __m512i vq = _mm512_loadu_si512(o + 64 * k), vr = _mm512_loadu_si512(o + 512 + 64 * k);
         aq[k & 1] = _mm512_dpwssd_epi32(aq[k & 1], _mm512_maddubs_epi16(mag, _mm512_mask_sub_epi8(vq, neg, zero, vq)), sc);
@@ -1489,9 +1479,7 @@ static inline __attribute__((always_inline)) void perm_dot_rows(int64_t n, const
                                                                const perm_unpack_fn unpack) {
     enum { GROUP = 8 };
     const int64_t nb = n / 256;
-    const __m512i zero = _mm512_setzero_si512(), m15 = _mm512_set1_epi8(15);
-    const __m512i lut_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(8, 25, 43, 0, 8, 25, 43, 0, 8, 25, 43, 0, 8, 25, 43, 0));
-    const __m512i lut_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(8, 8, 8, 8, 25, 25, 25, 25, 43, 43, 43, 43, 0, 0, 0, 0));
+    const __m512i zero = _mm512_setzero_si512(), lut_lo = IQ2_LUT_LO, lut_hi = IQ2_LUT_HI;
     for (int r0 = 0; r0 < nr; r0 += GROUP) {
         const int g = nr - r0 < GROUP ? nr - r0 : GROUP;
         __m512 acc[GROUP];
@@ -1504,9 +1492,7 @@ static inline __attribute__((always_inline)) void perm_dot_rows(int64_t n, const
             unpack(b, b1, &lv0, &lv1, &sgn, &sc);
             #pragma GCC unroll 8
             for (int k = 0; k < 8; k++) { /* as perm_sums */
-                const __m512i lv = k < 4 ? lv0 : lv1;
-                const __m512i nib = k & 2 ? _mm512_and_si512(_mm512_srli_epi16(lv, 4), m15) : _mm512_and_si512(lv, m15);
-                mag[k] = _mm512_shuffle_epi8(k & 1 ? lut_hi : lut_lo, nib);
+                mag[k] = level2_mag(lv0, lv1, k, lut_lo, lut_hi);
                 neg[k] = _mm512_test_epi8_mask(sgn, _mm512_set1_epi8((char)(1 << k)));
             }
             const float d0 = rd_f16(b), d1 = b1 ? rd_f16(b1) : 0.0f;
@@ -1558,17 +1544,19 @@ PERM_KERNELS(iq2_s, 82, perm)
  * (4 .. 62), x laid out by value position once per product (perm4_prep: per block x's value k of
  * each index, k = 0..3, value then residual, then the 2 scales). A 7-bit sign field covers two
  * indices (8 values; its parity the 8th), a scale 2s + 1 eight. vpmaddubsw's pair sums (one field's
- * 8 values) are within 2 * 62 * 127. On Zen 5, bench_kernels, 768x2048 / 2048x768 at one thread:
- * 0.052 / 0.057 ms, against 0.151 / 0.161 for the 256-bit kernel that was the faster one there. */
+ * 8 values) are within 2 * 62 * 127. On Zen 5, as above: 0.050 / 0.055 ms against 0.145 / 0.153
+ * (the 256-bit kernel). */
 enum { PERM4_BLOCK = 520 }; /* prepared bytes per block: 2 x 4 x 64 values, 2 floats */
 
 static int64_t perm4_prep_bytes(int64_t n) { return n / 256 * PERM4_BLOCK; }
 
+/* Within 64 bytes (16 indices x 4 values), value k of each index to bytes 16k..16k+15. */
+static const uint8_t BY_VALUE4[64] __attribute__((aligned(64))) = {
+    0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61,
+    2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63};
+
 static void perm4_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) {
-    uint8_t perm[64]; /* within 64 bytes (16 indices x 4 values), value k of each index to bytes 16k.. */
-    for (int k = 0; k < 4; k++)
-        for (int j = 0; j < 16; j++) perm[16 * k + j] = (uint8_t)(4 * j + k);
-    const __m512i p = _mm512_loadu_si512(perm);
+    const __m512i p = _mm512_load_si512(BY_VALUE4);
     for (int64_t i = 0; i < n / 256; i++) {
         uint8_t *o = out + i * PERM4_BLOCK;
         for (int pass = 0; pass < 2; pass++) {
@@ -1588,10 +1576,8 @@ static void perm4_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t 
 static inline __attribute__((always_inline)) void iq3_xxs_perm_unpack(const uint8_t *b, __m512i *lv0, __m512i *lv1,
                                                                     __m512i *sgn, __m512i *sc) {
     const __m512i idx = _mm512_loadu_si512(b + 2);
-    const __mmask64 m7 = _mm512_movepi8_mask(idx);
-    const __m512i *t = (const __m512i *)IQ3XXS_LEVELS;
-    *lv0 = _mm512_mask_blend_epi8(m7, _mm512_permutex2var_epi8(t[0], idx, t[1]), _mm512_permutex2var_epi8(t[2], idx, t[3]));
-    *lv1 = _mm512_mask_blend_epi8(m7, _mm512_permutex2var_epi8(t[4], idx, t[5]), _mm512_permutex2var_epi8(t[6], idx, t[7]));
+    *lv0 = levels_lookup(IQ3XXS_LEVELS[0], idx, NULL, 0);
+    *lv1 = levels_lookup(IQ3XXS_LEVELS[1], idx, NULL, 0);
     /* u32 j (indices 8j..8j+7) into qword j: lanes 8j + t take its field t / 2 (bits 7 (t / 2)), the
      * words its scale (bits 28-31) */
     const __m512i u = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(b + 66)));
@@ -1693,7 +1679,7 @@ static inline __attribute__((always_inline)) void perm4_dot_rows(int64_t n, cons
 PERM4_KERNELS(iq3_xxs, 98, IQ3XXS_LUT, 0.25f)
 
 /* Lane i takes sign byte i / 2; word m the scale of group m / 4 (as 16-bit lanes). */
-static const uint8_t IQ3S_DUP[64] __attribute__((aligned(64))) = {
+static const uint8_t BYTE_TO_LANE_PAIR[64] __attribute__((aligned(64))) = {
     0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15,
     16, 16, 17, 17, 18, 18, 19, 19, 20, 20, 21, 21, 22, 22, 23, 23, 24, 24, 25, 25, 26, 26, 27, 27, 28, 28, 29, 29, 30, 30, 31, 31};
 static const uint16_t IQ3S_SCALE_WORDS[32] __attribute__((aligned(64))) = {
@@ -1702,17 +1688,17 @@ static const uint16_t IQ3S_SCALE_WORDS[32] __attribute__((aligned(64))) = {
 /* IQ3_S ({f16 d; u8 qs[64]; u8 qh[8]; u8 signs[32]; u8 scales[4]}, 9-bit indices into the 512 x 4
  * grid of 1, 3, .., 15): as IQ3_XXS, 4 permutes a half (bit 8 of index i is bit i of qh), the sign
  * bytes as they are (a byte: two indices), scales 2s + 1 per 32 values and no common factor. Zen 5,
- * 768x2048 / 2048x768 at one thread: 0.053 / 0.057 ms against 0.146 / 0.148 (the gather kernel). */
+ * as for IQ2_XS: 0.052 / 0.057 ms against 0.148 / 0.150 (the gather kernel). */
 static inline __attribute__((always_inline)) void iq3_s_perm_unpack(const uint8_t *b, __m512i *lv0, __m512i *lv1,
                                                                   __m512i *sgn, __m512i *sc) {
     const __m512i idx = _mm512_loadu_si512(b + 2);
     uint64_t qh;
     memcpy(&qh, b + 66, 8);
-    const __mmask64 m7 = _mm512_movepi8_mask(idx), m8 = (__mmask64)qh;
-    *lv0 = levels512(IQ3S_LEVELS[0], idx, m7, m8);
-    *lv1 = levels512(IQ3S_LEVELS[1], idx, m7, m8);
+    const __mmask64 m8 = (__mmask64)qh;
+    *lv0 = levels_lookup(IQ3S_LEVELS[0], idx, &m8, 1);
+    *lv1 = levels_lookup(IQ3S_LEVELS[1], idx, &m8, 1);
     /* sign byte m to lanes 2m, 2m + 1; the odd one takes its high nibble */
-    const __m512i dup = _mm512_permutexvar_epi8(_mm512_load_si512(IQ3S_DUP), _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 74))));
+    const __m512i dup = _mm512_permutexvar_epi8(_mm512_load_si512(BYTE_TO_LANE_PAIR), _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 74))));
     *sgn = _mm512_mask_blend_epi8((__mmask64)0xAAAAAAAAAAAAAAAAull, dup, _mm512_srli_epi16(dup, 4));
     /* group g's scale (nibble g of scales) to words 4g..4g+3 */
     uint32_t c;
@@ -1730,17 +1716,15 @@ PERM4_KERNELS(iq3_s, 110, IQ3S_LUT, 1.0f)
  * among them), the grid as g + 1 in 2 bits. Each weight times 8 is 8g + shift (as dot2_iq1_s), taken
  * as the unsigned 8 (g + 1) + (shift + 1) in 0..18 against x, less 9 times x's sum over each 16 values
  * (q8_K's bsums, 9 * 16 * 127 within int16: perm8s_prep keeps them after the values). Zen 5,
- * 768x2048 / 2048x768 at one thread: 0.073 / 0.090 ms against 0.118 / 0.122 (the gather kernel). */
+ * as for IQ2_XS: 0.072 / 0.094 ms against 0.117 / 0.125 (the gather kernel). */
 enum { PERM8S_PAIR = PERM8_PAIR + 128 }; /* perm8_prep's pair, then 9 x the 16-value sums: 32 words a pass */
 
 static int64_t perm8s_prep_bytes(int64_t n) { return (n / 256 + 1) / 2 * PERM8S_PAIR; }
 
 static void perm8s_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t *out) {
     const int64_t nb = n / 256, np = (nb + 1) / 2;
-    uint8_t *tmp = out + np * (PERM8S_PAIR - PERM8_PAIR); /* perm8_prep's rows, then moved to their pairs */
-    perm8_prep(n, xq, xr, tmp);
+    perm8_prep_strided(n, xq, xr, out, PERM8S_PAIR);
     for (int64_t p = 0; p < np; p++) {
-        memmove(out + p * PERM8S_PAIR, tmp + p * PERM8_PAIR, PERM8_PAIR);
         int16_t sums[64];
         for (int pass = 0; pass < 2; pass++)
             for (int m = 0; m < 32; m++) {
@@ -1752,18 +1736,6 @@ static void perm8s_prep(int64_t n, const uint8_t *xq, const uint8_t *xr, uint8_t
             }
         memcpy(out + p * PERM8S_PAIR + PERM8_PAIR, sums, sizeof sums);
     }
-}
-
-/* Entries idx of a 2048-entry half of a levels table (bits 7-10 as m7..m10). */
-static inline __attribute__((always_inline)) __m512i levels2048(const uint8_t *levels, const __m512i idx, const __mmask64 m7,
-                                                               const __mmask64 m8, const __mmask64 m9, const __mmask64 m10) {
-    const __m512i *t = (const __m512i *)levels;
-    __m512i p[16];
-    for (int j = 0; j < 16; j++) p[j] = _mm512_permutex2var_epi8(t[2 * j], idx, t[2 * j + 1]);
-    for (int j = 0; j < 8; j++) p[j] = _mm512_mask_blend_epi8(m7, p[2 * j], p[2 * j + 1]);
-    for (int j = 0; j < 4; j++) p[j] = _mm512_mask_blend_epi8(m8, p[2 * j], p[2 * j + 1]);
-    for (int j = 0; j < 2; j++) p[j] = _mm512_mask_blend_epi8(m9, p[2 * j], p[2 * j + 1]);
-    return _mm512_mask_blend_epi8(m10, p[0], p[1]);
 }
 
 /* The pair of IQ1_S blocks b, b1 (b alone if NULL): levels (lv0, lv1), each lane's shift + 1 (0 or
@@ -1778,23 +1750,23 @@ static inline __attribute__((always_inline)) void iq1_s_perm_unpack(const uint8_
     const __m512i u = _mm512_cvtepu32_epi64(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 34))),
                                                                      b1 ? _mm_loadu_si128((const __m128i *)(b1 + 34)) : _mm_setzero_si128(), 1));
     const __m512i hb = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x1916131009060300ll), u); /* bits 3l of qh[g] */
-    const __mmask64 m7 = _mm512_movepi8_mask(idx), m8 = _mm512_test_epi8_mask(hb, _mm512_set1_epi8(1)),
-                    m9 = _mm512_test_epi8_mask(hb, _mm512_set1_epi8(2)), m10 = _mm512_test_epi8_mask(hb, _mm512_set1_epi8(4));
+    const __mmask64 high[3] = {_mm512_test_epi8_mask(hb, _mm512_set1_epi8(1)), _mm512_test_epi8_mask(hb, _mm512_set1_epi8(2)),
+                               _mm512_test_epi8_mask(hb, _mm512_set1_epi8(4))};
     const __m512i sh = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x1F1F1F1F0F0F0F0Fll), u); /* bit 15 */
     *dplus = _mm512_maskz_mov_epi8(~_mm512_test_epi8_mask(sh, _mm512_set1_epi8(1)), _mm512_set1_epi8(2));
     const __m512i s = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x281C281C280C280Cll), u),
                                        _mm512_set1_epi16(7)); /* bits 12-14 */
     *sc = _mm512_add_epi16(_mm512_add_epi16(s, s), _mm512_set1_epi16(1));
-    *lv0 = levels2048(IQ1S_LEVELS[0], idx, m7, m8, m9, m10);
-    *lv1 = levels2048(IQ1S_LEVELS[1], idx, m7, m8, m9, m10);
+    *lv0 = levels_lookup(IQ1S_LEVELS[0], idx, high, 3);
+    *lv1 = levels_lookup(IQ1S_LEVELS[1], idx, high, 3);
     *d0 = rd_f16(b);
     *d1 = b1 ? rd_f16(b1) : 0.0f;
 }
 
 /* IQ1_M ({u8 qs[32]; u8 qh[16]; u8 scales[8]}): the same grid; index i's high 3 bits and its shift's
  * sign are nibble i of qh, a scale 2s + 1 per 16 values (3 bits of scales), and the block's f16 d is
- * the top nibbles of the 4 scale words. Zen 5, 768x2048 / 2048x768 at one thread: 0.076 / 0.095 ms
- * against 0.107 / 0.112 (the gather kernel). */
+ * the top nibbles of the 4 scale words. Zen 5, as for IQ2_XS: 0.076 / 0.093 ms against
+ * 0.108 / 0.114 (the gather kernel). */
 static inline __attribute__((always_inline)) void iq1_m_perm_unpack(const uint8_t *b, const uint8_t *b1, __m512i *lv0,
                                                                    __m512i *lv1, __m512i *dplus, __m512i *sc, float *d0,
                                                                    float *d1) {
@@ -1802,10 +1774,10 @@ static inline __attribute__((always_inline)) void iq1_m_perm_unpack(const uint8_
     const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)b)),
                                            b1 ? _mm256_loadu_si256((const __m256i *)b1) : z, 1);
     const __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 32)), q1 = b1 ? _mm_loadu_si128((const __m128i *)(b1 + 32)) : _mm_setzero_si128();
-    const __m512i dup = _mm512_permutexvar_epi8(_mm512_load_si512(IQ3S_DUP), _mm512_castsi256_si512(_mm256_setr_m128i(q0, q1)));
+    const __m512i dup = _mm512_permutexvar_epi8(_mm512_load_si512(BYTE_TO_LANE_PAIR), _mm512_castsi256_si512(_mm256_setr_m128i(q0, q1)));
     const __m512i nib = _mm512_mask_blend_epi8((__mmask64)0xAAAAAAAAAAAAAAAAull, dup, _mm512_srli_epi16(dup, 4));
-    const __mmask64 m7 = _mm512_movepi8_mask(idx), m8 = _mm512_test_epi8_mask(nib, _mm512_set1_epi8(1)),
-                    m9 = _mm512_test_epi8_mask(nib, _mm512_set1_epi8(2)), m10 = _mm512_test_epi8_mask(nib, _mm512_set1_epi8(4));
+    const __mmask64 high[3] = {_mm512_test_epi8_mask(nib, _mm512_set1_epi8(1)), _mm512_test_epi8_mask(nib, _mm512_set1_epi8(2)),
+                               _mm512_test_epi8_mask(nib, _mm512_set1_epi8(4))};
     *dplus = _mm512_maskz_mov_epi8(~_mm512_test_epi8_mask(nib, _mm512_set1_epi8(8)), _mm512_set1_epi8(2));
     long long c0, c1 = 0;
     memcpy(&c0, b + 48, 8);
@@ -1815,16 +1787,10 @@ static inline __attribute__((always_inline)) void iq1_m_perm_unpack(const uint8_
     const __m512i s = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x3809380638033800ll), u),
                                        _mm512_set1_epi16(7));
     *sc = _mm512_add_epi16(_mm512_add_epi16(s, s), _mm512_set1_epi16(1));
-    *lv0 = levels2048(IQ1S_LEVELS[0], idx, m7, m8, m9, m10);
-    *lv1 = levels2048(IQ1S_LEVELS[1], idx, m7, m8, m9, m10);
-    uint16_t w[4];
-    memcpy(w, b + 48, 8);
-    *d0 = f16_to_f32((uint16_t)((w[0] >> 12) | ((w[1] >> 8) & 0x00F0) | ((w[2] >> 4) & 0x0F00) | (w[3] & 0xF000)));
-    *d1 = 0.0f;
-    if (b1) {
-        memcpy(w, b1 + 48, 8);
-        *d1 = f16_to_f32((uint16_t)((w[0] >> 12) | ((w[1] >> 8) & 0x00F0) | ((w[2] >> 4) & 0x0F00) | (w[3] & 0xF000)));
-    }
+    *lv0 = levels_lookup(IQ1S_LEVELS[0], idx, high, 3);
+    *lv1 = levels_lookup(IQ1S_LEVELS[1], idx, high, 3);
+    *d0 = iq1m_d(b);
+    *d1 = b1 ? iq1m_d(b1) : 0.0f;
 }
 
 typedef void (*perm1_unpack_fn)(const uint8_t *b, const uint8_t *b1, __m512i *lv0, __m512i *lv1, __m512i *dplus,
@@ -1834,15 +1800,13 @@ typedef void (*perm1_unpack_fn)(const uint8_t *b, const uint8_t *b1, __m512i *lv
 static inline __attribute__((always_inline)) void iq1_s_perm_sums(const uint8_t *o, const __m512i lv0, const __m512i lv1,
                                                                  const __m512i dplus, const __m512i sc, __m512i *sq,
                                                                  __m512i *sr) {
-    const __m512i zero = _mm512_setzero_si512(), m15 = _mm512_set1_epi8(15);
+    const __m512i zero = _mm512_setzero_si512();
     const __m512i lut_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 8, 16, 0, 0, 8, 16, 0, 0, 8, 16, 0, 0, 8, 16, 0));
     const __m512i lut_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 0, 0, 0, 0));
     __m512i aq[2] = {zero, zero}, ar[2] = {zero, zero};
     #pragma GCC unroll 8
     for (int k = 0; k < 8; k++) {
-        const __m512i lv = k < 4 ? lv0 : lv1;
-        const __m512i nib = k & 2 ? _mm512_and_si512(_mm512_srli_epi16(lv, 4), m15) : _mm512_and_si512(lv, m15);
-        const __m512i mag = _mm512_or_si512(_mm512_shuffle_epi8(k & 1 ? lut_hi : lut_lo, nib), dplus);
+        const __m512i mag = _mm512_or_si512(level2_mag(lv0, lv1, k, lut_lo, lut_hi), dplus);
         aq[k & 1] = _mm512_dpwssd_epi32(aq[k & 1], _mm512_maddubs_epi16(mag, _mm512_loadu_si512(o + 64 * k)), sc);
         ar[k & 1] = _mm512_dpwssd_epi32(ar[k & 1], _mm512_maddubs_epi16(mag, _mm512_loadu_si512(o + 512 + 64 * k)), sc);
     }
@@ -1920,13 +1884,46 @@ static inline __attribute__((always_inline)) void perm1_dot_rows(int64_t n, cons
 PERM_KERNELS(iq1_s, 50, perm1)
 PERM_KERNELS(iq1_m, 56, perm1)
 
-/* The permute kernels' two-row form for a row length with an odd number of blocks, or NULL. */
+/* The permute kernels, by ggml type: each with its multi-row form, its two-row form (NULL: the
+ * 4-value grids, a block a register), the x layout it takes (fused2_prep's kinds) and the flag that
+ * its grid's levels were built. */
 typedef void (*dot2x2_fn)(int64_t n, const uint8_t *w, int64_t wrow, const uint8_t *prep, float y[2]);
+static const struct {
+    int type;
+    dot2_fn dot2;
+    dot2m_fn dot2m;
+    dot2x2_fn dot2x2;
+    int prep;
+    const int *ok;
+} PERM[] = {
+    {17, dot2_iq2_xs_perm, dot2m_iq2_xs_perm, dot2x2_iq2_xs_perm, 6, &iq2xs_ok},
+    {16, dot2_iq2_xxs_perm, dot2m_iq2_xxs_perm, dot2x2_iq2_xxs_perm, 6, &iq2xxs_ok},
+    {22, dot2_iq2_s_perm, dot2m_iq2_s_perm, dot2x2_iq2_s_perm, 6, &iq2s_ok},
+    {18, dot2_iq3_xxs_perm, dot2m_iq3_xxs_perm, NULL, 7, &iq3xxs_ok},
+    {21, dot2_iq3_s_perm, dot2m_iq3_s_perm, NULL, 7, &iq3s_ok},
+    {19, dot2_iq1_s_perm, dot2m_iq1_s_perm, dot2x2_iq1_s_perm, 8, &iq1s_ok},
+    {29, dot2_iq1_m_perm, dot2m_iq1_m_perm, dot2x2_iq1_m_perm, 8, &iq1s_ok},
+};
+enum { N_PERM = sizeof PERM / sizeof PERM[0] };
+
+/* The PERM entry of ggml type `type` whose grid is ready, or -1. */
+static int perm_of_type(int type) {
+    for (int i = 0; i < N_PERM; i++)
+        if (PERM[i].type == type && *PERM[i].ok) return i;
+    return -1;
+}
+
+/* The PERM entry of kernel `dot2`, or -1. */
+static int perm_of_kernel(dot2_fn dot2) {
+    for (int i = 0; i < N_PERM; i++)
+        if (dot2 && PERM[i].dot2 == dot2) return i;
+    return -1;
+}
+
+/* The two-row form of kernel `dot2` for rows of `cols` values (an odd number of blocks), or NULL. */
 static dot2x2_fn dot2x2_of(dot2_fn dot2, int64_t cols) {
-    if (!((cols / 256) & 1)) return NULL;
-    return dot2 == dot2_iq2_xs_perm ? dot2x2_iq2_xs_perm : dot2 == dot2_iq2_xxs_perm ? dot2x2_iq2_xxs_perm
-         : dot2 == dot2_iq2_s_perm ? dot2x2_iq2_s_perm : dot2 == dot2_iq1_s_perm ? dot2x2_iq1_s_perm
-         : dot2 == dot2_iq1_m_perm ? dot2x2_iq1_m_perm : NULL;
+    const int i = (cols / 256) & 1 ? perm_of_kernel(dot2) : -1;
+    return i < 0 ? NULL : PERM[i].dot2x2;
 }
 #endif
 
@@ -2265,8 +2262,7 @@ static float dot2_iq1_m(int64_t n, const uint8_t *w, const uint8_t *xq, const ui
         float dq, dr;
         memcpy(&dq, yq, 4);
         memcpy(&dr, yr, 4);
-        const uint16_t s0 = rd_u16(b + 48), s1 = rd_u16(b + 50), s2 = rd_u16(b + 52), s3 = rd_u16(b + 54);
-        const float d = f16_to_f32((uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000)));
+        const float d = iq1m_d(b);
         __m512i sq = _mm512_setzero_si512(), sr = _mm512_setzero_si512();
         #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) { /* groups 2j, 2j+1: 8 entries, qh bytes 4j..4j+3 */
@@ -2361,6 +2357,10 @@ static float dot2_iq3_s(int64_t n, const uint8_t *w, const uint8_t *xq, const ui
 
 /* The fused kernel for a ggml type and its activation layout (qblk, qsize), or NULL. */
 static dot2_fn fused2_512(int type, int64_t qblk, int64_t qsize) {
+#if defined(HAVE_PERM)
+    const int perm = qblk == 256 && qsize == 292 ? perm_of_type(type) : -1;
+    if (perm >= 0) return PERM[perm].dot2;
+#endif
     if (type == 10 && qblk == 256 && qsize == 292) return dot2_q2_k;
     if (type == 11 && qblk == 256 && qsize == 292) return dot2_q3_k;
     if (type == 12 && qblk == 256 && qsize == 292) return dot2_q4_k;
@@ -2368,39 +2368,18 @@ static dot2_fn fused2_512(int type, int64_t qblk, int64_t qsize) {
     if (type == 14 && qblk == 256 && qsize == 292) return dot2_q6_k;
     if (type == 3 && qblk == 32 && qsize == 36) return dot2_q4_1;
     if (type == 7 && qblk == 32 && qsize == 36) return dot2_q5_1;
-#if defined(HAVE_IQ2XS_PERM)
-    if (type == 16 && qblk == 256 && qsize == 292 && levels_ok) return dot2_iq2_xxs_perm;
-#endif
     if (type == 16 && qblk == 256 && qsize == 292) return dot2_iq2_xxs;
-#if defined(HAVE_IQ2XS_PERM)
-    if (type == 18 && qblk == 256 && qsize == 292 && iq3_levels_ok) return dot2_iq3_xxs_perm;
-#endif
     if (type == 18 && qblk == 256 && qsize == 292) return dot2_iq3_xxs;
     if (type == 23 && qblk == 256 && qsize == 292) return dot2_iq4_xs;
-#if defined(HAVE_IQ2XS_PERM)
-    if (type == 17 && qblk == 256 && qsize == 292 && levels_ok) return dot2_iq2_xs_perm;
-#endif
     if (type == 17 && qblk == 256 && qsize == 292) return dot2_iq2_xs;
     if (type == 8 && qblk == 32 && qsize == 34) return dot2_q8_0;
     if (type == 39 && qblk == 32 && qsize == 34) return dot2_mxfp4;
     if (type == 20 && qblk == 32 && qsize == 34) return dot2_iq4_nl;
     if (type == 2 && qblk == 32 && qsize == 34) return dot2_q4_0;
     if (type == 6 && qblk == 32 && qsize == 34) return dot2_q5_0;
-#if defined(HAVE_IQ2XS_PERM)
-    if (type == 19 && qblk == 256 && qsize == 292 && iq1s_levels_ok) return dot2_iq1_s_perm;
-#endif
     if (type == 19 && qblk == 256 && qsize == 292) return dot2_iq1_s;
-#if defined(HAVE_IQ2XS_PERM)
-    if (type == 29 && qblk == 256 && qsize == 292 && iq1s_levels_ok) return dot2_iq1_m_perm;
-#endif
     if (type == 29 && qblk == 256 && qsize == 292) return dot2_iq1_m;
-#if defined(HAVE_IQ2XS_PERM)
-    if (type == 22 && qblk == 256 && qsize == 292 && iq2s_levels_ok) return dot2_iq2_s_perm;
-#endif
     if (type == 22 && qblk == 256 && qsize == 292) return dot2_iq2_s;
-#if defined(HAVE_IQ2XS_PERM)
-    if (type == 21 && qblk == 256 && qsize == 292 && iq3s_levels_ok) return dot2_iq3_s_perm;
-#endif
     if (type == 21 && qblk == 256 && qsize == 292) return dot2_iq3_s;
     return NULL;
 }
@@ -2524,9 +2503,8 @@ static int narrow_isa(void) {
  * IQ3_XXS not where the AVX-512 set has their permute kernels (dot2_iq2_xs_perm, dot2_iq3_xxs_perm:
  * faster than both 256-bit sets). */
 static int prefer_256(int type) {
-#if defined(HAVE_IQ2XS_PERM)
-    if ((type == 17 || type == 16) && levels_ok) return 0;
-    if (type == 18 && iq3_levels_ok) return 0;
+#if defined(HAVE_PERM)
+    if (perm_of_type(type) >= 0) return 0;
 #endif
     return type == 17 || type == 16 || type == 18 || type == 2 || type == 3 || type == 20;
 }
@@ -2588,14 +2566,9 @@ void strata_set_multirow(int on) { multirow_on = on; }
  * fewer rows than it gains at): found from the kernel itself, so the two are always of one set. */
 static dot2m_fn fused2m_of(dot2_fn dot2, int64_t B) {
     if (!dot2 || !multirow_on || B < 2) return NULL;
-#if defined(HAVE_IQ2XS_PERM)
-    if (dot2 == dot2_iq2_xs_perm) return dot2m_iq2_xs_perm;
-    if (dot2 == dot2_iq2_xxs_perm) return dot2m_iq2_xxs_perm;
-    if (dot2 == dot2_iq3_xxs_perm) return dot2m_iq3_xxs_perm;
-    if (dot2 == dot2_iq2_s_perm) return dot2m_iq2_s_perm;
-    if (dot2 == dot2_iq3_s_perm) return dot2m_iq3_s_perm;
-    if (dot2 == dot2_iq1_s_perm) return dot2m_iq1_s_perm;
-    if (dot2 == dot2_iq1_m_perm) return dot2m_iq1_m_perm;
+#if defined(HAVE_PERM)
+    const int perm = perm_of_kernel(dot2);
+    if (perm >= 0) return PERM[perm].dot2m;
 #endif
 #if defined(HAVE_FUSED_256)
     int min_rows = 2;
@@ -2684,7 +2657,7 @@ static void q8c_prep(int64_t n, const float *x, uint8_t *out) {
  * 256-bit ones (qwen3-30b-a3b 4L IQ2_XS decode at 2 threads on Zen 5: 201 against 177 tok/s). */
 int strata_perm_kernel(int type);
 static dot2_fn q8c_for(int type) {
-#if defined(HAVE_IQ2XS_PERM)
+#if defined(HAVE_PERM)
     if (strata_perm_kernel(type)) return NULL;
 #endif
 #if defined(HAVE_FUSED_256)
@@ -2702,10 +2675,9 @@ static dot2_fn q8c_for(int type) {
  * 4 q8k_prep (the AVX-512 Q4_K, Q5_K and Q6_K kernels), 6 perm8_prep (the permute kernels), 7 perm4_prep (IQ3_XXS's), 8 perm8s_prep (IQ1_S's). Decided from the kernel itself, so a set
  * switched meanwhile cannot pair one with another's layout. */
 static int fused2_prep(int type, int64_t qblk, int64_t qsize, dot2_fn dot2) {
-#if defined(HAVE_IQ2XS_PERM)
-    if (dot2 && (dot2 == dot2_iq2_xs_perm || dot2 == dot2_iq2_xxs_perm || dot2 == dot2_iq2_s_perm)) return 6;
-    if (dot2 && (dot2 == dot2_iq3_xxs_perm || dot2 == dot2_iq3_s_perm)) return 7;
-    if (dot2 && (dot2 == dot2_iq1_s_perm || dot2 == dot2_iq1_m_perm)) return 8;
+#if defined(HAVE_PERM)
+    const int perm = perm_of_kernel(dot2);
+    if (perm >= 0) return PERM[perm].prep;
 #endif
     if (dot2 && (type == 12 || type == 13 || type == 14) && dot2 == fused2_512(type, qblk, qsize)) return 4;
     if (!dot2 || !(type == 3 || type == 7 || qsize == 34)) return 0;
@@ -2715,7 +2687,7 @@ static int fused2_prep(int type, int64_t qblk, int64_t qsize, dot2_fn dot2) {
 static int64_t fused2_prep_bytes(int kind, int64_t cols) {
     return kind == 1 ? q8_0_prep_bytes(cols) : kind == 2 ? q4_1_prep_bytes(cols) : kind == 3 ? prep16_bytes(cols)
          : kind == 4 ? q8k_prep_bytes(cols) : kind == 5 ? q8c_prep_bytes(cols)
-#if defined(HAVE_IQ2XS_PERM)
+#if defined(HAVE_PERM)
          : kind == 6 ? perm8_prep_bytes(cols) : kind == 7 ? perm4_prep_bytes(cols) : kind == 8 ? perm8s_prep_bytes(cols)
 #endif
          : 0;
@@ -2725,7 +2697,7 @@ static void fused2_prep_row(int kind, int64_t cols, const uint8_t *xq, const uin
     if (kind == 1) q8_0_prep(cols, xq, xr, out);
     else if (kind == 2) q4_1_prep(cols, xq, xr, out);
     else if (kind == 4) q8k_prep(cols, xq, xr, out);
-#if defined(HAVE_IQ2XS_PERM)
+#if defined(HAVE_PERM)
     else if (kind == 6) perm8_prep(cols, xq, xr, out);
     else if (kind == 7) perm4_prep(cols, xq, xr, out);
     else if (kind == 8) perm8s_prep(cols, xq, xr, out);
@@ -2747,10 +2719,8 @@ int strata_multirow_types(int type) { return fused2m_of(fused2_of_type(type), DO
 /* 1 where "q8x2" takes a byte-permute kernel for `type` (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
  * IQ3_S): its prompt crossover differs, and "q8c" keeps it. */
 int strata_perm_kernel(int type) {
-#if defined(HAVE_IQ2XS_PERM)
-    const dot2_fn f = fused2_of_type(type);
-    return f && (f == dot2_iq2_xs_perm || f == dot2_iq2_xxs_perm || f == dot2_iq3_xxs_perm || f == dot2_iq2_s_perm ||
-                 f == dot2_iq3_s_perm || f == dot2_iq1_s_perm || f == dot2_iq1_m_perm);
+#if defined(HAVE_PERM)
+    return perm_of_kernel(fused2_of_type(type)) >= 0;
 #else
     (void)type;
     return 0;
@@ -2976,7 +2946,7 @@ static void many_rows(const many_item *m, int64_t t0, int64_t t1) {
     for (int64_t b = 0; b < m->B; b++) {
         const int64_t xb = (m->pick ? m->pick[b] : b) * m->xrow;
         int64_t r = t0;
-#if defined(HAVE_IQ2XS_PERM)
+#if defined(HAVE_PERM)
         const dot2x2_fn x2 = dot2x2_of(m->dot2, m->cols);
         if (x2) /* row pairs from an even row: as any tiling */
             for (; r + 1 < t1; r += 2) {

@@ -145,8 +145,7 @@ static inline __attribute__((always_inline)) float V2(k256_scales)(const uint8_t
             d = rd_f16(b);
             for (int g = 0; g < 8; g++) sc[2 * g] = sc[2 * g + 1] = 2 * ((rd_u16(b + 34 + 2 * g) >> 12) & 7) + 1;
         } else { /* K_IQ1M: the f16 scale in the top nibbles of the 4 scale words */
-            const uint16_t s0 = rd_u16(b + 48), s1 = rd_u16(b + 50), s2 = rd_u16(b + 52), s3 = rd_u16(b + 54);
-            d = f16_to_f32((uint16_t)((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000)));
+            d = iq1m_d(b);
             for (int k = 0; k < 16; k++) sc[k] = 2 * ((rd_u16(b + 48 + 2 * (k / 4)) >> (3 * (k % 4))) & 7) + 1;
         }
     }
